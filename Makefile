@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make train` and `make test`.
+# Each sets up .venv when missing: torch first (pinned, so no other build is pulled in),
+# then this package with its test extra.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
+TORCH_PIP_ARGS ?=
+RECIPE ?= examples/recipes/quickstart_lora.yaml
+
+.PHONY: setup train test data clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+data: $(STAMP)
+	$(BIN)/python examples/make_data.py
+
+train: $(STAMP)
+	$(BIN)/python examples/quickstart.py $(RECIPE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs .pytest_cache
