@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
 TORCH_PIP_ARGS ?=
-RECIPE ?= examples/recipes/quickstart_lora.yaml
+RECIPE ?= examples/recipes/quickstart_full.yaml
 
 .PHONY: setup train test data clean
 

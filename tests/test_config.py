@@ -1,0 +1,107 @@
+"""Recipes: typed loading, overrides, and one-line errors that name the file and the key."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_toolkit
+from toolkit.config import ConfigError, Recipe, load_recipe
+
+SHIPPED = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
+
+REQUIRED_NAMES = [
+    "output_dir", "seed", "model.path", "model.preset", "lora.enabled", "lora.r", "lora.alpha",
+    "lora.target_modules", "data.train_files", "data.eval_files", "data.format", "data.max_seq_len",
+    "data.packing", "train.micro_batch_size", "train.gradient_accumulation_steps", "train.max_steps",
+    "train.epochs", "train.learning_rate", "train.warmup_steps", "train.precision", "train.max_grad_norm",
+    "train.eval_every_steps",
+]
+
+
+def test_documented_names_exist():
+    recipe = Recipe()
+    for name in REQUIRED_NAMES:
+        node = recipe
+        for part in name.split("."):
+            assert hasattr(node, part), name
+            node = getattr(node, part)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_recipe_loads(path):
+    recipe = load_recipe(path)
+    for f in recipe.data.train_files + recipe.data.eval_files:
+        assert (ROOT / f).is_file(), f
+
+
+def test_shipped_recipes_exist():
+    assert len(SHIPPED) >= 2
+
+
+def write(tmp_path, text: str) -> Path:
+    p = tmp_path / "recipe.yaml"
+    p.write_text(text)
+    return p
+
+
+GOOD = """
+output_dir: out
+model: {preset: tiny-llama}
+data: {train_files: [a.jsonl]}
+"""
+
+
+def test_overrides_are_typed(tmp_path):
+    r = load_recipe(write(tmp_path, GOOD), ["train.max_steps=20", "train.learning_rate=3e-4", "lora.enabled=true",
+                                             "lora.target_modules=[q_proj,v_proj]", "data.packing=true"])
+    assert r.train.max_steps == 20 and r.train.learning_rate == 3e-4 and r.lora.enabled
+    assert r.lora.target_modules == ["q_proj", "v_proj"] and r.data.packing
+
+
+@pytest.mark.parametrize("extra, key, words", [
+    ("trian: {max_steps: 3}", "trian", "unknown key"),
+    ("train: {max_step: 3}", "train.max_step", "unknown key"),
+    ("train: {max_steps: many}", "train.max_steps", "expected an integer"),
+    ("train: {max_steps: 2.5}", "train.max_steps", "expected an integer"),
+    ("train: {learning_rate: -1.0}", "train.learning_rate", "must be positive"),
+    ("train: {precision: fp8}", "train.precision", "one of fp32, bf16, fp16"),
+    ("lora: {enabled: yes please}", "lora.enabled", "expected true/false"),
+    ("train: {max_steps: 0}", "train.max_steps", "must be positive"),
+    ("train: {max_steps: 5, warmup_steps: 10}", "train.warmup_steps", "exceed"),
+    ("data: {train_files: [a.jsonl], eval_files: [b.jsonl], eval_fraction: 0.1}", "data.eval_fraction", "not both"),
+    ("data: {train_files: [a.jsonl], format: csv}", "data.format", "one of alpaca"),
+    ("train: 3", "train", "expected a section"),
+])
+def test_bad_values_name_file_and_key(tmp_path, extra, key, words):
+    text = GOOD + extra + "\n" if not extra.startswith("data:") else GOOD.replace("data: {train_files: [a.jsonl]}", extra)
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path)
+    assert e.value.key == key and str(path) in str(e.value) and words in str(e.value)
+
+
+def test_model_path_and_preset_contradict(tmp_path):
+    with pytest.raises(ConfigError, match="model: set exactly one"):
+        load_recipe(write(tmp_path, GOOD.replace("{preset: tiny-llama}", "{preset: tiny-llama, path: x}")))
+
+
+def test_bad_override_names_command_line(tmp_path):
+    with pytest.raises(ConfigError, match="train.nope: unknown key"):
+        load_recipe(write(tmp_path, GOOD), ["train.nope=1"])
+    with pytest.raises(ConfigError, match="command line: train.max_steps: overrides take the form"):
+        load_recipe(write(tmp_path, GOOD), ["train.max_steps"])
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    path = write(tmp_path, GOOD + "train: {micro_batch_size: -4}\n")
+    proc = run_toolkit("train", path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert str(path) in lines[0] and "train.micro_batch_size" in lines[0]
+
+
+def test_cli_invalid_yaml_gives_line(tmp_path):
+    proc = run_toolkit("train", write(tmp_path, "output_dir: out\nmodel: [unclosed\n"))
+    assert proc.returncode == 2 and "line" in proc.stderr and "Traceback" not in proc.stderr

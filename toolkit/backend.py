@@ -1,0 +1,172 @@
+"""Everything that depends on where tensors live: the one module that knows backend names.
+
+The launch config (`accelerate launch --config_file X.yaml`) picks DDP, FSDP or DeepSpeed; this
+module builds the Accelerator for it, works around CPU-host quirks (see
+shared/CPU-DISTRIBUTED.md), resolves DeepSpeed's "auto" values from the recipe, checks that
+what was prepared is what was launched, and gathers sharded weights for saving. The training
+loop calls these helpers and never names a backend.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import Recipe, ToolkitError
+from . import deepspeed_config
+
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def launch_kind() -> str:
+    """What the launcher asked for, from the environment `accelerate launch` sets."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp" if launched_world_size() > 1 else "single"
+
+
+def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
+    """The Accelerator for this launch, with the recipe's precision and accumulation."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    kind = launch_kind()
+    precision = recipe.train.precision
+    if precision == "fp16" and not cuda:
+        raise ToolkitError("train.precision: fp16 needs dynamic loss scaling, which no backend provides on a "
+                           "CPU-only host (accelerate runs fp16 unscaled, DeepSpeed's CPU accelerator has no "
+                           "fp16); use train.precision=bf16")
+    if kind == "deepspeed" and not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    plugin = None
+    if kind == "deepspeed":
+        plugin = deepspeed_config.make_plugin(recipe, launched_world_size())
+    kwargs = dict(
+        mixed_precision=MIXED_PRECISION[precision],
+        # The loop hands over exactly gradient_accumulation_steps micro-batches per optimizer step.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=recipe.train.gradient_accumulation_steps, sync_with_dataloader=False),
+        # The loop steps the scheduler once per applied optimizer step (accelerate would step it
+        # num_processes times per step, a schedule built for one process would run N times too fast).
+        step_scheduler_with_optimizer=False,
+        deepspeed_plugin=plugin,
+    )
+    if not cuda:
+        # gloo for every backend; DDP on a CPU host also needs cpu=True or each rank trains alone.
+        if launched_world_size() > 1 or kind == "deepspeed":
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        if kind in ("ddp", "fsdp", "single"):
+            kwargs["cpu"] = True
+    accelerator = Accelerator(**kwargs)
+    if kind == "fsdp" and accelerator.state.distributed_type.name != "FSDP":
+        _force_fsdp_on_cpu(accelerator)
+    if launched_world_size() > 1 and accelerator.num_processes != launched_world_size():
+        raise ToolkitError(
+            f"launch: {launched_world_size()} processes were started but accelerate sees "
+            f"{accelerator.num_processes}; each would train alone. Check the accelerate config's "
+            "distributed_type (and drop use_cpu: true)")
+    return accelerator
+
+
+def _force_fsdp_on_cpu(accelerator) -> None:
+    """accelerate never selects FSDP on a CPU host; FSDP2 itself runs on gloo."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings the launcher exported
+    if plugin.fsdp_version != 2:
+        raise ToolkitError("launch: FSDP on a CPU-only host needs fsdp_version: 2 in the accelerate config")
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def check_prepared(accelerator, model) -> None:
+    """Fail loudly if the prepared model is not wrapped the way the launch asked for."""
+    kind = launch_kind()
+    if kind == "fsdp":
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+        wrapped = isinstance(model, (FSDPModule, FSDP1)) or any(isinstance(m, FSDPModule) for m in model.modules())
+        if not wrapped:
+            raise ToolkitError("launch: FSDP was configured but the model was not wrapped by FSDP")
+    elif kind == "deepspeed":
+        import deepspeed
+
+        if not isinstance(model, deepspeed.DeepSpeedEngine):
+            raise ToolkitError("launch: DeepSpeed was configured but the model is not a DeepSpeed engine")
+    elif kind == "ddp" and accelerator.num_processes > 1:
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ToolkitError("launch: several processes were started but the model is not wrapped for DDP")
+
+
+def make_optimizer(accelerator, params: list[dict], recipe: Recipe):
+    """AdamW from the recipe, or a placeholder when a DeepSpeed JSON brings its own optimizer."""
+    t = recipe.train
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None and "optimizer" in ds.deepspeed_config:
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(params, lr=t.learning_rate)
+    return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                             eps=t.adam_epsilon, weight_decay=t.weight_decay)
+
+
+def make_scheduler(accelerator, optimizer, lr_lambda, total_steps: int, warmup_steps: int):
+    """LambdaLR from the recipe, or a placeholder when a DeepSpeed JSON brings its own scheduler."""
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None and "scheduler" in ds.deepspeed_config:
+        from accelerate.utils import DummyScheduler
+
+        return DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+
+def finalize_config(accelerator, model) -> None:
+    """Fill the values that depend on the model (DeepSpeed bucket sizes) before prepare()."""
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None:
+        deepspeed_config.resolve_model_dependent(ds.deepspeed_config, model)
+
+
+def optimizer_step_was_skipped(accelerator, model) -> bool:
+    """True when the last optimizer step was skipped (fp16 overflow): no scheduler step then."""
+    if hasattr(model, "was_step_applied"):  # DeepSpeed engine
+        return not model.was_step_applied()
+    return bool(accelerator.optimizer_step_was_skipped)
+
+
+def save_model(accelerator, model, tokenizer, path: Path) -> None:
+    """Gather shards (ZeRO-3, FSDP) and save once, in Hugging Face format, from the main process.
+    Written to a temporary folder and renamed, so `path` is either complete or absent."""
+    state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
+    if accelerator.is_main_process:
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+
+
+def teardown(accelerator) -> None:
+    """Release engines and the process group; some ZeRO-3 offload runs abort at exit otherwise."""
+    accelerator.free_memory()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

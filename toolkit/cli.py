@@ -1,0 +1,51 @@
+"""Command line: `toolkit train RECIPE.yaml [key=value ...]`, `toolkit config show RECIPE.yaml`.
+
+User mistakes (ToolkitError) end with one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ToolkitError, load_recipe
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="toolkit", description="Fine-tune causal LMs with one Accelerate loop.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train from a YAML recipe")
+    train.add_argument("recipe")
+    train.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=20")
+    show = sub.add_parser("config", help="inspect configs without training")
+    show.add_argument("action", choices=["show"])
+    show.add_argument("recipe")
+    show.add_argument("overrides", nargs="*")
+    show.add_argument("--accelerate-config", help="an accelerate launch config (YAML) to resolve against the recipe")
+    show.add_argument("--num-processes", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.command == "train":
+            from .train import run
+
+            run(recipe, args.recipe)
+        else:
+            from .config import dump_recipe
+            from .deepspeed_config import show_resolved
+
+            print(dump_recipe(recipe), end="")
+            if args.accelerate_config:
+                print(show_resolved(recipe, args.accelerate_config, args.num_processes))
+    except ToolkitError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

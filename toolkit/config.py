@@ -1,0 +1,271 @@
+"""Recipes: one YAML file per run, loaded into a small tree of typed dataclasses.
+
+Every field is typed; unknown keys, wrong types and contradictions raise `ConfigError`
+naming the file and the dotted key. Command-line overrides use the same dotted keys
+(`train.max_steps=20`) and are validated the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ToolkitError(Exception):
+    """A mistake the user can fix: printed as one line, exit code 2, no traceback."""
+
+
+class ConfigError(ToolkitError):
+    def __init__(self, source: str, key: str, message: str):
+        self.source, self.key = source, key
+        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """A local Hugging Face causal-LM folder (config, weights, tokenizer)."""
+    preset: Optional[str] = None
+    """A built-in model made from a config in toolkit/presets (e.g. `tiny-llama`)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """False: full fine-tuning of every parameter."""
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Union[str, list[str]] = "all-linear"
+    """Module names to adapt, or `all-linear` for every linear layer but the output head."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Local .json, .jsonl, .parquet or .csv files."""
+    eval_files: list[str] = field(default_factory=list)
+    eval_fraction: float = 0.0
+    """Hold out this fraction of the training rows for eval when no eval_files are given."""
+    format: Literal["alpaca", "messages", "text"] = "alpaca"
+    max_seq_len: int = 512
+    packing: bool = False
+    """Concatenate examples into rows of max_seq_len; documents never attend to each other."""
+    train_on_prompt: bool = False
+    """By default the loss covers only response tokens."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    """Examples per device per forward pass."""
+    gradient_accumulation_steps: int = 1
+    max_steps: Optional[int] = None
+    """Optimizer steps; when unset, `epochs` passes over the data decide."""
+    epochs: int = 1
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Cosine decay ends at learning_rate * min_lr_ratio."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    eval_every_steps: int = 0
+    """0: evaluate only before training and at the end."""
+    eval_batch_size: Optional[int] = None
+    log_every_steps: int = 10
+
+
+@dataclass
+class Recipe:
+    output_dir: str = ""
+    seed: int = 42
+    overwrite: bool = False
+    """Allow writing into a non-empty output_dir (its old contents are removed first)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply `a.b=value` overrides, build and validate the dataclasses."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(source, "", "recipe file not found") from None
+    except OSError as e:
+        raise ConfigError(source, "", f"cannot read recipe: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        raise ConfigError(source, "", f"{where}invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(source, "", "a recipe must be a mapping of keys to values")
+    for item in overrides:
+        _apply_override(data, item)
+    recipe = _build(Recipe, data, "", source)
+    validate(recipe, source)
+    return recipe
+
+
+def _apply_override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError("command line", item, "overrides take the form key=value, e.g. train.max_steps=20")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError("command line", key, f"'{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls, data: Any, prefix: str, source: str):
+    if not isinstance(data, dict):
+        raise ConfigError(source, prefix.rstrip("."), f"expected a section (mapping), got {_kind(data)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(source, prefix + str(key), f"unknown key (known here: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        key, hint = prefix + name, hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, data[name], key + ".", source)
+        else:
+            kwargs[name] = _coerce(data[name], hint, key, source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(source, key, f"expected {_describe(hint)}, got {_kind(value)} {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(source, key, f"must be one of {', '.join(map(str, args))}; got {value!r}")
+    if origin is list:
+        if isinstance(value, str) and args[0] is str:
+            return [value]  # a single path or name is a list of one
+        if not isinstance(value, list):
+            raise ConfigError(source, key, f"expected a list, got {_kind(value)}")
+        return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 2e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(source, key, f"expected {_describe(hint)}, got {_kind(value)} {value!r}")
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args if a is not type(None))
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _kind(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "mapping", type(None): "nothing"}.get(type(value), type(value).__name__)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(r: Recipe, source: str) -> None:
+    """Contradictions and out-of-range values, each naming its key."""
+
+    def need(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(source, key, message)
+
+    need(bool(r.output_dir), "output_dir", "required: the folder this run writes to")
+    need((r.model.path is None) != (r.model.preset is None), "model",
+         "set exactly one of model.path (a local Hugging Face folder) or model.preset")
+    need(r.lora.r > 0, "lora.r", f"must be positive, got {r.lora.r}")
+    need(r.lora.alpha > 0, "lora.alpha", f"must be positive, got {r.lora.alpha}")
+    need(0.0 <= r.lora.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {r.lora.dropout}")
+    need(bool(r.lora.target_modules), "lora.target_modules", "must name at least one module")
+    need(bool(r.data.train_files), "data.train_files", "required: at least one training file")
+    need(r.data.max_seq_len >= 2, "data.max_seq_len", f"must be at least 2, got {r.data.max_seq_len}")
+    need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {r.data.eval_fraction}")
+    need(not (r.data.eval_files and r.data.eval_fraction), "data.eval_fraction",
+         "give either data.eval_files or data.eval_fraction, not both")
+    t = r.train
+    need(t.micro_batch_size > 0, "train.micro_batch_size", f"must be positive, got {t.micro_batch_size}")
+    need(t.gradient_accumulation_steps > 0, "train.gradient_accumulation_steps",
+         f"must be positive, got {t.gradient_accumulation_steps}")
+    need(t.max_steps is None or t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
+    need(t.epochs > 0, "train.epochs", f"must be positive, got {t.epochs}")
+    need(t.learning_rate > 0, "train.learning_rate", f"must be positive, got {t.learning_rate}")
+    need(t.weight_decay >= 0, "train.weight_decay", f"must be non-negative, got {t.weight_decay}")
+    need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "train.adam_beta1",
+         "adam betas must be in [0, 1)")
+    need(t.adam_epsilon > 0, "train.adam_epsilon", f"must be positive, got {t.adam_epsilon}")
+    need(t.warmup_steps >= 0, "train.warmup_steps", f"must be non-negative, got {t.warmup_steps}")
+    need(t.max_steps is None or t.warmup_steps <= t.max_steps, "train.warmup_steps",
+         f"{t.warmup_steps} warmup steps exceed train.max_steps={t.max_steps}")
+    need(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be non-negative, got {t.max_grad_norm}")
+    need(t.eval_every_steps >= 0, "train.eval_every_steps", f"must be non-negative, got {t.eval_every_steps}")
+    need(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size",
+         f"must be positive, got {t.eval_batch_size}")
+    need(t.log_every_steps > 0, "train.log_every_steps", f"must be positive, got {t.log_every_steps}")
+
+
+def dump_recipe(r: Recipe) -> str:
+    return yaml.safe_dump(r.to_dict(), sort_keys=False)

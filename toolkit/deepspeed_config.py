@@ -1,0 +1,1 @@
+"""DeepSpeed configs as users bring them: resolve "auto" from the recipe, refuse contradictions."""

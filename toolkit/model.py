@@ -1,0 +1,121 @@
+"""Model and tokenizer builders: a local Hugging Face folder or a built-in preset, then LoRA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from .config import LoraConfig, ModelConfig, ToolkitError
+
+PRESETS = Path(__file__).parent / "presets"
+
+# Special tokens of the built-in byte-level tokenizer; the 256 byte symbols follow them.
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.json"))
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer built locally (no hub): every byte is a token, plus chat specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tokenizer(cfg: ModelConfig):
+    if cfg.preset is not None:
+        return build_byte_tokenizer()
+    _check_model_folder(cfg.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
+    if tokenizer.pad_token is None:  # many base models ship without one; padding is masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a local causal LM or build a preset. Weights stay in `dtype` (fp32 master weights by
+    default; mixed precision is applied by autocast, not by casting the parameters)."""
+    if cfg.preset is not None:
+        preset = PRESETS / f"{cfg.preset}.json"
+        if not preset.is_file():
+            raise ToolkitError(f"model.preset: unknown preset '{cfg.preset}' (available: {', '.join(preset_names())})")
+        config = LlamaConfig(**json.loads(preset.read_text()))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=dtype)
+    else:
+        _check_model_folder(cfg.path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        except (OSError, ValueError) as e:
+            raise ToolkitError(f"model.path: cannot load a causal LM from {cfg.path}: {str(e).splitlines()[0]}") from None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def _check_model_folder(path: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise ToolkitError(f"model.path: folder not found: {path}")
+    if not (p / "config.json").is_file():
+        raise ToolkitError(f"model.path: {path} has no config.json; expected a Hugging Face model folder")
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """Distinct leaf names of the linear layers a LoRA adapter can target."""
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(names)
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules
+    if targets != "all-linear":
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        available = linear_module_names(model)
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise ToolkitError(
+                f"lora.target_modules: {', '.join(missing)} not found in the model "
+                f"(linear modules available: {', '.join(available)})")
+    peft_config = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+        task_type="CAUSAL_LM", bias="none")
+    model = get_peft_model(model, peft_config)
+    for p in model.parameters():  # adapters train in fp32 even over a half-precision base
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
