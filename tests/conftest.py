@@ -76,7 +76,7 @@ def base_recipe(tmp_path, train, evaluation, out="run", **overrides) -> dict:
         "model": {"preset": "tiny-llama-mini"},
         "lora": {"enabled": False},
         "data": {"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "alpaca",
-                 "max_seq_len": 64},
+                 "max_seq_len": 96},
         "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 8,
                   "learning_rate": 1e-3, "warmup_steps": 2, "precision": "fp32", "log_every_steps": 4},
     }

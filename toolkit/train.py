@@ -42,7 +42,15 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
         packing = False
     if recipe.lora.enabled:
+        if recipe.model.preset is not None:
+            # A preset has no folder of its own: save the base beside the run so the adapter in
+            # final/ loads with plain peft (its adapter_config.json points here).
+            if accelerator.is_main_process:
+                model.save_pretrained(out / "base-model")
+                tokenizer.save_pretrained(out / "base-model")
         model = apply_lora(model, recipe.lora)
+        if recipe.model.preset is not None:
+            model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
 
