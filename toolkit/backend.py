@@ -134,11 +134,13 @@ def make_scheduler(accelerator, optimizer, lr_lambda, total_steps: int, warmup_s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
-def finalize_config(accelerator, model) -> None:
-    """Fill the values that depend on the model (DeepSpeed bucket sizes) before prepare()."""
+def finalize_config(accelerator, model, recipe: Recipe, total_steps: int) -> None:
+    """Fill what depends on the model and the data (DeepSpeed bucket sizes, scheduler length)."""
     ds = accelerator.state.deepspeed_plugin
     if ds is not None:
-        deepspeed_config.resolve_model_dependent(ds.deepspeed_config, model)
+        config = getattr(model, "config", None)
+        deepspeed_config.finalize(ds.deepspeed_config, recipe, accelerator.num_processes, total_steps,
+                                  getattr(config, "hidden_size", None))
 
 
 def optimizer_step_was_skipped(accelerator, model) -> bool:

@@ -72,7 +72,7 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
     optimizer = backend.make_optimizer(accelerator, param_groups(model, t.weight_decay), recipe)
     scheduler = backend.make_scheduler(accelerator, optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
                                        total_steps, t.warmup_steps)
-    backend.finalize_config(accelerator, model)
+    backend.finalize_config(accelerator, model, recipe, total_steps)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     backend.check_prepared(accelerator, model)
 
