@@ -154,14 +154,29 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
     """Gather shards (ZeRO-3, FSDP) and save once, in Hugging Face format, from the main process.
     Written to a temporary folder and renamed, so `path` is either complete or absent."""
     state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
+    # FSDP with a sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
+    state_dict = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
     if accelerator.is_main_process:
+        # Own, contiguous CPU copies: gathered FSDP tensors may not own valid storage.
+        state_dict = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
         tmp = path.with_name(path.name + ".tmp")
         if tmp.exists():
             import shutil
 
             shutil.rmtree(tmp)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if hasattr(unwrapped, "peft_config"):  # peft keeps only the adapter's tensors
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        else:
+            # Not transformers' save_pretrained: on a sharded model it tries to gather again, as a
+            # collective, from the main process alone.
+            from huggingface_hub import save_torch_state_dict
+
+            tmp.mkdir(parents=True)
+            unwrapped.config.save_pretrained(tmp)
+            if getattr(unwrapped, "generation_config", None) is not None:
+                unwrapped.generation_config.save_pretrained(tmp)
+            save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
