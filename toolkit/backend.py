@@ -153,7 +153,7 @@ def optimizer_step_was_skipped(accelerator, model) -> bool:
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
     """Gather shards (ZeRO-3, FSDP) and save once, in Hugging Face format, from the main process.
     Written to a temporary folder and renamed, so `path` is either complete or absent."""
-    state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
+    state_dict = accelerator.get_state_dict(model) or {}  # a collective; ZeRO-3 returns None off the main rank
     # FSDP with a sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
     state_dict = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
     if accelerator.is_main_process:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .config import LoraConfig, ModelConfig, ToolkitError
 
@@ -63,8 +63,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.n
         preset = PRESETS / f"{cfg.preset}.json"
         if not preset.is_file():
             raise ToolkitError(f"model.preset: unknown preset '{cfg.preset}' (available: {', '.join(preset_names())})")
-        config = LlamaConfig(**json.loads(preset.read_text()))
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=dtype)
+        config = LlamaConfig(**json.loads(preset.read_text()), attn_implementation=cfg.attn_implementation)
+        # The constructor, not from_config: from_config builds under ZeRO-3's zero.Init, whose
+        # random initialisation differs from a plain one. Presets are tiny; every backend must
+        # start from the same weights.
+        model = LlamaForCausalLM(config).to(dtype)
     else:
         _check_model_folder(cfg.path)
         try:
@@ -116,6 +119,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    def numel(p):  # a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size
+        return getattr(p, "ds_numel", p.numel())
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
     return trainable, total
