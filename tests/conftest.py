@@ -62,6 +62,38 @@ def write_recipe(path: Path, **sections) -> Path:
     return path
 
 
+_OPS_SCRIPT = """
+import os, sys
+os.environ["DS_ACCELERATOR"] = "cpu"
+from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+CPUAdamBuilder().load(verbose=False)
+aio = AsyncIOBuilder()
+if aio.is_compatible(verbose=False):
+    aio.load(verbose=False)
+    print("async_io")
+"""
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> set[str]:
+    """Build DeepSpeed's just-in-time ops once, in one process, before any launch needs them.
+
+    Two ranks reaching a first-time build together wait on a lock file; a build killed midway
+    (a test timeout) leaves that lock behind and every later launch waits forever. So: clear
+    locks of unfinished builds, then build here with a long timeout of its own.
+    Returns the optional ops that are available ("async_io" needs Debian's libaio-dev).
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    for name in ("cpu_adam", "async_io"):
+        folder = Path(_get_build_directory(name, verbose=False))
+        if (folder / "lock").exists() and not (folder / f"{name}.so").exists():
+            (folder / "lock").unlink()
+    proc = subprocess.run([sys.executable, "-c", _OPS_SCRIPT], capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return set(proc.stdout.split())
+
+
 @pytest.fixture
 def data_files(tmp_path):
     train = write_jsonl(tmp_path / "data" / "train.jsonl", alpaca_rows(64, seed=1))

@@ -26,15 +26,6 @@ def accelerate_launch(config, num_processes=2):
             "--num_processes", str(num_processes), "--main_process_port", "0", "-m"]
 
 
-def nvme_available() -> bool:
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        return bool(AsyncIOBuilder().is_compatible(verbose=False))
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("backends")
@@ -95,8 +86,8 @@ def launch_config_for(backend, workdir):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backend_matches_single_process(backend, mode, workdir, reference):
-    if backend == "zero3_nvme" and not nvme_available():
+def test_backend_matches_single_process(backend, mode, workdir, reference, deepspeed_ops):
+    if backend == "zero3_nvme" and "async_io" not in deepspeed_ops:
         pytest.skip("DeepSpeed async_io cannot be built here (needs Debian's libaio-dev)")
     out = f"{backend}_{mode}"
     shutil.rmtree(workdir / out, ignore_errors=True)
