@@ -73,12 +73,18 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
     accelerator = Accelerator(**kwargs)
     if kind == "fsdp" and accelerator.state.distributed_type.name != "FSDP":
         _force_fsdp_on_cpu(accelerator)
-    if launched_world_size() > 1 and accelerator.num_processes != launched_world_size():
-        raise ToolkitError(
-            f"launch: {launched_world_size()} processes were started but accelerate sees "
-            f"{accelerator.num_processes}; each would train alone. Check the accelerate config's "
-            "distributed_type (and drop use_cpu: true)")
+    check_distributed(accelerator)
     return accelerator
+
+
+def check_distributed(accelerator) -> None:
+    """Several processes started, but accelerate not distributed: each rank would train alone."""
+    started = launched_world_size()
+    if started > 1 and (accelerator.num_processes != started or accelerator.distributed_type.name == "NO"):
+        raise ToolkitError(
+            f"launch: {started} processes were started but accelerate sees {accelerator.num_processes} "
+            f"({accelerator.distributed_type.name}); each would train alone. Check the accelerate "
+            "config's distributed_type (and drop use_cpu: true)")
 
 
 def _force_fsdp_on_cpu(accelerator) -> None:
