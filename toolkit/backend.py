@@ -9,6 +9,7 @@ loop calls these helpers and never names a backend.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -113,6 +114,10 @@ def check_prepared(accelerator, model) -> None:
 
         if not isinstance(model, deepspeed.DeepSpeedEngine):
             raise ToolkitError("launch: DeepSpeed was configured but the model is not a DeepSpeed engine")
+        if hasattr(model.optimizer, "check_grad_overflow"):
+            # ZeRO-1/2 check bf16 gradients for inf/NaN only when asked; a non-finite step must
+            # be skipped, never applied.
+            model.optimizer.check_grad_overflow = True
     elif kind == "ddp" and accelerator.num_processes > 1:
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ToolkitError("launch: several processes were started but the model is not wrapped for DDP")
@@ -140,13 +145,35 @@ def make_scheduler(accelerator, optimizer, lr_lambda, total_steps: int, warmup_s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 
-def finalize_config(accelerator, model, recipe: Recipe, total_steps: int) -> None:
-    """Fill what depends on the model and the data (DeepSpeed bucket sizes, scheduler length)."""
+def finalize_config(accelerator, model, recipe: Recipe, total_steps: int) -> dict | None:
+    """Fill what depends on the model and the data (DeepSpeed bucket sizes, scheduler length);
+    returns the resolved DeepSpeed config, if any (for the run manifest)."""
     ds = accelerator.state.deepspeed_plugin
-    if ds is not None:
-        config = getattr(model, "config", None)
-        deepspeed_config.finalize(ds.deepspeed_config, recipe, accelerator.num_processes, total_steps,
-                                  getattr(config, "hidden_size", None))
+    if ds is None:
+        return None
+    config = getattr(model, "config", None)
+    deepspeed_config.finalize(ds.deepspeed_config, recipe, accelerator.num_processes, total_steps,
+                              getattr(config, "hidden_size", None))
+    return ds.deepspeed_config
+
+
+def optimizer_step(accelerator, model, optimizer, grad_norm: float) -> bool:
+    """Apply the optimizer step unless the gradient is not finite; True when it was applied.
+    DeepSpeed has already stepped (or skipped, on a non-finite norm) inside `backward`; a loss
+    scaler must see every overflow so that it lowers its scale."""
+    if math.isfinite(grad_norm) or accelerator.scaler is not None:
+        optimizer.step()
+    return math.isfinite(grad_norm) and not optimizer_step_was_skipped(accelerator, model)
+
+
+def loss_scale(accelerator, model) -> float | None:
+    """The current dynamic loss scale (fp16), or None when nothing scales the loss."""
+    if accelerator.scaler is not None:
+        return float(accelerator.scaler.get_scale())
+    optimizer = getattr(model, "optimizer", None)  # DeepSpeed engine
+    if optimizer is not None and getattr(model, "fp16_enabled", lambda: False)():
+        return float(getattr(optimizer, "loss_scale", getattr(optimizer, "cur_scale", float("nan"))))
+    return None
 
 
 def optimizer_step_was_skipped(accelerator, model) -> bool:

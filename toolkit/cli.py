@@ -44,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Exception as e:
+        from .train import TrainingStopped
+
+        if not isinstance(e, TrainingStopped):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"stopped: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

@@ -86,6 +86,17 @@ class TrainConfig:
     """0: evaluate only before training and at the end."""
     eval_batch_size: Optional[int] = None
     log_every_steps: int = 10
+    max_nonfinite_steps: int = 3
+    """Stop after this many optimizer steps in a row with a non-finite loss or gradient (each one
+    is skipped, never applied to the weights)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save the full training state every N optimizer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Keep the newest N complete checkpoints."""
 
 
 @dataclass
@@ -94,10 +105,14 @@ class Recipe:
     seed: int = 42
     overwrite: bool = False
     """Allow writing into a non-empty output_dir (its old contents are removed first)."""
+    resume: Optional[str] = None
+    """`auto`: continue from the latest complete checkpoint in output_dir (start fresh if none);
+    or the path of a checkpoint (or of a run folder) to continue from."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -265,6 +280,11 @@ def validate(r: Recipe, source: str) -> None:
     need(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size",
          f"must be positive, got {t.eval_batch_size}")
     need(t.log_every_steps > 0, "train.log_every_steps", f"must be positive, got {t.log_every_steps}")
+    need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
+    need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
+         f"must be non-negative, got {r.checkpoint.every_steps}")
+    need(r.checkpoint.keep_last > 0, "checkpoint.keep_last", f"must be positive, got {r.checkpoint.keep_last}")
+    need(not (r.resume and r.overwrite), "resume", "resume and overwrite=true contradict each other")
 
 
 def dump_recipe(r: Recipe) -> str:

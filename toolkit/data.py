@@ -260,14 +260,23 @@ class EpochSampler(Sampler[int]):
     def __init__(self, n: int, global_batch: int, seed: int):
         self.n, self.global_batch, self.seed, self.epoch = n, global_batch, seed, 0
         self.steps_per_epoch = n // global_batch
+        self.resume_step = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def resume_at(self, step: int) -> None:
+        """Continue after `step` optimizer steps: the first epoch iterated from here on starts
+        with that step's position in its permutation (no batch repeated or skipped)."""
+        self.resume_step = step
+
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(self.n, generator=g)[: self.steps_per_epoch * self.global_batch]
-        return iter(perm.tolist())
+        start = 0
+        if self.steps_per_epoch and self.epoch == self.resume_step // self.steps_per_epoch:
+            start = (self.resume_step % self.steps_per_epoch) * self.global_batch
+        return iter(perm[start:].tolist())
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.global_batch

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend
+from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalRows, EvalShardSampler, build_datasets, packing_is_isolated
 from .model import apply_lora, build_model, build_tokenizer, count_parameters
@@ -29,7 +29,8 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
     from accelerate.utils import set_seed
 
     out = Path(recipe.output_dir)
-    check_output_dir(out, recipe)
+    resume_from = checkpoint.find_resume(recipe.resume, out)
+    check_output_dir(out, recipe, resuming=resume_from is not None)
     accelerator = backend.make_accelerator(recipe, source)
     log = accelerator.print
     t = recipe.train
@@ -41,13 +42,13 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
     if packing and not packing_is_isolated(model):
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
         packing = False
+    base_weights = None
     if recipe.lora.enabled:
         if recipe.model.preset is not None:
-            # A preset has no folder of its own: save the base beside the run so the adapter in
-            # final/ loads with plain peft (its adapter_config.json points here).
-            if accelerator.is_main_process:
-                model.save_pretrained(out / "base-model")
-                tokenizer.save_pretrained(out / "base-model")
+            # A preset has no folder of its own: its weights are saved beside the run (below) so
+            # that the adapter in final/ loads with plain peft.
+            base_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            base_config = model.config
         model = apply_lora(model, recipe.lora)
         if recipe.model.preset is not None:
             model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
@@ -61,91 +62,152 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
     if sampler.steps_per_epoch == 0:
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {world} processes)")
+    state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.launch_kind(),
+                                    data_fingerprint=data.fingerprint, recipe=learning_relevant(recipe))
+    if resume_from is not None:
+        check_resumable(checkpoint.read_state(resume_from), state, resume_from)
     collate = Collator(tokenizer.pad_token_id)
+    # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
+    # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
-                              drop_last=True)
+                              drop_last=True, generator=torch.Generator().manual_seed(recipe.seed))
     eval_batch = t.eval_batch_size or t.micro_batch_size
     eval_loader = DataLoader(EvalRows(data.eval), batch_size=eval_batch, collate_fn=collate,
-                             sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world))
+                             sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
+                             generator=torch.Generator().manual_seed(recipe.seed))
     total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch
 
     optimizer = backend.make_optimizer(accelerator, param_groups(model, t.weight_decay), recipe)
     scheduler = backend.make_scheduler(accelerator, optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
                                        total_steps, t.warmup_steps)
-    backend.finalize_config(accelerator, model, recipe, total_steps)
+    ds_config = backend.finalize_config(accelerator, model, recipe, total_steps)
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
     backend.check_prepared(accelerator, model)
 
+    if resume_from is not None:
+        state = checkpoint.load(accelerator, resume_from)
+        sampler.resume_at(state.step)
+        log(f"resumed from {resume_from} at step {state.step}")
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_recipe(recipe))
+        write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resume_from)
+        keep_metrics_until(out / "metrics.jsonl", state.step)
+        if base_weights is not None and not (out / "base-model").exists():
+            save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
+    accelerator.wait_for_everyone()
     log(f"training: {len(data.train):,} rows, {len(data.eval):,} eval rows, {total_steps} steps of "
         f"{global_batch} sequences ({world} process{'es' if world > 1 else ''}, {accelerator.distributed_type.value})")
-    last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe,
-               total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, metrics_path=out / "metrics.jsonl")
+    try:
+        last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe, state,
+                   total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, run_dir=out)
+    except TrainingStopped:
+        backend.teardown(accelerator)  # every rank agreed to stop at the same step
+        raise
     backend.save_model(accelerator, model, tokenizer, out / "final")
     log(f"saved {out / 'final'}")
     backend.teardown(accelerator)
     return last
 
 
-def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe, *,
-        total_steps: int, steps_per_epoch: int, metrics_path: Path) -> dict:
+class TrainingStopped(Exception):
+    """The run stopped on purpose (preemption, non-finite loss): one line and a documented exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+EXIT_NONFINITE = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; resume=auto continues from the saved checkpoint
+
+
+def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
+        state: checkpoint.TrainerState, *, total_steps: int, steps_per_epoch: int, run_dir: Path) -> dict:
     t = recipe.train
-    metrics = MetricsLog(metrics_path, accelerator.is_main_process)
-    batches = global_batches(train_loader, steps_per_epoch, t.gradient_accumulation_steps)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
+    batches = global_batches(train_loader, steps_per_epoch, t.gradient_accumulation_steps, start_step=state.step)
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
-    tokens_seen = 0
-    row = metrics.write({"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader)})
-    if row["eval_loss"] is not None:
-        say(accelerator, f"step 0 | eval_loss {row['eval_loss']:.4f}")
-    progress = tqdm(total=total_steps, disable=not accelerator.is_main_process, dynamic_ncols=True, desc="training",
+    faults = injected_nonfinite_steps()
+    preemption = Preemption()
+    row = {}
+    if state.step == 0:
+        row = metrics.write({"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader)})
+        if row["eval_loss"] is not None:
+            say(accelerator, f"step 0 | eval_loss {row['eval_loss']:.4f}")
+    progress = tqdm(total=total_steps, initial=state.step, disable=not accelerator.is_main_process,
+                    dynamic_ncols=True, desc="training",
                     mininterval=0.5 if sys.stderr.isatty() else 30)  # logs that are files get few updates
 
     model.train()
-    for step in range(1, total_steps + 1):
-        started = time.perf_counter()
-        epoch, micro_batches = next(batches)
-        micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
-        # Exact accumulation: every target token of the global batch (all micro-batches, all ranks)
-        # weighs the same, so the loss is a sum divided by the global count of target tokens.
-        local = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro_batches),
-                              sum(int(count_input_tokens(b)) for b in micro_batches)], device=accelerator.device)
-        n_targets, n_tokens = accelerator.reduce(local, reduction="sum").tolist()
-        # The backends average gradients over ranks and accelerate divides by the accumulation
-        # steps; this factor undoes both so the gradient is sum(token losses) / n_targets.
-        scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
-        loss_sum = torch.zeros((), device=accelerator.device)
-        for batch in micro_batches:
-            with accelerator.accumulate(model):
-                token_losses = token_loss_sum(model, batch)
-                accelerator.backward(token_losses * scale)
-                loss_sum += token_losses.detach()
-                if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
-                    lr = scheduler.get_last_lr()[0]
-                    optimizer.step()
-                    if not backend.optimizer_step_was_skipped(accelerator, model):
-                        scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+    try:
+        for step in range(state.step + 1, total_steps + 1):
+            started = time.perf_counter()
+            epoch, micro_batches = next(batches)
+            micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
+            # Exact accumulation: every target token of the global batch (all micro-batches, all ranks)
+            # weighs the same, so the loss is a sum divided by the global count of target tokens.
+            local = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro_batches),
+                                  sum(int(count_input_tokens(b)) for b in micro_batches)], device=accelerator.device)
+            n_targets, n_tokens = accelerator.reduce(local, reduction="sum").tolist()
+            # The backends average gradients over ranks and accelerate divides by the accumulation
+            # steps; this factor undoes both so the gradient is sum(token losses) / n_targets.
+            scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for i, batch in enumerate(micro_batches):
+                with accelerator.accumulate(model):
+                    token_losses = token_loss_sum(model, batch)
+                    if step in faults and i == 0:  # test seam: a non-finite loss and gradient
+                        token_losses = token_losses * float("nan")
+                    accelerator.backward(token_losses * scale)
+                    loss_sum += token_losses.detach()
+                    if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
+                        grad_norm = as_float(accelerator.clip_grad_norm_(model.parameters(), clip))
+                        lr = scheduler.get_last_lr()[0]
+                        applied = backend.optimizer_step(accelerator, model, optimizer, grad_norm)
+                        if applied:  # a skipped step does not advance the schedule
+                            scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
 
-        loss = accelerator.reduce(loss_sum, reduction="sum").item() / n_targets
-        tokens_seen += n_tokens
-        elapsed = time.perf_counter() - started
-        row = {"step": step, "epoch": round(epoch + ((step - 1) % steps_per_epoch + 1) / steps_per_epoch, 4),
-               "loss": loss, "lr": lr, "grad_norm": as_float(grad_norm), "tokens": tokens_seen,
-               "tokens_per_second": n_tokens / elapsed}
-        if step % t.log_every_steps == 0 or step == total_steps:
-            say(accelerator, f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                             f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_second']:,.0f} tok/s")
-        if (t.eval_every_steps and step % t.eval_every_steps == 0) or step == total_steps:
-            row["eval_loss"] = evaluate(accelerator, model, eval_loader)
-            if row["eval_loss"] is not None:
-                say(accelerator, f"step {step}/{total_steps} | eval_loss {row['eval_loss']:.4f}")
-        metrics.write(row)
-        progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        progress.update(1)
-    progress.close()
+            # One reduction for the loss and for "a rank was asked to stop", so all ranks agree.
+            totals = accelerator.reduce(torch.stack([loss_sum.float(), torch.tensor(float(preemption.requested),
+                                                     device=accelerator.device)]), reduction="sum").tolist()
+            loss, stop_requested = totals[0] / n_targets, totals[1] > 0
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            state.step, state.tokens_seen = step, state.tokens_seen + n_tokens
+            state.skipped_steps += not applied
+            state.nonfinite_in_a_row = 0 if finite else state.nonfinite_in_a_row + 1
+            elapsed = time.perf_counter() - started
+            row = {"step": step, "epoch": round(epoch + ((step - 1) % steps_per_epoch + 1) / steps_per_epoch, 4),
+                   "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
+                   "tokens_per_second": n_tokens / elapsed, "skipped_steps": state.skipped_steps,
+                   "loss_scale": backend.loss_scale(accelerator, model)}
+            if step % t.log_every_steps == 0 or step == total_steps:
+                say(accelerator, f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                                 f"grad_norm {grad_norm:.3f} | {row['tokens_per_second']:,.0f} tok/s")
+            if state.nonfinite_in_a_row >= t.max_nonfinite_steps:
+                metrics.write(row)
+                kept = checkpoint.complete_checkpoints(run_dir)
+                raise TrainingStopped(
+                    f"train: loss or gradient not finite for {state.nonfinite_in_a_row} optimizer steps in a row "
+                    f"(steps {step - state.nonfinite_in_a_row + 1}-{step}, none applied); stopped. Last good checkpoint: "
+                    f"{kept[-1] if kept else 'none'}", EXIT_NONFINITE)
+            if (t.eval_every_steps and step % t.eval_every_steps == 0) or step == total_steps:
+                row["eval_loss"] = evaluate(accelerator, model, eval_loader)
+                if row["eval_loss"] is not None:
+                    say(accelerator, f"step {step}/{total_steps} | eval_loss {row['eval_loss']:.4f}")
+            metrics.write(row)
+            progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            progress.update(1)
+            every = recipe.checkpoint.every_steps
+            if (every and step % every == 0) or step == total_steps or stop_requested:
+                path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
+                checkpoint.save(accelerator, path, state, recipe.checkpoint.keep_last)
+                if stop_requested:
+                    raise TrainingStopped(f"preempted: checkpoint {path} saved at step {step}; "
+                                          "run again with resume=auto to continue", EXIT_PREEMPTED)
+    finally:
+        progress.close()  # before any stop message, so the bar does not trail it
     return row
 
 
@@ -174,15 +236,16 @@ def evaluate(accelerator, model, eval_loader) -> float | None:
     return (totals[0] / totals[1]).item()
 
 
-def global_batches(loader, steps_per_epoch: int, accumulation: int):
-    """Yield (epoch, the micro-batches of one optimizer step), epoch after epoch."""
-    epoch = 0
+def global_batches(loader, steps_per_epoch: int, accumulation: int, start_step: int = 0):
+    """Yield (epoch, the micro-batches of one optimizer step), epoch after epoch, from the
+    optimizer step after `start_step` (the sampler starts its epoch at the same place)."""
+    epoch, skip = divmod(start_step, steps_per_epoch)
     while True:
         loader.set_epoch(epoch)
         it = iter(loader)
-        for _ in range(steps_per_epoch):
+        for _ in range(steps_per_epoch - skip):
             yield epoch, [next(it) for _ in range(accumulation)]
-        epoch += 1
+        epoch, skip = epoch + 1, 0
 
 
 def count_input_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -226,13 +289,17 @@ def as_float(x) -> float:
     return float(x)
 
 
-def check_output_dir(out: Path, recipe: Recipe) -> None:
-    """Refuse to write into earlier results unless asked; with overwrite, clear them first."""
+def check_output_dir(out: Path, recipe: Recipe, resuming: bool = False) -> None:
+    """Refuse to write into earlier results unless resuming them or asked; with overwrite, clear
+    them first."""
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"output_dir: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()) and not resuming:
+        if recipe.resume == "auto":
+            raise ToolkitError(f"output_dir: {out} is not empty and has no complete checkpoint to resume from")
         if not recipe.overwrite:
-            raise ToolkitError(f"output_dir: {out} is not empty; choose another folder or pass overwrite=true")
+            raise ToolkitError(f"output_dir: {out} is not empty; choose another folder, resume=auto to continue "
+                               "it, or overwrite=true")
         if backend.is_main_rank():
             shutil.rmtree(out)
 
@@ -252,6 +319,134 @@ def main_process_first(accelerator, fn):
     if error is not None:
         raise error
     return result
+
+
+# Recipe fields that may change between a run and its resumption (they do not change what is learned).
+RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps"}
+
+
+def learning_relevant(recipe: Recipe) -> dict:
+    """The recipe as a flat dict of dotted keys, without the fields a resumed run may change."""
+    flat = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            key = prefix + k
+            if key in RESUMABLE_CHANGES:
+                continue
+            if isinstance(v, dict):
+                walk(v, key + ".")
+            else:
+                flat[key] = v
+
+    walk(recipe.to_dict(), "")
+    return flat
+
+
+def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> None:
+    """Resuming must continue the same run: same launch layout, same data, same recipe."""
+    if saved.world_size != now.world_size or saved.launch != now.launch:
+        raise ToolkitError(
+            f"resume: {path} was written by {saved.world_size} process(es) under {saved.launch}; this launch has "
+            f"{now.world_size} under {now.launch}. Resume with the same launch config and process count "
+            "(sharded optimizer states and the data order depend on them)")
+    if saved.data_fingerprint != now.data_fingerprint:
+        raise ToolkitError(f"resume: the training data changed since {path} was written "
+                           f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
+    for key in sorted(set(saved.recipe or {}) | set(now.recipe or {})):
+        before, after = (saved.recipe or {}).get(key), (now.recipe or {}).get(key)
+        if before != after:
+            raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
+                               "a resumed run must keep its recipe")
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On resume, drop metric rows a killed run logged after its last checkpoint."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in rows))
+    tmp.replace(path)
+
+
+def write_manifest(path: Path, recipe: Recipe, state: checkpoint.TrainerState, ds_config: dict | None,
+                   resumed_from: Path | None) -> None:
+    """What this run was: resolved configs, versions, commit, launch; one entry per launch."""
+    import importlib.metadata as md
+    import os
+    import platform
+    import subprocess
+
+    manifest = json.loads(path.read_text()) if path.exists() else {"launches": []}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {}
+    for name in ("toolkit", "torch", "accelerate", "deepspeed", "transformers", "peft", "datasets"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    manifest.update(recipe=recipe.to_dict(), global_batch_size=state.global_batch, world_size=state.world_size,
+                    dataset_fingerprint=state.data_fingerprint)
+    manifest["launches"].append({
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "launch": state.launch,
+        "world_size": state.world_size, "resumed_from": str(resumed_from) if resumed_from else None,
+        "accelerate_env": {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))},
+        "deepspeed_config": ds_config, "versions": versions, "git_commit": commit, "python": platform.python_version(),
+        "host": platform.node()})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, default=str))
+    tmp.replace(path)
+
+
+def save_preset_base(config, weights: dict, tokenizer, path: Path) -> None:
+    """The preset's initial weights as a Hugging Face folder (the base a LoRA adapter loads onto)."""
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM(config)
+    base.load_state_dict(weights)
+    base.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def injected_nonfinite_steps() -> set[int]:
+    """Test seam: TOOLKIT_FAULT_NONFINITE_STEPS=3,4 makes those optimizer steps' loss NaN on
+    every rank, so the real skip / loss-scale / stop machinery runs on real NaN gradients."""
+    import os
+
+    raw = os.environ.get("TOOLKIT_FAULT_NONFINITE_STEPS", "")
+    return {int(x) for x in raw.split(",") if x.strip()}
+
+
+class Preemption:
+    """SIGTERM or SIGINT: finish the optimizer step, save a checkpoint, exit EXIT_PREEMPTED.
+    A second signal more than 2 s later aborts at once (a launcher relaying the same Ctrl-C or
+    SIGTERM to its workers within that window counts as the same request)."""
+
+    def __init__(self):
+        import signal
+
+        self.requested_at: float | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def _handle(self, signum, frame) -> None:
+        import os
+
+        now = time.monotonic()
+        if self.requested_at is not None and now - self.requested_at > 2.0:
+            os._exit(128 + signum)
+        if self.requested_at is None:
+            self.requested_at = now
+            tqdm.write(f"signal {signum}: stopping after this optimizer step with a checkpoint")
 
 
 class MetricsLog:

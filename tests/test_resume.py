@@ -1,0 +1,215 @@
+"""Runs that survive anything: SIGKILL at a random step, SIGKILL during a checkpoint write and
+SIGTERM all resume to bitwise the weights and metrics of an uninterrupted run.
+
+Every case launches for real (`python -m toolkit` or `accelerate launch` with 2 gloo processes),
+kills the whole process group, launches again with resume=auto and compares with a run that was
+never interrupted.
+"""
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, alpaca_rows, load_weights, read_metrics, write_jsonl, write_recipe
+from test_backends import launch_config_for
+
+STEPS = 8
+CASES = {  # name: (accelerate config or None for one plain process, lora dropout or None for full)
+    "single": (None, None),
+    "single_lora_dropout": (None, 0.1),  # dropout draws random numbers: RNG restore matters
+    "ddp": ("ddp", None),
+    "fsdp": ("fsdp", None),
+    "zero2": ("zero2", None),
+    "zero3": ("zero3", None),
+}
+KILL_SEED = int(os.environ.get("TOOLKIT_KILL_SEED", time.time_ns() % 10_000))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    write_jsonl(d / "train.jsonl", alpaca_rows(48, seed=5))  # 6 steps per epoch: resumes cross epochs
+    write_jsonl(d / "eval.jsonl", alpaca_rows(6, seed=6))
+    return d
+
+
+def recipe(workdir, name, dropout, **extra):
+    lora = {"enabled": False} if dropout is None else {"enabled": True, "r": 4, "alpha": 8, "dropout": dropout}
+    sections = {
+        "output_dir": str(workdir / name), "seed": 3,
+        "model": {"preset": "tiny-llama-mini"}, "lora": lora,
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "alpaca", "max_seq_len": 96},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": STEPS,
+                  "learning_rate": 3e-3, "warmup_steps": 2, "eval_every_steps": 3, "log_every_steps": 1},
+        "checkpoint": {"every_steps": 2, "keep_last": 2},
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        sections[section][field] = value
+    return write_recipe(workdir / f"{name}.yaml", **sections)
+
+
+def command(workdir, backend, path, *overrides):
+    if backend is None:
+        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
+    config = launch_config_for(backend, workdir)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+            "--main_process_port", "0", "-m", "toolkit", "train", str(path), *overrides]
+
+
+def start(cmd, env=None):
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc, timeout=900):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def wait_for(predicate, proc, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before the kill point: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError("kill point never reached")
+
+
+def logged_steps(run_dir):
+    try:
+        return max((r["step"] for r in read_metrics(run_dir)), default=-1)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1
+
+
+def comparable(rows, from_step):
+    skip = {"tokens_per_second"}
+    return [{k: v for k, v in r.items() if k not in skip} for r in rows if r["step"] > from_step]
+
+
+def assert_identical(reference, resumed, from_step):
+    assert comparable(read_metrics(resumed), from_step) == comparable(read_metrics(reference), from_step)
+    want, have = load_weights(reference / "final"), load_weights(resumed / "final")
+    assert want.keys() == have.keys() and want
+    for k in want:
+        assert torch.equal(want[k], have[k]), f"{k} differs"
+    last = f"step-{STEPS:06d}"
+    for rank_file in sorted((reference / "checkpoints" / last).glob("rng_rank*.pkl")):
+        a = pickle.loads(rank_file.read_bytes())
+        b = pickle.loads((resumed / "checkpoints" / last / rank_file.name).read_bytes())
+        assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"], f"RNG differs ({rank_file.name})"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir):
+    done = {}
+
+    def get(name):
+        if name not in done:
+            backend, dropout = CASES[name]
+            rc, _, err = finish(start(command(workdir, backend, recipe(workdir, f"ref_{name}", dropout))))
+            assert rc == 0, err[-3000:]
+            done[name] = workdir / f"ref_{name}"
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupted, deepspeed_ops):
+    backend, dropout = CASES[name]
+    reference = uninterrupted(name)
+    kill_at = random.Random(f"{KILL_SEED}-{name}").randint(2, STEPS - 1)
+    print(f"\n{name}: SIGKILL once step {kill_at} is logged (TOOLKIT_KILL_SEED={KILL_SEED})")
+    path = recipe(workdir, f"killed_{name}", dropout)
+    proc = start(command(workdir, backend, path))
+    wait_for(lambda: logged_steps(workdir / f"killed_{name}") >= kill_at, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    rc, out, err = finish(start(command(workdir, backend, path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    resumed_at = [line for line in out.splitlines() if line.startswith("resumed from")]
+    assert resumed_at, out[-2000:]
+    rows = read_metrics(workdir / f"killed_{name}")
+    assert [r["step"] for r in rows] == list(range(STEPS + 1)), "a step was repeated or lost in metrics.jsonl"
+    assert_identical(reference, workdir / f"killed_{name}", from_step=0)
+    with open(workdir / "kills.jsonl", "a") as f:
+        f.write(json.dumps({"case": name, "kill_at": kill_at, "identical": True, "resumed": resumed_at[0]}) + "\n")
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(workdir, uninterrupted):
+    reference = uninterrupted("single")
+    path = recipe(workdir, "killed_in_write", None)
+    run = workdir / "killed_in_write"
+    proc = start(command(workdir, None, path), env={"TOOLKIT_FAULT_CHECKPOINT_PAUSE": "3"})
+    wait_for(lambda: (run / "checkpoints" / ".tmp-step-000004").is_dir(), proc)
+    time.sleep(0.5)  # inside the write: state files being written, no marker yet
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == [".tmp-step-000004", "step-000002"], names
+    rc, out, err = finish(start(command(workdir, None, path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-000002'} at step 2" in out
+    assert_identical(reference, run, from_step=0)
+
+
+def test_sigterm_checkpoints_and_exits_75(workdir, uninterrupted):
+    reference = uninterrupted("single")
+    path = recipe(workdir, "terminated", None)
+    run = workdir / "terminated"
+    proc = start(command(workdir, None, path))
+    wait_for(lambda: logged_steps(run) >= 3, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 75, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: preempted: checkpoint") and "resume=auto" in last, last
+    assert "Traceback" not in err
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert saved and all(n.startswith("step-") for n in saved), saved
+    assert not (run / "final").exists()
+    rc, _, err = finish(start(command(workdir, None, path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    assert_identical(reference, run, from_step=0)
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(workdir):
+    """NaN losses at steps 5, 6 and 7 (through the test seam): each step is skipped, not applied;
+    the third in a row stops the run with one line and exit code 3; checkpoints stay intact."""
+    path = recipe(workdir, "nonfinite", None, checkpoint__every_steps=1, checkpoint__keep_last=10)
+    run = workdir / "nonfinite"
+    rc, out, err = finish(start(command(workdir, None, path), env={"TOOLKIT_FAULT_NONFINITE_STEPS": "5,6,7"}))
+    assert rc == 3, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: train: loss or gradient not finite for 3 optimizer steps in a row (steps 5-7")
+    assert "Traceback" not in err
+    rows = {r["step"]: r for r in read_metrics(run)}
+    assert [rows[s]["skipped_steps"] for s in (4, 5, 6, 7)] == [0, 1, 2, 3]
+    assert rows[5]["lr"] == rows[6]["lr"] == rows[7]["lr"]  # the schedule did not advance
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == [f"step-{s:06d}" for s in range(1, 7)], ckpts  # the stopping step saves nothing
+    # A skipped step leaves weights, optimizer and scheduler exactly as they were.
+    for name in ("model.safetensors",):
+        a, b = (run / "checkpoints" / "step-000004" / name), (run / "checkpoints" / "step-000006" / name)
+        assert a.read_bytes() == b.read_bytes()
+    opt4 = torch.load(run / "checkpoints" / "step-000004" / "optimizer.bin", weights_only=False)
+    opt6 = torch.load(run / "checkpoints" / "step-000006" / "optimizer.bin", weights_only=False)
+    for k, v in opt4["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, opt6["state"][k][name]), (k, name)
+    sch4 = torch.load(run / "checkpoints" / "step-000004" / "scheduler.bin", weights_only=False)
+    sch6 = torch.load(run / "checkpoints" / "step-000006" / "scheduler.bin", weights_only=False)
+    assert sch4["last_epoch"] == sch6["last_epoch"] and sch4["_last_lr"] == sch6["_last_lr"]

@@ -1,0 +1,152 @@
+"""Checkpoints: the full training state, written atomically, found again on resume.
+
+Layout: `output_dir/checkpoints/step-000012/` holds accelerate's state (model or adapter,
+optimizer, scheduler, loss scaler; sharded the way the backend shards it), every rank's RNG
+states and `trainer_state.json` (counters, data position, what the run was launched with).
+A checkpoint is written as `.tmp-step-000012` by all ranks, marked complete by the main process
+(`COMPLETE`) and only then renamed into place, so a folder named `step-*` without the marker is
+never produced by a finished write and is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ToolkitError
+
+MARKER = "COMPLETE"
+STATE = "trainer_state.json"
+NAME = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """Counters and launch facts saved with every checkpoint."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    nonfinite_in_a_row: int = 0
+    world_size: int = 1
+    global_batch: int = 0
+    launch: str = "single"
+    data_fingerprint: str = ""
+    recipe: dict | None = None
+
+
+def checkpoint_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file() and (Path(path) / STATE).is_file()
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := NAME.match(p.name)) and is_complete(p)]
+    return [p for _, p in sorted(found)]
+
+
+def find_resume(resume: str | None, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from: None (fresh start), `auto` (latest complete one in
+    output_dir, if any) or a path that must be a complete checkpoint."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ToolkitError(f"resume: {resume}: folder not found")
+    if not is_complete(path):
+        latest = complete_checkpoints(path)  # a run folder given instead of a checkpoint
+        if latest:
+            return latest[-1]
+        raise ToolkitError(f"resume: {resume} has no complete checkpoint (no {MARKER} marker); "
+                           "it was interrupted while being written")
+    return path
+
+
+def read_state(path: Path) -> TrainerState:
+    return TrainerState(**json.loads((Path(path) / STATE).read_text()))
+
+
+def save(accelerator, path_final: Path, state: TrainerState, keep_last: int) -> None:
+    """Write a checkpoint from every rank; visible under its final name only once complete."""
+    tmp = path_final.with_name(".tmp-" + path_final.name)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
+        pickle.dump(rng_states(), f)
+    pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
+    if pause:
+        time.sleep(pause)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
+        (tmp / MARKER).write_text(f"step {state.step}\n")
+        _fsync_dir(tmp)
+        if path_final.exists():  # the same step saved again (a resumed run that had nothing left)
+            os.rename(path_final, path_final.with_name(".del-" + path_final.name))
+            shutil.rmtree(path_final.with_name(".del-" + path_final.name))
+        os.rename(tmp, path_final)
+        _fsync_dir(path_final.parent)
+        for old in complete_checkpoints(path_final.parent.parent)[:-keep_last]:
+            doomed = old.with_name(".del-" + old.name)  # out of sight first, so never half-deleted
+            os.rename(old, doomed)
+            shutil.rmtree(doomed)
+    accelerator.wait_for_everyone()
+
+
+def load(accelerator, path: Path) -> TrainerState:
+    """Restore what `save` wrote, on every rank, including this rank's RNG states."""
+    accelerator.load_state(str(path))
+    rng = Path(path) / f"rng_rank{accelerator.process_index}.pkl"
+    if not rng.is_file():
+        raise ToolkitError(f"resume: {path} has no RNG state for rank {accelerator.process_index}")
+    with open(rng, "rb") as f:
+        set_rng_states(pickle.load(f))
+    return read_state(path)
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    # Our own, because accelerate's restore fails on a CPU-only host (it reaches the CUDA calls)
+    # and only logs "Could not load random states".
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
