@@ -211,7 +211,16 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
                 unwrapped.generation_config.save_pretrained(tmp)
             save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, path)
+        if path.exists():  # a resumed run that had already saved it before being killed
+            import shutil
+
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
     accelerator.wait_for_everyone()
 
 

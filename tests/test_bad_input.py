@@ -1,0 +1,161 @@
+"""Every user mistake ends before training: one line naming the file, key or line, exit code 2,
+no traceback, and nothing on disk changed (an earlier run folder, the data, the recipe).
+
+Each case writes its recipe and files, snapshots the whole folder (contents and mtimes), runs
+`python -m toolkit train` for real and compares. DeepSpeed cases set the environment that
+`accelerate launch --config_file zeroN.yaml` gives its workers.
+"""
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory):
+    """A real finished run with checkpoints: the folder users fear losing."""
+    d = tmp_path_factory.mktemp("existing")
+    train = write_jsonl(d / "train.jsonl", alpaca_rows(16, seed=1))
+    evaluation = write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=2))
+    recipe = base_recipe(d, train, evaluation, out="run", train__max_steps=2, train__micro_batch_size=2,
+                         checkpoint={"every_steps": 1, "keep_last": 5})
+    proc = run_toolkit("train", write_recipe(d / "run.yaml", **recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d / "run", recipe
+
+
+def ds_env(tmp, **changes):
+    cfg = json.loads((ROOT / "deepspeed_configs" / "zero2.json").read_text())
+    for dotted, value in changes.items():
+        node = cfg
+        *parents, last = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    path = tmp / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path),
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(cfg["zero_optimization"]["stage"])}
+
+
+def nvme_env(tmp):
+    cfg = json.loads((ROOT / "deepspeed_configs" / "zero3_offload_nvme.json").read_text())
+    for part in ("offload_optimizer", "offload_param"):
+        cfg["zero_optimization"][part]["nvme_path"] = str(tmp / "no-such-nvme")
+    path = tmp / "nvme.json"
+    path.write_text(json.dumps(cfg))
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path),
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+
+
+def long_prompts(tmp):
+    rows = [{"instruction": "x" * 200, "input": "", "output": "y"} for _ in range(8)]
+    return write_jsonl(tmp / "long.jsonl", rows)
+
+
+def malformed(tmp):
+    path = tmp / "bad.jsonl"
+    good = json.dumps(alpaca_rows(1)[0])
+    path.write_text(f"{good}\n{good}\n{{\"instruction\": \"oops\",\n{good}\n")
+    return path
+
+
+def missing_column(tmp):
+    return write_jsonl(tmp / "nocol.jsonl", [{"instruction": "a", "input": ""} for _ in range(8)])
+
+
+def empty_file(tmp):
+    (tmp / "empty.jsonl").write_text("")
+    return tmp / "empty.jsonl"
+
+
+def model_folder_without_config(tmp):
+    (tmp / "hfmodel").mkdir(exist_ok=True)
+    (tmp / "hfmodel" / "weights.bin").write_text("not a model")
+    return str(tmp / "hfmodel")
+
+
+def incomplete_checkpoint(tmp):
+    ck = tmp / "half" / "checkpoints" / "step-000004"
+    ck.mkdir(parents=True, exist_ok=True)
+    (ck / "model.safetensors").write_text("partial")
+    return str(ck)
+
+
+# id: (function(tmp, recipe_dict, existing) -> (recipe_dict, overrides, env), expected fragment of the one line)
+CASES = {
+    "unknown key": (lambda t, r, e: ({**r, "trian": {}}, [], {}), "run.yaml: trian: unknown key"),
+    "unknown nested key": (lambda t, r, e: (r, ["train.learning_rat=1"], {}), "train.learning_rat: unknown key"),
+    "wrong type": (lambda t, r, e: (r, ["train.micro_batch_size=four"], {}),
+                   "train.micro_batch_size: expected an integer, got string 'four'"),
+    "negative learning rate": (lambda t, r, e: (r, ["train.learning_rate=-0.001"], {}),
+                               "train.learning_rate: must be positive, got -0.001"),
+    "zero steps": (lambda t, r, e: (r, ["train.max_steps=0"], {}), "train.max_steps: must be positive, got 0"),
+    "bad precision": (lambda t, r, e: (r, ["train.precision=fp8"], {}), "train.precision: must be one of"),
+    "bad override form": (lambda t, r, e: (r, ["train.max_steps"], {}), "overrides take the form key=value"),
+    "warmup longer than run": (lambda t, r, e: (r, ["train.warmup_steps=50"], {}), "train.warmup_steps: 50 warmup"),
+    "no model": (lambda t, r, e: ({**r, "model": {}}, [], {}), "model: set exactly one of model.path"),
+    "missing model folder": (lambda t, r, e: ({**r, "model": {"path": str(t / "nope")}}, [], {}),
+                             "model.path: folder not found"),
+    "model folder without config": (lambda t, r, e: ({**r, "model": {"path": model_folder_without_config(t)}}, [], {}),
+                                    "has no config.json"),
+    "unknown preset": (lambda t, r, e: ({**r, "model": {"preset": "gpt-9"}}, [], {}), "unknown preset 'gpt-9'"),
+    "missing dataset file": (lambda t, r, e: (r, [f"data.train_files={t / 'missing.jsonl'}"], {}),
+                             "data.train_files: file not found"),
+    "malformed JSON line": (lambda t, r, e: (r, [f"data.train_files={malformed(t)}"], {}), "bad.jsonl: line 3: malformed JSON"),
+    "empty dataset": (lambda t, r, e: (r, [f"data.train_files={empty_file(t)}"], {}), "empty.jsonl: file is empty"),
+    "missing column": (lambda t, r, e: (r, [f"data.train_files={missing_column(t)}"], {}), "needs column(s) output"),
+    "unsupported file type": (lambda t, r, e: (r, [f"data.train_files={t / 'run.yaml'}"], {}), "unsupported file type '.yaml'"),
+    "prompt fills the length": (lambda t, r, e: (r, [f"data.train_files={long_prompts(t)}"], {}),
+                                "long.jsonl: row 1: no target tokens left"),
+    "too few rows for a batch": (lambda t, r, e: (r, ["train.micro_batch_size=64"], {}),
+                                 "do not fill one global batch"),
+    "eval files and fraction": (lambda t, r, e: (r, ["data.eval_fraction=0.1"], {}), "give either data.eval_files"),
+    "lora target not in model": (lambda t, r, e: (r, ["lora.enabled=true", "lora.target_modules=[c_attn]"], {}),
+                                 "c_attn not found in the model (linear modules available: down_proj, gate_proj, k_proj"),
+    "lora rank zero": (lambda t, r, e: (r, ["lora.enabled=true", "lora.r=0"], {}), "lora.r: must be positive"),
+    "fp16 on a CPU-only host": (lambda t, r, e: (r, ["train.precision=fp16"], {}), "use train.precision=bf16"),
+    "DeepSpeed JSON contradicts recipe": (lambda t, r, e: (r, [], ds_env(t, gradient_accumulation_steps=1)),
+                                          "ds.json: gradient_accumulation_steps is 1 but the recipe's train.gradient_accumulation_steps gives 2"),
+    "DeepSpeed fp16 against bf16 recipe": (lambda t, r, e: (r, ["train.precision=bf16"], ds_env(t, **{"fp16.enabled": True})),
+                                           "fp16.enabled"),
+    "NVMe path does not exist": (lambda t, r, e: (r, [], nvme_env(t)), "nvme_path: folder does not exist"),
+    "non-empty output folder": (lambda t, r, e: ({**r, "output_dir": str(e[0])}, [], {}), "is not empty"),
+    "resume path without complete checkpoint": (lambda t, r, e: (r, [f"resume={incomplete_checkpoint(t)}"], {}),
+                                                "has no complete checkpoint"),
+    "resume path missing": (lambda t, r, e: (r, [f"resume={t / 'gone'}"], {}), "gone: folder not found"),
+    "resume with a changed recipe": (lambda t, r, e: ({**e[1], "resume": "auto", "train": {**e[1]["train"],
+                                                       "learning_rate": 0.5}}, [], {}),
+                                     "resume: train.learning_rate was 0.001 when"),
+    "resume with overwrite": (lambda t, r, e: (r, ["resume=auto", "overwrite=true"], {}), "resume and overwrite=true"),
+    "keep_last zero": (lambda t, r, e: (r, ["checkpoint.keep_last=0"], {}), "checkpoint.keep_last: must be positive"),
+}
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_in_one_line(case, tmp_path, existing_run):
+    make, expected = CASES[case]
+    train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(4, seed=2))
+    recipe, overrides, env = make(tmp_path, base_recipe(tmp_path, train, evaluation, out="new_run"), existing_run)
+    path = write_recipe(tmp_path / "run.yaml", **recipe)
+    before, before_existing = snapshot(tmp_path), snapshot(existing_run[0])
+    proc = run_toolkit("train", path, *overrides, env=env, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines
+    assert expected in errors[0], errors[0]
+    assert snapshot(tmp_path) == before, "files changed"
+    assert snapshot(existing_run[0]) == before_existing, "the existing run folder changed"
+    assert not (tmp_path / "new_run").exists()
