@@ -94,7 +94,8 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0
-    """Save the full training state every N optimizer steps (0: only at the end)."""
+    """Save the full training state every N optimizer steps and at the end (0: no checkpoints,
+    except one on preemption)."""
     keep_last: int = 2
     """Keep the newest N complete checkpoints."""
 

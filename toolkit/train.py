@@ -200,7 +200,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
             progress.update(1)
             every = recipe.checkpoint.every_steps
-            if (every and step % every == 0) or step == total_steps or stop_requested:
+            if (every and (step % every == 0 or step == total_steps)) or stop_requested:
                 path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
                 checkpoint.save(accelerator, path, state, recipe.checkpoint.keep_last)
                 if stop_requested:
