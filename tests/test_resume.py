@@ -154,7 +154,7 @@ def uninterrupted(workdir):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupted, deepspeed_ops):
+def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupted):
     backend, dropout = CASES[name]
     reference = uninterrupted(name)
     kill_at = random.Random(f"{KILL_SEED}-{name}").randint(2, STEPS - 1)
