@@ -90,6 +90,7 @@ def check_distributed(accelerator) -> None:
 
 def _force_fsdp_on_cpu(accelerator) -> None:
     """accelerate never selects FSDP on a CPU host; FSDP2 itself runs on gloo."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings the launcher exported
@@ -97,6 +98,10 @@ def _force_fsdp_on_cpu(accelerator) -> None:
         raise ToolkitError("launch: FSDP on a CPU-only host needs fsdp_version: 2 in the accelerate config")
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
+    # Every later AcceleratorState() copies PartialState's fields over its own (accelerate does
+    # that inside prepare and save_state), which turned this back into MULTI_CPU: checkpoints then
+    # took the unsharded path and failed. So PartialState says FSDP too.
+    PartialState().distributed_type = DistributedType.FSDP
 
 
 def check_prepared(accelerator, model) -> None:
