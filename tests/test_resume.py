@@ -258,7 +258,10 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(backend, workdir):
     path = recipe(workdir, name, None, checkpoint__every_steps=1, checkpoint__keep_last=10)
     run = workdir / name
     rc, out, err = finish(start(command(workdir, backend, path), env={"TOOLKIT_FAULT_NONFINITE_STEPS": "5,6,7"}))
-    assert rc == 3, err[-3000:]
+    # torchrun exits 1 whatever its workers' codes were; each worker's 3 is in its report.
+    assert rc == (3 if backend is None else 1), err[-3000:]
+    if backend is not None:
+        assert err.count("exitcode  : 3 ") == 2, err[-3000:]
     stopped = [line for line in err.splitlines() if line.startswith("stopped: ")]
     assert stopped and stopped[0].startswith(
         "stopped: train: loss or gradient not finite for 3 optimizer steps in a row (steps 5-7"), stopped

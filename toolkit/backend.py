@@ -194,7 +194,9 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
     state_dict = accelerator.get_state_dict(model) or {}  # a collective; ZeRO-3 returns None off the main rank
     # FSDP with a sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
     state_dict = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
+    masters = deepspeed_fp32_masters(model)  # a collective too
     if accelerator.is_main_process:
+        state_dict.update({k: v for k, v in masters.items() if k in state_dict})
         # Own, contiguous CPU copies: gathered FSDP tensors may not own valid storage.
         state_dict = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
         tmp = path.with_name(path.name + ".tmp")
@@ -227,6 +229,29 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
         else:
             os.rename(tmp, path)
     accelerator.wait_for_everyone()
+
+
+def deepspeed_fp32_masters(model) -> dict:
+    """Under DeepSpeed bf16/fp16 the module holds low-precision weights and the optimizer their
+    fp32 master copies (partitioned across ranks). The masters are what was learned: gather them
+    (every rank, the same order) so a bf16 ZeRO run saves fp32 weights, as every other backend does."""
+    enabled = getattr(model, "bfloat16_enabled", None)
+    if enabled is None or not (model.bfloat16_enabled() or model.fp16_enabled()):
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    names: dict[int, list[str]] = {}
+    for name, p in model.module.named_parameters(remove_duplicate=False):  # tied weights: several names
+        names.setdefault(id(p), []).append(name)
+    masters = {}
+    for _, p in model.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = safe_get_full_fp32_param(p)
+        if full is not None:
+            for name in names[id(p)]:
+                masters[name] = full.detach().to("cpu", copy=True)
+    return masters
 
 
 def teardown(accelerator) -> None:

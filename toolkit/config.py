@@ -35,6 +35,9 @@ class ModelConfig:
     """A built-in model made from a config in toolkit/presets (e.g. `tiny-llama`)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
+    train.precision). Trainable parameters and optimizer states are always fp32."""
 
 
 @dataclass
@@ -256,6 +259,12 @@ def validate(r: Recipe, source: str) -> None:
     need(r.lora.alpha > 0, "lora.alpha", f"must be positive, got {r.lora.alpha}")
     need(0.0 <= r.lora.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {r.lora.dropout}")
     need(bool(r.lora.target_modules), "lora.target_modules", "must name at least one module")
+    if r.model.dtype != "fp32":
+        need(r.lora.enabled, "model.dtype",
+             f"{r.model.dtype} weights are for a frozen LoRA base; full fine-tuning keeps fp32 master weights "
+             "(set train.precision for mixed precision)")
+        need(r.train.precision == r.model.dtype, "model.dtype",
+             f"{r.model.dtype} base weights need train.precision={r.model.dtype}, got {r.train.precision}")
     need(bool(r.data.train_files), "data.train_files", "required: at least one training file")
     need(r.data.max_seq_len >= 2, "data.max_seq_len", f"must be at least 2, got {r.data.max_seq_len}")
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {r.data.eval_fraction}")

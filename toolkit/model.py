@@ -56,6 +56,9 @@ def build_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Load a local causal LM or build a preset. Weights stay in `dtype` (fp32 master weights by
     default; mixed precision is applied by autocast, not by casting the parameters)."""

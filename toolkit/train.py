@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalRows, EvalShardSampler, build_datasets, packing_is_isolated
-from .model import apply_lora, build_model, build_tokenizer, count_parameters
+from .model import DTYPES, apply_lora, build_model, build_tokenizer, count_parameters
 
 
 def run(recipe: Recipe, source: str = "recipe") -> dict:
@@ -37,7 +37,7 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
-    model = build_model(recipe.model)
+    model = build_model(recipe.model, DTYPES[recipe.model.dtype])
     packing = recipe.data.packing
     if packing and not packing_is_isolated(model):
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
@@ -407,7 +407,7 @@ def save_preset_base(config, weights: dict, tokenizer, path: Path) -> None:
     """The preset's initial weights as a Hugging Face folder (the base a LoRA adapter loads onto)."""
     from transformers import LlamaForCausalLM
 
-    base = LlamaForCausalLM(config)
+    base = LlamaForCausalLM(config).to(next(iter(weights.values())).dtype)  # as loaded (model.dtype)
     base.load_state_dict(weights)
     base.save_pretrained(path)
     tokenizer.save_pretrained(path)
