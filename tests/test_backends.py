@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, alpaca_rows, require_op, load_weights, run_toolkit, train_losses, write_jsonl, write_recipe
+from conftest import (ROOT, alpaca_rows, load_weights, read_metrics, require_op, run_toolkit, train_losses,
+                      write_jsonl, write_recipe)
 
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
             "zero3_nvme"]
@@ -103,11 +104,23 @@ def test_backend_matches_single_process(backend, mode, workdir, reference, reque
     (workdir / "diffs.jsonl").open("a").write(json.dumps({"backend": backend, "mode": mode, "rel": rel}) + "\n")
     assert rel <= 1e-4, (ref, got)
     assert ref[-1] < ref[0]
+    # The logged grad_norm is the global gradient's norm before clipping, the same on every
+    # backend, also where DeepSpeed clips internally (full fine-tuning: norms above
+    # max_grad_norm 1.0, so clipping is active).
+    ref_norms, norms = grad_norms(reference[mode]), grad_norms(workdir / out)
+    assert len(norms) == STEPS and (mode != "full" or min(ref_norms) > 1.0), ref_norms
+    norm_rel = max(abs(a - b) / a for a, b in zip(ref_norms, norms))
+    print(f"{backend} {mode}: max relative grad_norm difference {norm_rel:.2e}")
+    assert norm_rel <= 1e-4, (ref_norms, norms)
     want, have = load_weights(reference[mode] / "final"), load_weights(workdir / out / "final")
     assert want.keys() == have.keys() and want
     for k in want:
         assert have[k].shape == want[k].shape and have[k].numel() > 0, k
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def grad_norms(run_dir) -> list[float]:
+    return [r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r]
 
 
 def free_port() -> int:
