@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import backend, checkpoint
-from .config import Recipe, ToolkitError, dump_recipe
+from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalRows, EvalShardSampler, build_datasets, packing_is_isolated
 from .model import DTYPES, apply_lora, build_model, build_tokenizer, count_parameters
 
@@ -92,7 +92,7 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_recipe(recipe))
         write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resume_from)
-        keep_metrics_until(out / "metrics.jsonl", state.step)
+        keep_metrics_until(out / "metrics.jsonl", state.step if resume_from is not None else -1)
         if base_weights is not None and not (out / "base-model").exists():
             save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
     accelerator.wait_for_everyone()
@@ -296,12 +296,29 @@ def check_output_dir(out: Path, recipe: Recipe, resuming: bool = False) -> None:
         raise ToolkitError(f"output_dir: {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not resuming:
         if recipe.resume == "auto":
+            if never_checkpointed(out, recipe):
+                return  # killed before its first checkpoint: start again from step 0
             raise ToolkitError(f"output_dir: {out} is not empty and has no complete checkpoint to resume from")
         if not recipe.overwrite:
             raise ToolkitError(f"output_dir: {out} is not empty; choose another folder, resume=auto to continue "
                                "it, or overwrite=true")
         if backend.is_main_rank():
             shutil.rmtree(out)
+
+
+RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model"}
+
+
+def never_checkpointed(out: Path, recipe: Recipe) -> bool:
+    """A run of this same recipe that was killed before its first checkpoint was complete (no
+    final/, nothing but its own files): starting it again from step 0 loses nothing."""
+    if not {p.name for p in out.iterdir()} <= RUN_FILES or not (out / "config.yaml").is_file():
+        return False
+    try:
+        earlier = load_recipe(out / "config.yaml")
+    except ToolkitError:
+        return False
+    return learning_relevant(earlier) == learning_relevant(recipe)
 
 
 def main_process_first(accelerator, fn):
