@@ -17,6 +17,7 @@ import torch
 
 from .config import Recipe, ToolkitError
 from . import deepspeed_config
+from .checkpoint import replace_dir
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -218,16 +219,7 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
                 unwrapped.generation_config.save_pretrained(tmp)
             save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
         tokenizer.save_pretrained(tmp)
-        if path.exists():  # a resumed run that had already saved it before being killed
-            import shutil
-
-            old = path.with_name(path.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
+        replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
     accelerator.wait_for_everyone()
 
 
@@ -235,8 +227,7 @@ def deepspeed_fp32_masters(model) -> dict:
     """Under DeepSpeed bf16/fp16 the module holds low-precision weights and the optimizer their
     fp32 master copies (partitioned across ranks). The masters are what was learned: gather them
     (every rank, the same order) so a bf16 ZeRO run saves fp32 weights, as every other backend does."""
-    enabled = getattr(model, "bfloat16_enabled", None)
-    if enabled is None or not (model.bfloat16_enabled() or model.fp16_enabled()):
+    if not hasattr(model, "bfloat16_enabled") or not (model.bfloat16_enabled() or model.fp16_enabled()):
         return {}
     from deepspeed.utils import safe_get_full_fp32_param
 

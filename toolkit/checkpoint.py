@@ -104,16 +104,26 @@ def save(accelerator, path_final: Path, state: TrainerState, keep_last: int) -> 
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
         (tmp / MARKER).write_text(f"step {state.step}\n")
         _fsync_dir(tmp)
-        if path_final.exists():  # the same step saved again (a resumed run that had nothing left)
-            os.rename(path_final, path_final.with_name(".del-" + path_final.name))
-            shutil.rmtree(path_final.with_name(".del-" + path_final.name))
-        os.rename(tmp, path_final)
+        replace_dir(tmp, path_final)  # the same step may be saved again (a resumed run that had nothing left)
         _fsync_dir(path_final.parent)
         for old in complete_checkpoints(path_final.parent.parent)[:-keep_last]:
             doomed = old.with_name(".del-" + old.name)  # out of sight first, so never half-deleted
             os.rename(old, doomed)
             shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a completely written folder into place; one already there is moved aside first and
+    deleted only after, so `final` is always either the old or the new folder, never partial."""
+    if final.exists():
+        old = final.with_name(".del-" + final.name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
 
 
 def load(accelerator, path: Path) -> TrainerState:
