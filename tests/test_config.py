@@ -65,6 +65,8 @@ def test_overrides_are_typed(tmp_path):
     ("train: {max_steps: 2.5}", "train.max_steps", "expected an integer"),
     ("train: {learning_rate: -1.0}", "train.learning_rate", "must be positive"),
     ("train: {precision: fp8}", "train.precision", "one of fp32, bf16, fp16"),
+    ("train: {initial_loss_scale: 1000}", "train.initial_loss_scale", "must be a power of two"),
+    ("train: {initial_loss_scale: 0.5}", "train.initial_loss_scale", "must be a power of two"),
     ("lora: {enabled: yes please}", "lora.enabled", "expected true/false"),
     ("train: {max_steps: 0}", "train.max_steps", "must be positive"),
     ("train: {max_steps: 5, warmup_steps: 10}", "train.warmup_steps", "exceed"),

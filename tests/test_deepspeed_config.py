@@ -88,6 +88,20 @@ def test_contradictions_name_file_key_and_both_values(key, value, words):
     assert str(e.value).startswith("my_ds.json: ") and words in str(e.value)
 
 
+def test_fp16_initial_loss_scale_comes_from_the_recipe():
+    shipped = load_json(str(ROOT / "deepspeed_configs" / "zero2.json"))
+    cfg = resolve(shipped, recipe(precision="fp16", initial_loss_scale=2.0**24), 1, "zero2.json")
+    assert cfg["fp16"]["enabled"] is True and cfg["fp16"]["initial_scale_power"] == 24
+    assert resolve(shipped, recipe(precision="bf16"), 1, "zero2.json")["fp16"]["initial_scale_power"] == 16
+    # A fixed power that agrees is kept; one that disagrees names both values (fp16 only).
+    assert resolve(TRAINER_STYLE, recipe(precision="fp16"), 1, "ds.json")["fp16"]["initial_scale_power"] == 16
+    with pytest.raises(ToolkitError) as e:
+        resolve(TRAINER_STYLE, recipe(precision="fp16", initial_loss_scale=2.0**20), 1, "ds.json")
+    assert str(e.value).startswith("ds.json: fp16.initial_scale_power is 16 but the recipe's "
+                                   "train.initial_loss_scale (1.04858e+06 = 2^20) gives 20")
+    resolve(TRAINER_STYLE, recipe(precision="bf16", initial_loss_scale=2.0**20), 1, "ds.json")  # unused: no clash
+
+
 def test_nvme_path_must_exist():
     cfg = load_json(str(ROOT / "deepspeed_configs" / "zero3_offload_nvme.json"))
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = "/definitely/not/here"

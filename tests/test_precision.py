@@ -95,3 +95,22 @@ def test_lora_over_a_bf16_base_trains_and_saves_fp32_adapters(workdir):  # noqa:
     assert adapter and all(v.dtype == torch.float32 for v in adapter.values())
     base = load_weights(workdir / "prec_lora_bf16_base" / "base-model")
     assert base and all(v.dtype == torch.bfloat16 for v in base.values())
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("loss, grad_norm, scale, counts", [
+    (2.0, 1.5, None, False),        # a normal step
+    (NAN, NAN, None, True),         # non-finite loss: always divergence
+    (NAN, NAN, 32768.0, True),      # ... also under a loss scaler
+    (2.0, INF, None, True),         # gradient overflow with nothing to lower (fp32, bf16)
+    (2.0, INF, 2.0**31, False),     # fp16 overflow, scale halved to 2^31: loss scaling at work
+    (2.0, NAN, 1.0, False),         # DeepSpeed at its floor (min_loss_scale 1) lowers no further but stops itself
+    (2.0, INF, 0.5, True),          # GradScaler below 1: the step overflowed at scale <= 1
+    (2.0, INF, NAN, True),          # scale unknown
+])
+def test_which_steps_count_toward_the_nonfinite_stop(loss, grad_norm, scale, counts):
+    from toolkit.train import counts_toward_stop
+
+    assert counts_toward_stop(loss, grad_norm, scale) is counts

@@ -66,10 +66,14 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
         step_scheduler_with_optimizer=False,
         deepspeed_plugin=plugin,
     )
+    if precision == "fp16":
+        from accelerate.utils import GradScalerKwargs
+
+        kwargs["kwargs_handlers"] = [GradScalerKwargs(init_scale=recipe.train.initial_loss_scale)]
     if not cuda:
         # gloo for every backend; DDP on a CPU host also needs cpu=True or each rank trains alone.
         if launched_world_size() > 1 or kind == "deepspeed":
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            kwargs.setdefault("kwargs_handlers", []).append(InitProcessGroupKwargs(backend="gloo"))
         if kind in ("ddp", "fsdp", "single"):
             kwargs["cpu"] = True
     accelerator = Accelerator(**kwargs)

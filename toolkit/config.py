@@ -8,6 +8,7 @@ naming the file and the dotted key. Command-line overrides use the same dotted k
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -83,6 +84,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     """Cosine decay ends at learning_rate * min_lr_ratio."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    initial_loss_scale: float = 65536.0
+    """fp16 only: the dynamic loss scale's starting value, a power of two (accelerate's GradScaler
+    init_scale; DeepSpeed's fp16.initial_scale_power is filled from it). A step whose gradients
+    overflow is skipped and the scale halved."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     eval_every_steps: int = 0
@@ -91,7 +96,8 @@ class TrainConfig:
     log_every_steps: int = 10
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row with a non-finite loss or gradient (each one
-    is skipped, never applied to the weights)."""
+    is skipped, never applied to the weights). Under fp16 a gradient overflow while the loss
+    scale can still be lowered (above 1) is loss scaling at work and does not count."""
 
 
 @dataclass
@@ -285,6 +291,8 @@ def validate(r: Recipe, source: str) -> None:
     need(t.max_steps is None or t.warmup_steps <= t.max_steps, "train.warmup_steps",
          f"{t.warmup_steps} warmup steps exceed train.max_steps={t.max_steps}")
     need(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.initial_loss_scale >= 1 and math.log2(t.initial_loss_scale).is_integer(), "train.initial_loss_scale",
+         f"must be a power of two >= 1 (e.g. 65536), got {t.initial_loss_scale}")
     need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be non-negative, got {t.max_grad_norm}")
     need(t.eval_every_steps >= 0, "train.eval_every_steps", f"must be non-negative, got {t.eval_every_steps}")
     need(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size",

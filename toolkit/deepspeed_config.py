@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,13 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
             raise ToolkitError(f"{source}: {section}.enabled is {enabled!r} but the recipe's train.precision is "
                                f"{t.precision!r}; set it to \"auto\" or change the recipe")
         node["enabled"] = wanted
+        if section == "fp16":  # dynamic loss scaling starts where the recipe says (fp16 only)
+            power = int(math.log2(t.initial_loss_scale))
+            if wanted:
+                settle(node, "initial_scale_power", power, "fp16.initial_scale_power",
+                       f"train.initial_loss_scale ({t.initial_loss_scale:g} = 2^{power})")
+            elif node.get("initial_scale_power") == "auto":
+                node["initial_scale_power"] = power
 
     if "optimizer" in cfg:
         params = cfg["optimizer"].setdefault("params", {})

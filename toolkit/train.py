@@ -173,15 +173,16 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             totals = accelerator.reduce(torch.stack([loss_sum.float(), torch.tensor(float(preemption.requested),
                                                      device=accelerator.device)]), reduction="sum").tolist()
             loss, stop_requested = totals[0] / n_targets, totals[1] > 0
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            scale_now = backend.loss_scale(accelerator, model)
             state.step, state.tokens_seen = step, state.tokens_seen + n_tokens
             state.skipped_steps += not applied
-            state.nonfinite_in_a_row = 0 if finite else state.nonfinite_in_a_row + 1
+            diverging = counts_toward_stop(loss, grad_norm, scale_now)
+            state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if diverging else 0
             elapsed = time.perf_counter() - started
             row = {"step": step, "epoch": round(epoch + ((step - 1) % steps_per_epoch + 1) / steps_per_epoch, 4),
                    "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
                    "tokens_per_second": n_tokens / elapsed, "skipped_steps": state.skipped_steps,
-                   "loss_scale": backend.loss_scale(accelerator, model)}
+                   "loss_scale": scale_now}
             if step % t.log_every_steps == 0 or step == total_steps:
                 say(accelerator, f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                                  f"grad_norm {grad_norm:.3f} | {row['tokens_per_second']:,.0f} tok/s")
@@ -279,6 +280,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]  # DeepSpeed fails on an empty group (LoRA has no 1-D params)
+
+
+def counts_toward_stop(loss: float, grad_norm: float, loss_scale: float | None) -> bool:
+    """Whether this optimizer step counts toward train.max_nonfinite_steps. A non-finite loss
+    always does. A non-finite gradient does unless a dynamic loss scale (fp16) can still be
+    lowered: overflowing and halving the scale is how loss scaling finds its level, and a run
+    started at a high scale overflows many times in a row. `loss_scale` is the scale after this
+    step's update; below 1, the step overflowed at a scale of 1 or less (the gradient itself is
+    not finite), which is divergence like any other."""
+    if not math.isfinite(loss):
+        return True
+    if math.isfinite(grad_norm):
+        return False
+    return loss_scale is None or not loss_scale >= 1  # NaN scale: unknown, count it
 
 
 def as_float(x) -> float:
