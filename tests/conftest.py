@@ -150,3 +150,15 @@ def base_recipe(tmp_path, train, evaluation, out="run", **overrides) -> dict:
         else:
             recipe[section] = value
     return recipe
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA; without it they are reported as skipped (never as passed)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this host")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

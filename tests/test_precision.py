@@ -9,6 +9,7 @@ of the two runs are compared with a tolerance of that order; see BF16_LOSS_RTOL.
 """
 
 import json
+import math
 import shutil
 
 import pytest
@@ -114,3 +115,44 @@ def test_which_steps_count_toward_the_nonfinite_stop(loss, grad_norm, scale, cou
     from toolkit.train import counts_toward_stop
 
     assert counts_toward_stop(loss, grad_norm, scale) is counts
+
+
+@pytest.mark.parametrize("backend", [None, "ddp"], ids=lambda b: b or "single")
+def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa: F811
+    """fp16 with a real torch GradScaler, started at 2^30 so the first steps overflow. CPU stands in
+    for CUDA through tests/fp16_cpu_driver.py (accelerate gives a CPU host no scaler); the loop,
+    accelerate's fp16 unscale/step/update path and the scaler are the real ones. The GPU version
+    (tests/test_gpu.py) also covers DeepSpeed's scaler."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    name = f"prec_fp16_scaler_{backend or 'single'}"
+    shutil.rmtree(workdir / name, ignore_errors=True)
+    recipe = recipe_for(workdir, "full", name, micro=4 if backend is None else 2)
+    recipe["train"].update(precision="fp16", initial_loss_scale=2.0**30, max_steps=24, max_nonfinite_steps=2,
+                           eval_every_steps=0)
+    path = write_recipe(workdir / f"{name}.yaml", **recipe)
+    driver = str(ROOT / "tests" / "fp16_cpu_driver.py")
+    cmd = [sys.executable, driver, str(path)] if backend is None else \
+        accelerate_launch(launch_config_for(backend, workdir))[:-1] + [driver, str(path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in read_metrics(workdir / name) if "loss" in r]
+    skipped = rows[-1]["skipped_steps"]
+    print(f"\nfp16 {backend or 'single'} from 2^30: {skipped} steps skipped, scale {rows[-1]['loss_scale']:g}, "
+          f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+    # Every overflow is skipped and halves the scale; more overflows in a row than
+    # max_nonfinite_steps (2) do not stop the run, since the scale could still be lowered.
+    assert rows[0]["skipped_steps"] == 1 and rows[0]["loss_scale"] == 2.0**29
+    assert 2 < skipped < len(rows) - 8, skipped
+    for before, row in zip([None] + rows, rows):
+        was_skipped = row["skipped_steps"] > (before["skipped_steps"] if before else 0)
+        assert (math.isfinite(row["grad_norm"]) and row["grad_norm"] < 100) != was_skipped, row  # unscaled norm
+        previous_scale = before["loss_scale"] if before else 2.0**30
+        assert row["loss_scale"] == (previous_scale / 2 if was_skipped else previous_scale), row
+        after = next((r for r in rows if r["step"] == row["step"] + 1), None)
+        if was_skipped and after is not None:  # the schedule did not advance on a skipped step
+            assert after["lr"] == row["lr"], (row, after)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
