@@ -133,7 +133,7 @@ def logged_steps(run_dir):
 
 
 def comparable(rows, from_step):
-    skip = {"tokens_per_second"}
+    skip = {"tokens_per_second", "time"}
     return [{k: v for k, v in r.items() if k not in skip} for r in rows if r["step"] > from_step]
 
 

@@ -182,7 +182,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             row = {"step": step, "epoch": round(epoch + ((step - 1) % steps_per_epoch + 1) / steps_per_epoch, 4),
                    "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
                    "tokens_per_second": n_tokens / elapsed, "skipped_steps": state.skipped_steps,
-                   "loss_scale": scale_now}
+                   "loss_scale": scale_now, "time": round(time.time(), 3)}
             if step % t.log_every_steps == 0 or step == total_steps:
                 say(accelerator, f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                                  f"grad_norm {grad_norm:.3f} | {row['tokens_per_second']:,.0f} tok/s")
