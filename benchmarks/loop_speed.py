@@ -210,19 +210,21 @@ def main() -> None:
         "model": f"llama hidden {a.hidden} x {a.layers} layers", "tokens_per_step": tokens_per_step,
         "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
         "ms_per_step": {w: round(statistics.median(v) * 1000, 1) for w, v in per_step.items()},
+        "ms_per_step_best": {w: round(min(v) * 1000, 1) for w, v in per_step.items()},
         "ms_per_step_all_repeats": {w: [round(x * 1000, 1) for x in v] for w, v in per_step.items()},
         "process_seconds": {w: round(statistics.median(v), 1) for w, v in walls.items()},
     }
     result["tokens_per_second"] = {w: round(tokens_per_step / (ms / 1000)) for w, ms in result["ms_per_step"].items()}
-    if "toolkit" in per_step:
-        for other in per_step.keys() - {"toolkit"}:  # > 1: the toolkit is faster
-            result[f"speed_vs_{other}"] = round(result["ms_per_step"][other] / result["ms_per_step"]["toolkit"], 3)
+    if "toolkit" in per_step:  # > 1: the toolkit is faster. On a shared host the best of the repeats
+        for other in sorted(per_step.keys() - {"toolkit"}):  # (as timeit reports) is the steadier figure
+            for kind, key in (("", "ms_per_step"), ("_best", "ms_per_step_best")):
+                result[f"speed_vs_{other}{kind}"] = round(result[key][other] / result[key]["toolkit"], 3)
     print(json.dumps(result))
-    ms = result["ms_per_step"]
+    ms, best = result["ms_per_step"], result["ms_per_step_best"]
     print(f"| {result['date']} | {result['device']} | {result['model']}, seq {a.seq}, micro {a.micro}, "
-          f"{a.precision} | " + " | ".join(f"{ms.get(w, '-')}" for w in CONTENDERS) + " | "
-          + " | ".join(str(result.get(f"speed_vs_{w}", "-")) for w in CONTENDERS[1:]) + " |")
-
+          f"{a.precision} | " + " | ".join(f"{ms.get(w, '-')} ({best.get(w, '-')})" for w in CONTENDERS) + " | "
+          + " | ".join(f"{result.get(f'speed_vs_{w}', '-')} ({result.get(f'speed_vs_{w}_best', '-')})"
+                       for w in CONTENDERS[1:]) + " |")
 
 if __name__ == "__main__":
     main()
