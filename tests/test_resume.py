@@ -15,13 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from pathlib import Path
-
 from conftest import ROOT, alpaca_rows, load_weights, read_metrics, write_jsonl, write_recipe
+from toolkit import checkpoint
 from test_backends import launch_config_for
 
 STEPS = 8
@@ -251,6 +251,32 @@ def test_sigterm_checkpoints_and_exits_75(workdir, uninterrupted):
     assert not (run / "final").exists()
     rc, _, err = finish(start(command(workdir, None, path, "resume=auto")))
     assert rc == 0, err[-3000:]
+    assert_identical(reference, run, from_step=0)
+
+
+@pytest.mark.parametrize("target", ["launcher", "every_process"])
+def test_sigterm_under_accelerate_launch_checkpoints_and_resumes(target, workdir, uninterrupted):
+    """DDP, 2 processes. `launcher`: SIGTERM to `accelerate launch` alone, as a container runtime
+    does to its main process; torchrun forwards it to the workers and waits up to 30 s before
+    SIGKILL. `every_process`: SIGTERM to every process of the tree at once, as Slurm does."""
+    reference = uninterrupted("ddp")
+    name = f"terminated_ddp_{target}"
+    path = recipe(workdir, name, None)
+    run = workdir / name
+    proc = start(command(workdir, "ddp", path))
+    wait_for(lambda: logged_steps(run) >= 3, proc)
+    if target == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        kill_tree(proc.pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc != 0, err[-3000:]  # torchrun reports the signal, not the workers' exit code 75
+    assert "stopped: preempted: checkpoint" in err and "resume=auto" in err, err[-3000:]
+    saved = checkpoint.complete_checkpoints(run)
+    assert saved and not (run / "final").exists(), saved
+    rc, out, err = finish(start(command(workdir, "ddp", path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    assert f"resumed from {saved[-1]}" in out + err, out[-3000:]
     assert_identical(reference, run, from_step=0)
 
 
