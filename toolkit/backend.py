@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -101,6 +102,15 @@ def _force_fsdp_on_cpu(accelerator) -> None:
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings the launcher exported
     if plugin.fsdp_version != 2:
         raise ToolkitError("launch: FSDP on a CPU-only host needs fsdp_version: 2 in the accelerate config")
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        # FSDP2's offload copies parameters to the accelerator for compute and fails without one
+        # ("Cannot access accelerator device"); on a CPU-only host they are in CPU memory anyway.
+        plugin.cpu_offload = OffloadPolicy()
+        if is_main_rank():
+            print("launch: fsdp_offload_params has no effect on a CPU-only host (parameters already live in "
+                  "CPU memory); training with FSDP without offload", file=sys.stderr)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     # Every later AcceleratorState() copies PartialState's fields over its own (accelerate does
