@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,30 @@ def run_toolkit(*args, cwd=ROOT, env=None, timeout=900, launcher=None) -> subpro
     cmd = (launcher or [sys.executable, "-m"]) + ["toolkit", *map(str, args)]
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def start(cmd, env=None) -> subprocess.Popen:
+    """Start a run in the background (its own session), its output going to files, not pipes: a run
+    nobody reads from while it trains would block once a pipe's 64 KiB are full (ZeRO-3 warns on
+    every collective). `finish` waits and returns (returncode, stdout, stderr)."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=err, text=True,
+                            start_new_session=True)
+    proc.output = (out, err)
+    return proc
+
+
+def read_output(proc) -> tuple[str, str]:
+    texts = []
+    for f in proc.output:
+        f.seek(0)
+        texts.append(f.read())
+    return texts[0], texts[1]
+
+
+def finish(proc, timeout=900):
+    proc.wait(timeout=timeout)
+    return (proc.returncode, *read_output(proc))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

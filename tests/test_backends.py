@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, alpaca_rows, load_weights, read_metrics, require_op, run_toolkit, train_losses,
-                      write_jsonl, write_recipe)
+from conftest import (ROOT, alpaca_rows, finish, load_weights, read_metrics, require_op, run_toolkit, start,
+                      train_losses, write_jsonl, write_recipe)
 
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
             "zero3_nvme"]
@@ -139,9 +139,6 @@ def test_multi_node_rehearsal_on_loopback(stage, workdir, reference):
     each), learns what one process learns, with ZeRO-2 and ZeRO-3. Each machine's output goes to
     a file: ZeRO-3 warns on every collective, and a machine whose pipe nobody reads blocks on
     write while the other waits for it in a collective (that looked like a ZeRO-3 hang)."""
-    import subprocess
-    import tempfile
-
     import yaml
 
     launch = yaml.safe_load((ROOT / "accelerate_configs" / "multi_node_template.yaml").read_text())
@@ -157,12 +154,10 @@ def test_multi_node_rehearsal_on_loopback(stage, workdir, reference):
         (workdir / f"node{rank}.yaml").write_text(yaml.safe_dump(cfg))
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(workdir / f"node{rank}.yaml"),
                "-m", "toolkit", "train", str(recipe)]
-        err = tempfile.TemporaryFile("w+")
-        procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True), err))
-    for p, err in procs:
-        p.wait(timeout=600)
-        err.seek(0)
-        assert p.returncode == 0, err.read()[-4000:]
+        procs.append(start(cmd))
+    for proc in procs:
+        rc, _, err = finish(proc, timeout=600)
+        assert rc == 0, err[-4000:]
     ref, got = train_losses(reference["full"]), train_losses(out)
     assert len(got) == len(ref) == STEPS
     rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))

@@ -11,16 +11,15 @@ import os
 import pickle
 import random
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, alpaca_rows, load_weights, read_metrics, write_jsonl, write_recipe
+from conftest import (ROOT, alpaca_rows, finish, load_weights, read_metrics, read_output, start, write_jsonl,
+                      write_recipe)
 from toolkit import checkpoint
 from test_backends import launch_config_for
 
@@ -67,29 +66,6 @@ def command(workdir, backend, path, *overrides):
     config = launch_config_for(backend, workdir)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
             "--main_process_port", "0", "-m", "toolkit", "train", str(path), *overrides]
-
-
-def start(cmd, env=None):
-    """The run's output goes to files, not pipes: a run nobody reads from while it trains would
-    block once a pipe's 64 KiB are full (ZeRO-3 warns on every collective)."""
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=err, text=True,
-                            start_new_session=True)
-    proc.output = (out, err)
-    return proc
-
-
-def read_output(proc) -> tuple[str, str]:
-    texts = []
-    for f in proc.output:
-        f.seek(0)
-        texts.append(f.read())
-    return texts[0], texts[1]
-
-
-def finish(proc, timeout=900):
-    proc.wait(timeout=timeout)
-    return (proc.returncode, *read_output(proc))
 
 
 def kill_tree(pid, sig=signal.SIGKILL):

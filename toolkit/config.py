@@ -96,8 +96,8 @@ class TrainConfig:
     log_every_steps: int = 10
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row with a non-finite loss or gradient (each one
-    is skipped, never applied to the weights). Under fp16 a gradient overflow while the loss
-    scale can still be lowered (above 1) is loss scaling at work and does not count."""
+    is skipped, never applied to the weights). Under fp16 a gradient overflow that leaves the loss
+    scale at 1 or more is loss scaling at work and does not count."""
 
 
 @dataclass
