@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import Recipe, ToolkitError
-from . import deepspeed_config
+from . import deepspeed_config, launch_config
 from .checkpoint import replace_dir
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -33,11 +33,7 @@ def is_main_rank() -> bool:
 
 def launch_kind() -> str:
     """What the launcher asked for, from the environment `accelerate launch` sets."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return "deepspeed"
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        return "fsdp"
-    return "ddp" if launched_world_size() > 1 else "single"
+    return launch_config.launch_kind(os.environ)
 
 
 def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
@@ -48,6 +44,8 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
     cuda = torch.cuda.is_available()
     kind = launch_kind()
     precision = recipe.train.precision
+    notes: list[str] = []
+    launch_config.check(recipe, os.environ, cuda, notes=notes)
     if precision == "fp16" and not cuda:
         raise ToolkitError("train.precision: fp16 needs dynamic loss scaling, which no backend provides on a "
                            "CPU-only host (accelerate runs fp16 unscaled, DeepSpeed's CPU accelerator has no "
@@ -56,7 +54,11 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plugin = None
     if kind == "deepspeed":
-        plugin = deepspeed_config.make_plugin(recipe, launched_world_size())
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""  # settled by launch_config.check, not refused by accelerate
+        plugin = deepspeed_config.make_plugin(recipe, launched_world_size(), notes)
+    if kind == "fsdp" and not cuda:
+        # Both only matter when ranks load different weights onto a GPU; here they query one and fail.
+        os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     kwargs = dict(
         mixed_precision=MIXED_PRECISION[precision],
         # The loop hands over exactly gradient_accumulation_steps micro-batches per optimizer step.
@@ -81,6 +83,9 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
     if kind == "fsdp" and accelerator.state.distributed_type.name != "FSDP":
         _force_fsdp_on_cpu(accelerator)
     check_distributed(accelerator)
+    if accelerator.is_main_process:
+        for note in dict.fromkeys(notes):
+            print(f"launch: {note}", file=sys.stderr)
     return accelerator
 
 
@@ -100,17 +105,15 @@ def _force_fsdp_on_cpu(accelerator) -> None:
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings the launcher exported
-    if plugin.fsdp_version != 2:
-        raise ToolkitError("launch: FSDP on a CPU-only host needs fsdp_version: 2 in the accelerate config")
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
+    # Offload copies parameters to the accelerator for compute and fails without one ("Cannot
+    # access accelerator device"); on a CPU-only host they are in CPU memory anyway (said in
+    # launch_config.check).
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
-        # FSDP2's offload copies parameters to the accelerator for compute and fails without one
-        # ("Cannot access accelerator device"); on a CPU-only host they are in CPU memory anyway.
         plugin.cpu_offload = OffloadPolicy()
-        if is_main_rank():
-            print("launch: fsdp_offload_params has no effect on a CPU-only host (parameters already live in "
-                  "CPU memory); training with FSDP without offload", file=sys.stderr)
+    elif isinstance(plugin.cpu_offload, CPUOffload) and plugin.cpu_offload.offload_params:
+        plugin.cpu_offload = CPUOffload(offload_params=False)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     # Every later AcceleratorState() copies PartialState's fields over its own (accelerate does
@@ -138,9 +141,30 @@ def check_prepared(accelerator, model) -> None:
             # ZeRO-1/2 check bf16 gradients for inf/NaN only when asked; a non-finite step must
             # be skipped, never applied.
             model.optimizer.check_grad_overflow = True
+        if isinstance(model.optimizer, torch.optim.Optimizer) and not hasattr(model.optimizer, "_global_grad_norm"):
+            _measure_plain_optimizer_steps(model)
     elif kind == "ddp" and accelerator.num_processes > 1:
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ToolkitError("launch: several processes were started but the model is not wrapped for DDP")
+
+
+def _measure_plain_optimizer_steps(engine) -> None:
+    """ZeRO-0 in fp32 steps a plain torch optimizer: DeepSpeed then records no gradient norm (the
+    loop saw NaN and stopped a healthy run) and applies a non-finite step. Measure the norm here,
+    before DeepSpeed's clipping, and skip the step (DeepSpeed's `overflow`) when it is not finite."""
+    optimizer = engine.optimizer
+    max_norm = engine.gradient_clipping() or math.inf
+
+    def measure_clip_or_skip(opt, args, kwargs):
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        opt._global_grad_norm, opt.overflow = norm, not math.isfinite(norm)
+        if opt.overflow:  # a parameter without a gradient is not updated: the step is skipped
+            for p in params:
+                p.grad = None
+
+    engine.clip_fp32_gradients = lambda: None  # clipped above, after the norm is measured
+    optimizer.register_step_pre_hook(measure_clip_or_skip)
 
 
 def make_optimizer(accelerator, params: list[dict], recipe: Recipe):
@@ -156,12 +180,16 @@ def make_optimizer(accelerator, params: list[dict], recipe: Recipe):
 
 
 def make_scheduler(accelerator, optimizer, lr_lambda, total_steps: int, warmup_steps: int):
-    """LambdaLR from the recipe, or a placeholder when a DeepSpeed JSON brings its own scheduler."""
+    """The recipe's LambdaLR; a placeholder when a DeepSpeed JSON brings its own scheduler; and,
+    when the JSON brings only an optimizer, the recipe's schedule attached to the optimizer that
+    DeepSpeed builds (accelerate's `lr_scheduler_callable`)."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+
     ds = accelerator.state.deepspeed_plugin
     if ds is not None and "scheduler" in ds.deepspeed_config:
-        from accelerate.utils import DummyScheduler
-
         return DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps)
+    if isinstance(optimizer, DummyOptim):
+        return DummyScheduler(optimizer, lr_scheduler_callable=lambda real: torch.optim.lr_scheduler.LambdaLR(real, lr_lambda))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
 

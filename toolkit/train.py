@@ -154,6 +154,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             # steps; this factor undoes both so the gradient is sum(token losses) / n_targets.
             scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
             loss_sum = torch.zeros((), device=accelerator.device)
+            lr = scheduler.get_last_lr()[0]  # this step's; a DeepSpeed scheduler steps inside the last backward
             for i, batch in enumerate(micro_batches):
                 with accelerator.accumulate(model):
                     token_losses = token_loss_sum(model, batch)
@@ -163,7 +164,6 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                     loss_sum += token_losses.detach()
                     if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
                         grad_norm = as_float(accelerator.clip_grad_norm_(model.parameters(), clip))
-                        lr = scheduler.get_last_lr()[0]
                         applied = backend.optimizer_step(accelerator, model, optimizer, grad_norm)
                         if applied:  # a skipped step does not advance the schedule
                             scheduler.step()
@@ -176,7 +176,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             scale_now = backend.loss_scale(accelerator, model)
             state.step, state.tokens_seen = step, state.tokens_seen + n_tokens
             state.skipped_steps += not applied
-            diverging = counts_toward_stop(loss, grad_norm, scale_now)
+            diverging = counts_toward_stop(loss, grad_norm, scale_now, applied)
             state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if diverging else 0
             elapsed = time.perf_counter() - started
             row = {"step": step, "epoch": round(epoch + ((step - 1) % steps_per_epoch + 1) / steps_per_epoch, 4),
@@ -282,13 +282,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]  # DeepSpeed fails on an empty group (LoRA has no 1-D params)
 
 
-def counts_toward_stop(loss: float, grad_norm: float, loss_scale: float | None) -> bool:
-    """Whether this optimizer step counts toward train.max_nonfinite_steps. A non-finite loss
+def counts_toward_stop(loss: float, grad_norm: float, loss_scale: float | None, applied: bool = False) -> bool:
+    """Whether this optimizer step counts toward train.max_nonfinite_steps. An applied step never
+    does: the stop is for runs whose steps are being skipped. Otherwise a non-finite loss
     always does. A non-finite gradient does unless a dynamic loss scale (fp16) can still be
     lowered: overflowing and halving the scale is how loss scaling finds its level, and a run
     started at a high scale overflows many times in a row. `loss_scale` is the scale after this
     step's update; below 1, the step overflowed at a scale of 1 or less (the gradient itself is
     not finite), which is divergence like any other."""
+    if applied:
+        return False
     if not math.isfinite(loss):
         return True
     if math.isfinite(grad_norm):

@@ -1,0 +1,127 @@
+"""The accelerate launch config as the workers see it: refusals and notes before any work.
+
+`accelerate launch --config_file X.yaml` turns the YAML into environment variables for its
+workers. `check()` reads those (in a worker) and refuses, in one line naming the key, what the
+loop cannot run faithfully; `worker_env()` computes the same variables from a YAML with
+accelerate's own launcher code, so `toolkit config show` gives the same verdict before a launch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import Recipe, ToolkitError
+
+ENV_SOURCE = "accelerate config"
+# With a deepspeed_config_file, accelerate refuses these YAML fields outright (a ValueError on
+# every rank); they are settled against the JSON and the recipe here instead.
+DS_FILE_IGNORES = {"gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+                   "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path",
+                   "zero3_save_16bit_model", "mixed_precision"}
+
+
+def launch_kind(env=os.environ) -> str:
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp"
+    return "ddp" if int(env.get("WORLD_SIZE", "1")) > 1 else "single"
+
+
+def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_SOURCE,
+          notes: list[str] | None = None) -> None:
+    """Refuse what this launch cannot run as asked; append to `notes` what is changed."""
+    notes = [] if notes is None else notes
+    kind = launch_kind(env)
+    precision = {"fp32": "no"}.get(recipe.train.precision, recipe.train.precision)
+    mixed = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if mixed == "fp8":
+        raise ToolkitError(f"{source}: mixed_precision 'fp8' is not supported by this toolkit; use bf16")
+    if mixed != "no" and mixed != precision:
+        raise ToolkitError(f"{source}: mixed_precision is {mixed!r} but the recipe's train.precision is "
+                           f"{recipe.train.precision!r}; set train.precision={mixed} (or mixed_precision: 'no')")
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        sizes = {name: int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in ("tp", "cp", "sp")}
+        wanted = {k: v for k, v in sizes.items() if v > 1}
+        if wanted:
+            k, v = next(iter(wanted.items()))
+            raise ToolkitError(f"{source}: parallelism_config.parallelism_config_{k}_size is {v}: tensor, context and "
+                               "sequence parallelism are not supported by this toolkit (data parallel only); remove "
+                               "them from parallelism_config")
+    if env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
+        raise ToolkitError(f"{source}: dynamo_config.dynamo_backend is {env['ACCELERATE_DYNAMO_BACKEND']!r}: "
+                           "compiling the model is not supported by this toolkit yet; set dynamo_backend: 'NO'")
+    if kind == "fsdp" and not cuda:
+        for name, key in (("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states"),
+                          ("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading")):
+            if env.get(name, "false").lower() == "true":
+                notes.append(f"{source}: {key} has no effect on a CPU-only host (every rank builds the same "
+                             "weights from the seed); rehearsing without it")
+        if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            notes.append(f"{source}: fsdp_offload_params has no effect on a CPU-only host (parameters already live "
+                         "in CPU memory); training with FSDP without offload")
+    if kind == "deepspeed" and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") not in ("", "none"):
+        fields = [f for f in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if f in DS_FILE_IGNORES]
+        _settle_yaml_ds_fields(recipe, env, fields, source, notes)
+
+
+def _settle_yaml_ds_fields(recipe: Recipe, env, fields: list[str], source: str, notes: list[str]) -> None:
+    """accelerate refuses a YAML that sets these beside a deepspeed_config_file; the recipe and the
+    JSON decide them, so a YAML value is accepted where it agrees and refused where it contradicts."""
+    import json
+
+    path = env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+    try:
+        stage = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage", 0)
+    except (OSError, ValueError, AttributeError):
+        stage = None  # reported when the JSON itself is loaded
+    for field in fields:
+        value = env.get(f"ACCELERATE_DEEPSPEED_{field.upper()}", env.get(f"ACCELERATE_{field.upper()}"))
+        if field == "zero_stage" and stage is not None and value is not None and int(value) != int(stage):
+            raise ToolkitError(f"{source}: deepspeed_config.zero_stage is {value} but {path} has "
+                               f"zero_optimization.stage {stage}; remove zero_stage from the YAML")
+        if field == "gradient_accumulation_steps" and value is not None and \
+                int(value) != recipe.train.gradient_accumulation_steps:
+            raise ToolkitError(f"{source}: deepspeed_config.gradient_accumulation_steps is {value} but the recipe's "
+                               f"train.gradient_accumulation_steps is {recipe.train.gradient_accumulation_steps}; "
+                               "remove it from the YAML")
+        if field != "mixed_precision":
+            notes.append(f"{source}: deepspeed_config.{field} not used ({path} and the recipe decide it)")
+
+
+def worker_env(yaml_path: str, num_processes: int | None = None) -> dict:
+    """The environment `accelerate launch --config_file yaml_path` gives its workers, computed with
+    accelerate's own launcher code (nothing is started)."""
+    if not Path(yaml_path).is_file():
+        raise ToolkitError(f"accelerate config not found: {yaml_path}")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (prepare_deepspeed_cmd_env, prepare_multi_gpu_env,
+                                         prepare_simple_launcher_cmd_env)
+
+    argv = ["--config_file", str(yaml_path)] + (["--num_processes", str(num_processes)] if num_processes else [])
+    try:
+        args = launch_command_parser().parse_args(argv + ["train.py"])
+        args, defaults, mp_from_config = _validate_launch_command(args)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ToolkitError(f"{yaml_path}: accelerate cannot launch this config: {' '.join(str(e).split())}") from None
+    except SystemExit:
+        raise ToolkitError(f"{yaml_path}: accelerate cannot read this config") from None
+    saved = dict(os.environ)
+    try:  # the launcher helpers start from os.environ; keep this process's untouched
+        if args.use_deepspeed and not args.cpu:
+            fields = list(defaults.deepspeed_config.keys()) if defaults else []
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
+            _, env = prepare_deepspeed_cmd_env(args)
+        elif (args.use_fsdp or args.multi_gpu) and not args.cpu:
+            env = prepare_multi_gpu_env(args)
+        else:
+            _, env = prepare_simple_launcher_cmd_env(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    env = dict(env)
+    env.setdefault("WORLD_SIZE", str(args.num_processes or 1))
+    if args.num_processes:
+        env["WORLD_SIZE"] = str(args.num_processes)
+    return env
