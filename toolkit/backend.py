@@ -46,10 +46,6 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
     precision = recipe.train.precision
     notes: list[str] = []
     launch_config.check(recipe, os.environ, cuda, notes=notes)
-    if precision == "fp16" and not cuda:
-        raise ToolkitError("train.precision: fp16 needs dynamic loss scaling, which no backend provides on a "
-                           "CPU-only host (accelerate runs fp16 unscaled, DeepSpeed's CPU accelerator has no "
-                           "fp16); use train.precision=bf16")
     if kind == "deepspeed" and not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     plugin = None

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("overrides", nargs="*")
     show.add_argument("--accelerate-config", help="an accelerate launch config (YAML) to resolve against the recipe")
     show.add_argument("--num-processes", type=int, default=None)
+    show.add_argument("--assume-gpu", action="store_true", help="judge the launch as on a CUDA host (from a laptop)")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -35,11 +36,13 @@ def main(argv: list[str] | None = None) -> int:
             run(recipe, args.recipe)
         else:
             from .config import dump_recipe
-            from .deepspeed_config import show_resolved
+            from .launch_config import show
 
+            if args.accelerate_config:
+                report = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)
             print(dump_recipe(recipe), end="")
             if args.accelerate_config:
-                print(show_resolved(recipe, args.accelerate_config, args.num_processes))
+                print(report)
     except ToolkitError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)

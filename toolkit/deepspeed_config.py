@@ -35,11 +35,10 @@ ZERO_SPELLINGS = {
     "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
     "allgather_sequential": "stage3_allgather_sequential",
 }
+LOSS_SCALING_KEYS = {"loss_scale", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale",
+                     "initial_scale_power"}
 # Legacy boolean switches that became offload sections.
 ZERO_OFFLOAD_SWITCHES = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
-# Scheduler parameters the recipe provides: name -> (value from the recipe, recipe key); filled
-# when "auto" or absent, refused when fixed to another value.
-RECIPE_SCHEDULE_KEYS = ("warmup_max_lr", "warmup_num_steps", "total_num_steps")
 
 
 def load_json(path: str) -> dict:
@@ -100,6 +99,10 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
                        f"train.initial_loss_scale ({t.initial_loss_scale:g} = 2^{power})")
             elif node.get("initial_scale_power") == "auto":
                 node["initial_scale_power"] = power
+        if section == "bf16":  # loss-scaling keys copied from an fp16 section: bf16 scales nothing
+            for key in [k for k in node if k in LOSS_SCALING_KEYS]:
+                del node[key]
+                notes.append(f"{source}: bf16.{key} dropped (loss scaling is fp16's; bf16 needs none)")
         for key in [k for k, v in node.items() if v == "auto"]:  # e.g. loss_scale_window: the library's default
             del node[key]
             notes.append(f"{source}: {section}.{key} \"auto\" -> DeepSpeed's default")
@@ -171,8 +174,9 @@ def scheduler_class(kind: str):
 
 
 def _resolve_scheduler(sched: dict, t, source: str, settle, notes: list[str], total_steps: int | None) -> None:
-    """The JSON's schedule is kept; "auto" values come from the recipe, and only the parameters
-    this scheduler type takes are filled (WarmupLR has no total_num_steps)."""
+    """The JSON's schedule is kept, fixed values included (each one that differs from the recipe is
+    noted); "auto" and absent values come from the recipe, and only the parameters this scheduler
+    type takes are filled (WarmupLR has no total_num_steps)."""
     kind = str(sched.get("type", ""))
     cls = scheduler_class(kind)
     if cls is None:
@@ -200,8 +204,13 @@ def _resolve_scheduler(sched: dict, t, source: str, settle, notes: list[str], to
              "warmup_num_steps": (warmup, "train.warmup_steps"),
              "total_num_steps": (total_steps, "train.max_steps (or epochs x steps per epoch)")}
     for key, (value, recipe_key) in fills.items():
-        if key in accepted and value is not None:
-            settle(params, key, value, f"scheduler.params.{key}", recipe_key)
+        if key not in accepted or value is None:
+            continue
+        if params.get(key, "auto") == "auto":
+            params[key] = value
+        elif not _same(params[key], value):  # the file's own schedule, as written
+            notes.append(f"{source}: scheduler.params.{key} {params[key]!r} kept from this file (the recipe's "
+                         f"{recipe_key} gives {value!r})")
     autos = {"warmup_min_lr": 0.0, "warmup_min_ratio": 0.0, "cos_min_ratio": t.min_lr_ratio,
              "cycle_max_lr": t.learning_rate, "cycle_min_lr": t.learning_rate * t.min_lr_ratio,
              "lr_range_test_min_lr": t.learning_rate}

@@ -52,6 +52,11 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     if env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
         raise ToolkitError(f"{source}: dynamo_config.dynamo_backend is {env['ACCELERATE_DYNAMO_BACKEND']!r}: "
                            "compiling the model is not supported by this toolkit yet; set dynamo_backend: 'NO'")
+    if kind == "fsdp" and not cuda and env.get("FSDP_VERSION", "1") != "2":
+        raise ToolkitError(f"{source}: fsdp_config.fsdp_version is {env.get('FSDP_VERSION', '1')} (FSDP1, also when the "
+                           "key is absent): it trains on GPUs as it is, but accelerate's FSDP1 cannot run on a CPU-only "
+                           "host; to rehearse here, convert it with `accelerate to-fsdp2 --config_file THIS.yaml "
+                           "--output_file THIS-fsdp2.yaml`")
     if kind == "fsdp" and not cuda:
         for name, key in (("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states"),
                           ("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading")):
@@ -61,6 +66,10 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
         if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
             notes.append(f"{source}: fsdp_offload_params has no effect on a CPU-only host (parameters already live "
                          "in CPU memory); training with FSDP without offload")
+    if recipe.train.precision == "fp16" and not cuda:
+        raise ToolkitError("train.precision: fp16 needs dynamic loss scaling, which no backend provides on a "
+                           "CPU-only host (accelerate runs fp16 unscaled, DeepSpeed's CPU accelerator has no "
+                           "fp16); use train.precision=bf16")
     if kind == "deepspeed" and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") not in ("", "none"):
         fields = [f for f in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if f in DS_FILE_IGNORES]
         _settle_yaml_ds_fields(recipe, env, fields, source, notes)
@@ -90,25 +99,21 @@ def _settle_yaml_ds_fields(recipe: Recipe, env, fields: list[str], source: str, 
             notes.append(f"{source}: deepspeed_config.{field} not used ({path} and the recipe decide it)")
 
 
-def worker_env(yaml_path: str, num_processes: int | None = None) -> dict:
+def worker_env(yaml_path: str, num_processes: int | None = None, extra_args: list[str] = ()) -> dict:
     """The environment `accelerate launch --config_file yaml_path` gives its workers, computed with
     accelerate's own launcher code (nothing is started)."""
     if not Path(yaml_path).is_file():
         raise ToolkitError(f"accelerate config not found: {yaml_path}")
+    argv = ["--config_file", str(yaml_path)] + (["--num_processes", str(num_processes)] if num_processes else [])
+    argv += list(extra_args)
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import (prepare_deepspeed_cmd_env, prepare_multi_gpu_env,
                                          prepare_simple_launcher_cmd_env)
 
-    argv = ["--config_file", str(yaml_path)] + (["--num_processes", str(num_processes)] if num_processes else [])
-    try:
-        args = launch_command_parser().parse_args(argv + ["train.py"])
-        args, defaults, mp_from_config = _validate_launch_command(args)
-    except (ValueError, TypeError, KeyError) as e:
-        raise ToolkitError(f"{yaml_path}: accelerate cannot launch this config: {' '.join(str(e).split())}") from None
-    except SystemExit:
-        raise ToolkitError(f"{yaml_path}: accelerate cannot read this config") from None
     saved = dict(os.environ)
     try:  # the launcher helpers start from os.environ; keep this process's untouched
+        args = launch_command_parser().parse_args(argv + ["train.py"])
+        args, defaults, mp_from_config = _validate_launch_command(args)
         if args.use_deepspeed and not args.cpu:
             fields = list(defaults.deepspeed_config.keys()) if defaults else []
             args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config)
@@ -117,6 +122,11 @@ def worker_env(yaml_path: str, num_processes: int | None = None) -> dict:
             env = prepare_multi_gpu_env(args)
         else:
             _, env = prepare_simple_launcher_cmd_env(args)
+    except SystemExit:
+        raise ToolkitError(f"{yaml_path}: accelerate cannot read this config") from None
+    except Exception as e:  # accelerate's launcher refuses (unknown keys, FP8 or MPI missing, SageMaker)
+        raise ToolkitError(f"{yaml_path}: accelerate launch refuses this config on this host: "
+                           f"{' '.join(str(e).split())}") from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -125,3 +135,53 @@ def worker_env(yaml_path: str, num_processes: int | None = None) -> dict:
     if args.num_processes:
         env["WORLD_SIZE"] = str(args.num_processes)
     return env
+
+
+def plan(recipe: Recipe, env, cuda: bool, source: str = ENV_SOURCE) -> tuple[list[str], dict | None]:
+    """What a launch with worker environment `env` would train with: (notes on what is changed,
+    the resolved DeepSpeed config or None). Raises ToolkitError for what would be refused."""
+    from . import deepspeed_config
+
+    notes: list[str] = []
+    check(recipe, env, cuda, source, notes)
+    if launch_kind(env) != "deepspeed":
+        return notes, None
+    world = int(env.get("WORLD_SIZE", "1"))
+    hidden = deepspeed_config.model_hidden_size(recipe)
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path not in ("", "none"):
+        raw, where = deepspeed_config.load_json(path), path
+    else:  # inline deepspeed_config settings: accelerate's plugin turns them into a config
+        from accelerate.utils import DeepSpeedPlugin
+
+        saved = dict(os.environ)
+        try:
+            os.environ.update({k: v for k, v in env.items() if k.startswith("ACCELERATE_")})
+            raw = DeepSpeedPlugin().deepspeed_config
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        where = f"{source} (deepspeed_config)"
+    resolved = deepspeed_config.resolve(raw, recipe, world, where, total_steps=recipe.train.max_steps,
+                                        hidden_size=hidden, notes=notes)
+    return notes, resolved
+
+
+def show(recipe: Recipe, yaml_path: str, num_processes: int | None, assume_gpu: bool) -> str:
+    """`toolkit config show --accelerate-config`: the launch, what is changed, the resolved DeepSpeed config."""
+    import json
+
+    import torch
+
+    env = worker_env(yaml_path, num_processes)
+    cuda = assume_gpu or torch.cuda.is_available()
+    notes, resolved = plan(recipe, env, cuda, source=yaml_path)
+    world = int(env.get("WORLD_SIZE", "1"))
+    lines = [f"# {yaml_path}: {launch_kind(env)}, {world} process(es), {'GPU' if cuda else 'CPU-only host'}"]
+    lines += [f"# changed: {note}" for note in dict.fromkeys(notes)] or ["# changed: nothing"]
+    if resolved is not None:
+        source = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        source = yaml_path if source in ("", "none") else source
+        lines.append(f"# {source} resolved for {world} process(es)")
+        lines.append(json.dumps(resolved, indent=2))
+    return "\n".join(lines)
