@@ -102,7 +102,7 @@ def agreeing_recipe(entry: dict, tmp: Path) -> dict:
     evaluation = write_jsonl(tmp / "eval.jsonl", alpaca_rows(8, seed=2))
     recipe = {"output_dir": str(tmp / "run"), "seed": 5, "model": {"preset": "tiny-llama-mini"},
               "data": {"train_files": [str(rows)], "eval_files": [str(evaluation)], "format": "alpaca",
-                       "max_seq_len": 64},
+                       "max_seq_len": 96},
               "train": train}
     return recipe
 

@@ -2,6 +2,7 @@
 train; contradictions stop before training with one line naming the file, key and both values."""
 
 import json
+import math
 import sys
 
 import pytest
@@ -151,3 +152,149 @@ def test_config_show_prints_resolved_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout.split("resolved for 4 process(es)\n", 1)[1])
     assert shown["train_batch_size"] == 24 and shown["zero_optimization"]["reduce_bucket_size"] == 128 * 128
+
+
+# The classes of failure seen with public configs (each once crashed every rank with a traceback).
+
+def zero(stage=2, **extra):
+    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": stage, **extra}}
+
+
+def test_warmup_lr_gets_only_the_parameters_it_takes():
+    ds = dict(zero(), scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                 "warmup_num_steps": "auto", "total_num_steps": "auto"}})
+    notes = []
+    cfg = resolve(ds, recipe(learning_rate=3e-4, warmup_steps=5), 2, "ds.json", total_steps=50, notes=notes)
+    assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 5}
+    assert any("total_num_steps" in n and "dropped" in n for n in notes), notes
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    WarmupLR(torch_optimizer(), **cfg["scheduler"]["params"])  # what DeepSpeed will call
+
+
+def test_decay_scheduler_without_warmup_in_the_recipe():
+    ds = dict(zero(), scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto",
+                                                                      "total_num_steps": "auto"}})
+    notes = []
+    cfg = resolve(ds, recipe(warmup_steps=0), 2, "ds.json", total_steps=50, notes=notes)
+    assert cfg["scheduler"]["params"]["warmup_num_steps"] == 1 and cfg["scheduler"]["params"]["total_num_steps"] == 50
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    WarmupDecayLR(torch_optimizer(), **cfg["scheduler"]["params"])
+    assert any("warmup_num_steps" in n for n in notes) and any("WarmupDecayLR from this file" in n for n in notes)
+
+
+def test_fixed_schedule_values_are_kept_and_noted():
+    ds = dict(zero(), scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 1000,
+                                                                      "warmup_max_lr": 2e-5}})
+    notes = []
+    cfg = resolve(ds, recipe(warmup_steps=2), 1, "ds.json", total_steps=10, notes=notes)
+    assert cfg["scheduler"]["params"] == {"warmup_num_steps": 100, "total_num_steps": 1000, "warmup_max_lr": 2e-5}
+    assert sum("kept from this file" in n for n in notes) == 3, notes
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"foo": 3}, "scheduler.params.foo: WarmupLR takes no such parameter"),
+    ({"warmup_type": "auto"}, "scheduler.params.warmup_type is \"auto\" but the recipe has no value for it"),
+])
+def test_scheduler_params_deepspeed_would_reject(params, words):
+    with pytest.raises(ToolkitError, match=words):
+        resolve(dict(zero(), scheduler={"type": "WarmupLR", "params": params}), recipe(), 1, "ds.json")
+
+
+def test_unknown_scheduler_and_optimizer_types_are_one_line():
+    with pytest.raises(ToolkitError, match="ds.json: scheduler.type 'Cosine' is not a DeepSpeed scheduler"):
+        resolve(dict(zero(), scheduler={"type": "Cosine"}), recipe(), 1, "ds.json")
+    with pytest.raises(ToolkitError, match="ds.json: optimizer.type 'Adamz' is neither"):
+        resolve(dict(zero(), optimizer={"type": "Adamz", "params": {}}), recipe(), 1, "ds.json")
+
+
+def test_both_spellings_of_one_zero_key():
+    """gather_16bit_weights_on_model_save is the field's name and stage3_gather_16bit_... its alias:
+    DeepSpeed accepts either, and fails when both appear (the toolkit used to add the second)."""
+    for spelling in ("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
+        cfg = resolve(zero(3, **{spelling: True}), recipe(), 2, "ds.json", total_steps=5, hidden_size=64)
+        assert spelling not in cfg["zero_optimization"]
+        assert cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    cfg = resolve(zero(3, max_live_parameters=100, param_persistence_threshold="auto"), recipe(), 2, "ds.json",
+                  hidden_size=64)
+    assert cfg["zero_optimization"]["stage3_max_live_parameters"] == 100
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+    with pytest.raises(ToolkitError, match="zero_optimization.max_live_parameters is 100 but zero_optimization."
+                                           "stage3_max_live_parameters \\(the same setting\\) is 7; keep one"):
+        resolve(zero(3, max_live_parameters=100, stage3_max_live_parameters=7), recipe(), 1, "ds.json")
+
+
+def test_legacy_switches_and_sections_are_mapped():
+    notes = []
+    cfg = resolve(dict(zero(2, cpu_offload=True), bfloat16={"enabled": True, "loss_scale": 0},
+                       compile={"disable": False, "backend": "inductor"}),
+                  recipe(precision="bf16"), 1, "ds.json", notes=notes)
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} and "cpu_offload" not in cfg["zero_optimization"]
+    assert cfg["bf16"] == {"enabled": True} and "bfloat16" not in cfg and "compile" not in cfg
+    assert len(notes) == 4, notes
+
+
+@pytest.mark.parametrize("extra, words", [
+    (zero(2, foo=1), "ds.json: zero_optimization.foo: not a key DeepSpeed accepts here"),
+    (dict(zero(3), zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "bogus": 1}}),
+     "ds.json: zero_optimization.offload_param.bogus: not a key DeepSpeed accepts here"),
+    (dict(zero(), comms_logger={"enabled": False, "verbose_x": 1}), "ds.json: comms_logger.verbose_x: not a key"),
+    (dict(zero(), amp={"enabled": True}), "ds.json: DeepSpeed .* rejects this config: NVIDIA Apex AMP"),
+    (dict(zero(), tensor_parallel={"autotp_size": 4}), "ds.json: tensor_parallel.autotp_size is 4: tensor parallelism"),
+    (dict(zero(), compile={"enabled": True}), "ds.json: compile.enabled is true"),
+])
+def test_what_deepspeed_rejects_is_one_line_naming_the_key(extra, words):
+    with pytest.raises(ToolkitError, match=words) as e:
+        resolve(extra, recipe(), 1, "ds.json")
+    assert "\n" not in str(e.value)
+
+
+def torch_optimizer():
+    import torch
+
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+
+
+def test_an_applied_step_never_counts_toward_the_stop():
+    from toolkit.train import counts_toward_stop
+
+    nan = float("nan")
+    assert counts_toward_stop(2.0, nan, None) and not counts_toward_stop(2.0, nan, None, applied=True)
+    assert not counts_toward_stop(nan, nan, None, applied=True)
+
+
+ZERO0 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "zero_optimization": {"stage": 0}}
+
+
+def test_zero0_trains_with_finite_grad_norms_and_skips_what_is_not_finite(tmp_path, data_files):
+    """ZeRO-0 in fp32 steps a plain torch optimizer and recorded no gradient norm: every step was
+    logged as not finite and a healthy run stopped with exit 3. Now: finite norms, equal to what
+    DDP logs, and a step made non-finite on purpose is skipped (not applied), and the stop fires
+    only on skipped steps."""
+    train_f, eval_f = data_files
+    proc = launch(tmp_path, ZERO0, base_recipe(tmp_path, train_f, eval_f, train__max_steps=6))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 6 and all(r["grad_norm"] > 0 and r["grad_norm"] < float("inf") for r in rows), rows
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["skipped_steps"] == 0
+    ddp = run_toolkit("train", write_recipe(tmp_path / "ddp.yaml", **base_recipe(tmp_path, train_f, eval_f, out="ddp",
+                                                                                  train__max_steps=6)),
+                      launcher=[sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2",
+                                "--main_process_port", "0", "-m"])
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    ref = [r for r in read_metrics(tmp_path / "ddp") if "loss" in r]
+    for a, b in zip(ref, rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+    (tmp_path / "nan").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOOLKIT_FAULT_NONFINITE_STEPS", "3")
+        proc = launch(tmp_path / "nan", ZERO0, base_recipe(tmp_path / "nan", train_f, eval_f, train__max_steps=5))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "nan" / "run") if "loss" in r]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1], rows
+    assert all(math.isfinite(r["loss"]) for r in rows if r["step"] != 3)
