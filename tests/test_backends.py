@@ -199,3 +199,31 @@ def test_processes_that_would_train_alone_are_refused(tmp_path):
     for rank in (0, 1):
         line = (tmp_path / f"rank{rank}.txt").read_text().strip()
         assert line.startswith("refused: launch: 2 processes were started but accelerate sees 1 (NO)"), line
+
+
+def test_slurm_launch_script_on_two_loopback_nodes(workdir, reference):
+    """examples/slurm/launch_node.sh, the per-node command of train.sbatch, run as Slurm would run
+    it on two nodes (SLURM_NNODES=2, SLURM_NODEID 0 and 1, the main address), here both on
+    127.0.0.1 with one process each and ZeRO-2: it learns what one process learns."""
+    launch_config_for("zero2", workdir)
+    import yaml
+
+    launch = yaml.safe_load((ROOT / "accelerate_configs" / "multi_node_template.yaml").read_text())
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(workdir / "zero2.json")
+    (workdir / "slurm_launch.yaml").write_text(yaml.safe_dump(launch))
+    out = workdir / "slurm_zero2"
+    shutil.rmtree(out, ignore_errors=True)
+    recipe = write_recipe(workdir / "slurm_zero2.yaml", **recipe_for(workdir, "full", out.name, micro=2))
+    common = {"SLURM_NNODES": "2", "MAIN_ADDR": "127.0.0.1", "MAIN_PORT": str(free_port()), "GPUS_PER_NODE": "1",
+              "LAUNCH": str(workdir / "slurm_launch.yaml"), "RECIPE": str(recipe), "PYTHON": sys.executable}
+    procs = [start(["bash", str(ROOT / "examples" / "slurm" / "launch_node.sh")], env={**common, "SLURM_NODEID": str(n)})
+             for n in (0, 1)]
+    for proc in procs:
+        rc, _, err = finish(proc, timeout=600)
+        assert rc == 0, err[-4000:]
+    ref, got = train_losses(reference["full"]), train_losses(out)
+    assert len(got) == len(ref) == STEPS
+    rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    print(f"\nslurm script, 2 loopback nodes, zero2: max relative loss difference {rel:.2e}")
+    assert rel <= 1e-4, (ref, got)
+    assert (out / "final").is_dir()
