@@ -113,6 +113,7 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
         _resolve_scheduler(cfg["scheduler"], t, source, settle, notes, total_steps)
 
     zero = cfg.setdefault("zero_optimization", {})
+    zero.setdefault("stage", 0)  # DeepSpeed's default, written out: accelerate reads it when saving
     _normalize_zero(zero, source, notes)
     if zero.get("stage", 0) == 3:
         # Saving gathers the full weights once; without this ZeRO-3 saves empty tensors.

@@ -154,7 +154,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             # steps; this factor undoes both so the gradient is sum(token losses) / n_targets.
             scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
             loss_sum = torch.zeros((), device=accelerator.device)
-            lr = scheduler.get_last_lr()[0]  # this step's; a DeepSpeed scheduler steps inside the last backward
+            lr = optimizer.param_groups[0]["lr"]  # this step's (a DeepSpeed scheduler steps inside the last backward)
             for i, batch in enumerate(micro_batches):
                 with accelerator.accumulate(model):
                     token_losses = token_loss_sum(model, batch)
