@@ -9,6 +9,8 @@ TORCH_VERSION ?= 2.13.0
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
 TORCH_PIP_ARGS ?=
 RECIPE ?= examples/recipes/quickstart_full.yaml
+# `slow` cases (the full config-corpus launch sweep) are run by hand: make test PYTEST_ARGS="-m slow"
+PYTEST_ARGS ?= -m "not slow"
 
 .PHONY: setup train test data clean
 
