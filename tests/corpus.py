@@ -4,7 +4,6 @@ host, a recipe that agrees with the file's fixed values, a multi-node file rehea
 machine, a YAML's deepspeed_config_file pointed at the corpus copy of that JSON."""
 
 import json
-import math
 from pathlib import Path
 
 import yaml
@@ -22,11 +21,9 @@ def entries() -> list[dict]:
 
 def launch_args(entry: dict) -> list[str]:
     """accelerate launch arguments beside --config_file: what a user rehearsing on one host types."""
-    path = CORPUS / entry["file"]
     args = ["--num_processes", str(NPROC), "--num_machines", "1", "--machine_rank", "0"]
-    if entry["file"].endswith(".yaml"):
-        if entry.get("references"):
-            args += ["--deepspeed_config_file", str(CORPUS / entry["references"])]
+    if entry.get("references"):  # the YAML names the JSON by its path in the author's repository
+        args += ["--deepspeed_config_file", str(CORPUS / entry["references"])]
     return args
 
 

@@ -158,17 +158,23 @@ def test_multi_node_rehearsal_on_loopback(stage, workdir, reference):
     for proc in procs:
         rc, _, err = finish(proc, timeout=600)
         assert rc == 0, err[-4000:]
-    ref, got = train_losses(reference["full"]), train_losses(out)
-    assert len(got) == len(ref) == STEPS
-    rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
-    print(f"\nmulti-node {stage} full: max relative loss difference {rel:.2e}")
+    rel = assert_same_losses(reference["full"], out, f"multi-node {stage} full")
     (workdir / "diffs.jsonl").open("a").write(json.dumps({"backend": f"multi_node_{stage}", "mode": "full",
                                                            "rel": rel}) + "\n")
-    assert rel <= 1e-4, (ref, got)
     want, have = load_weights(reference["full"] / "final"), load_weights(out / "final")
     assert want.keys() == have.keys() and want
     for k in want:
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def assert_same_losses(reference_dir, out, label: str) -> float:
+    """Every step's loss within 1e-4 (relative) of the single-process reference; returns the largest difference."""
+    ref, got = train_losses(reference_dir), train_losses(out)
+    assert len(got) == len(ref) == STEPS
+    rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
+    print(f"\n{label}: max relative loss difference {rel:.2e}")
+    assert rel <= 1e-4, (ref, got)
+    return rel
 
 
 GUARD_SCRIPT = """
@@ -221,9 +227,5 @@ def test_slurm_launch_script_on_two_loopback_nodes(workdir, reference):
     for proc in procs:
         rc, _, err = finish(proc, timeout=600)
         assert rc == 0, err[-4000:]
-    ref, got = train_losses(reference["full"]), train_losses(out)
-    assert len(got) == len(ref) == STEPS
-    rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
-    print(f"\nslurm script, 2 loopback nodes, zero2: max relative loss difference {rel:.2e}")
-    assert rel <= 1e-4, (ref, got)
+    assert_same_losses(reference["full"], out, "slurm script, 2 loopback nodes, zero2")
     assert (out / "final").is_dir()

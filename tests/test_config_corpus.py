@@ -8,14 +8,13 @@ line naming the file and key, never a traceback.
   transformers): `slow`, run by hand before a release; one file of each class runs in CI.
 """
 
-import json
 import math
 import re
 import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, run_toolkit, write_recipe
+from conftest import read_metrics, run_toolkit, write_recipe
 from corpus import CORPUS, STEPS, agreeing_recipe, entries, launch_args, launch_yaml, resolve_outcome
 
 ENTRIES = entries()

@@ -110,7 +110,7 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
     if "optimizer" in cfg:
         _resolve_optimizer(cfg["optimizer"], t, source, settle, notes)
     if "scheduler" in cfg:
-        _resolve_scheduler(cfg["scheduler"], t, source, settle, notes, total_steps)
+        _resolve_scheduler(cfg["scheduler"], t, source, notes, total_steps)
 
     zero = cfg.setdefault("zero_optimization", {})
     zero.setdefault("stage", 0)  # DeepSpeed's default, written out: accelerate reads it when saving
@@ -159,9 +159,10 @@ def _resolve_optimizer(opt: dict, t, source: str, settle, notes: list[str]) -> N
                                    ("weight_decay", t.weight_decay, "train.weight_decay")):
         if key in params or kind.lower() in ("adam", "adamw"):
             settle(params, key, value, f"optimizer.params.{key}", recipe_key)
-    for key in [k for k, v in params.items() if v == "auto"]:
-        raise ToolkitError(f"{source}: optimizer.params.{key} is \"auto\" but the recipe has no value for it; "
-                           "set a number")
+    unfilled = [k for k, v in params.items() if v == "auto"]
+    if unfilled:
+        raise ToolkitError(f"{source}: optimizer.params.{unfilled[0]} is \"auto\" but the recipe has no value for "
+                           "it; set a number")
     notes.append(f"{source}: optimizer {kind} from this file (DeepSpeed builds it), with the recipe's lr, betas, "
                  "eps and weight_decay")
 
@@ -174,7 +175,7 @@ def scheduler_class(kind: str):
     return getattr(lr_schedules, kind, None) or getattr(torch.optim.lr_scheduler, kind, None)
 
 
-def _resolve_scheduler(sched: dict, t, source: str, settle, notes: list[str], total_steps: int | None) -> None:
+def _resolve_scheduler(sched: dict, t, source: str, notes: list[str], total_steps: int | None) -> None:
     """The JSON's schedule is kept, fixed values included (each one that differs from the recipe is
     noted); "auto" and absent values come from the recipe, and only the parameters this scheduler
     type takes are filled (WarmupLR has no total_num_steps)."""

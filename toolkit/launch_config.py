@@ -130,11 +130,7 @@ def worker_env(yaml_path: str, num_processes: int | None = None, extra_args: lis
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    env = dict(env)
-    env.setdefault("WORLD_SIZE", str(args.num_processes or 1))
-    if args.num_processes:
-        env["WORLD_SIZE"] = str(args.num_processes)
-    return env
+    return {**env, "WORLD_SIZE": str(args.num_processes or 1)}
 
 
 def plan(recipe: Recipe, env, cuda: bool, source: str = ENV_SOURCE) -> tuple[list[str], dict | None]:
