@@ -227,6 +227,49 @@ def optimizer_step_was_skipped(accelerator, model) -> bool:
     return bool(accelerator.optimizer_step_was_skipped)
 
 
+def checkpoint_layout(accelerator) -> str:
+    """How this launch lays the training state out on disk; a checkpoint loads only into the layout
+    that wrote it (another ZeRO stage, FSDP instead of ZeRO, or a sharded instead of a full state
+    dict each fail deep inside the backend's loader)."""
+    kind = launch_kind()
+    if kind == "deepspeed":
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        return f"DeepSpeed ZeRO-{zero.get('stage', 0)}"
+    if kind == "fsdp":
+        plugin = accelerator.state.fsdp_plugin
+        kind_of_state = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)
+        return f"FSDP{getattr(plugin, 'fsdp_version', 1)} {kind_of_state}"
+    return "DDP" if kind == "ddp" else "single process"
+
+
+def describe(accelerator) -> str:
+    """The backend in force, for the start-of-run summary."""
+    layout = checkpoint_layout(accelerator)
+    n = accelerator.num_processes
+    extra = ""
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None:
+        zero = ds.deepspeed_config.get("zero_optimization", {})
+        offload = [f"{what} to {zero[f'offload_{what}'].get('device')}" for what in ("optimizer", "param")
+                   if zero.get(f"offload_{what}", {}).get("device", "none") != "none"]
+        extra = f" (offload {', '.join(offload)})" if offload else ""
+    if n == 1 and layout == "single process":
+        return f"single process on {accelerator.device.type}"
+    return f"{layout}{extra}, {n} process{'es' if n > 1 else ''} on {accelerator.device.type}"
+
+
+MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
+
+
+def step_failure(error: Exception) -> str | None:
+    """A backend's way of saying training cannot go on, as one line (None: a genuine bug).
+    DeepSpeed's fp16 loss scaler raises a bare Exception once the scale is at its minimum and the
+    gradients still overflow."""
+    if MIN_LOSS_SCALE_ERROR in str(error):
+        return "fp16 gradients still overflow with the loss scale at its minimum (DeepSpeed fp16.min_loss_scale)"
+    return None
+
+
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
     """Gather shards (ZeRO-3, FSDP) and save once, in Hugging Face format, from the main process.
     Written to a temporary folder and renamed, so `path` is either complete or absent."""

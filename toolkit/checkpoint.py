@@ -43,6 +43,8 @@ class TrainerState:
     launch: str = "single"
     data_fingerprint: str = ""
     recipe: dict | None = None
+    layout: str = ""
+    """How the training state is sharded on disk (backend.checkpoint_layout); empty in old checkpoints."""
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -80,6 +82,36 @@ def find_resume(resume: str | None, output_dir: Path) -> Path | None:
         raise ToolkitError(f"resume: {resume} has no complete checkpoint (no {MARKER} marker); "
                            "it was interrupted while being written")
     return path
+
+
+def tidy(output_dir: Path) -> list[str]:
+    """Finish or undo what a killed `save` or `replace_dir` left behind (main process, before any
+    rank looks for a checkpoint). A complete `.tmp-` write whose rename never happened is moved
+    into place; everything else half-done is removed. Returns what was done, for the log."""
+    done = []
+    out = Path(output_dir)
+    root = checkpoint_dir(out)
+    for tmp in sorted(root.glob(".tmp-step-*")) if root.is_dir() else []:
+        final = tmp.with_name(tmp.name[len(".tmp-"):])
+        if is_complete(tmp) and not final.exists():
+            os.rename(tmp, final)
+            done.append(f"completed {final.name}, whose rename into place was interrupted")
+        else:
+            shutil.rmtree(tmp)
+            done.append(f"removed {tmp.name}, an interrupted checkpoint write")
+    for old in sorted(root.glob(".del-step-*")) if root.is_dir() else []:
+        shutil.rmtree(old)
+        done.append(f"removed {old.name}, an interrupted deletion")
+    for name in ("final", "base-model"):
+        old, tmp = out / f".del-{name}", out / f"{name}.tmp"
+        if old.exists() and not (out / name).exists():
+            os.rename(old, out / name)  # killed between the two renames of replace_dir: the old one stands
+            done.append(f"restored {name}/, whose replacement was interrupted")
+        for leftover in (old, tmp):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+                done.append(f"removed {leftover.name}, an interrupted save")
+    return done
 
 
 def read_state(path: Path) -> TrainerState:

@@ -179,7 +179,8 @@ def _build(cls, data: Any, prefix: str, source: str):
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(source, prefix + str(key), f"unknown key (known here: {', '.join(sorted(names))})")
+            raise ConfigError(source, prefix + str(key),
+                              f"unknown key{_suggest(str(key), names)} (known here: {', '.join(sorted(names))})")
     kwargs = {}
     for name in names:
         if name not in data:
@@ -190,6 +191,18 @@ def _build(cls, data: Any, prefix: str, source: str):
         else:
             kwargs[name] = _coerce(data[name], hint, key, source)
     return cls(**kwargs)
+
+
+def _suggest(key: str, names: set[str]) -> str:
+    """`; did you mean max_steps?` for a near miss here, or the dotted key of a section that has it."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {close[0]}?"
+    sections = {name: hint for name, hint in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(hint)}
+    elsewhere = [f"{name}.{key}" for name, hint in sections.items() if key in {f.name for f in dataclasses.fields(hint)}]
+    return f"; did you mean {elsewhere[0]}?" if elsewhere and key not in names else ""
 
 
 def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:

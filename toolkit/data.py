@@ -219,16 +219,18 @@ def pack(rows: list[dict], max_seq_len: int) -> list[dict]:
 class Collator:
     """Right-pads a list of examples into tensors. Unpacked batches get an attention mask; packed
     ones get `position_ids` instead (padding is one more document, which the real ones never see).
-    An example of None (eval padding, see EvalShardSampler) becomes a row without targets."""
+    An example of None (eval padding, see EvalShardSampler) becomes a row without targets; a batch
+    of nothing but None (a rank whose eval share ran out) is one such row per example."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, packed: bool = False):
+        self.pad_token_id, self.packed = pad_token_id, packed
 
     def __call__(self, examples: list[dict | None]) -> dict[str, torch.Tensor]:
         real = [e for e in examples if e is not None]
-        width = max(len(e["input_ids"]) for e in real)
+        packed = "position_ids" in real[0] if real else self.packed
+        width = max((len(e["input_ids"]) for e in real), default=1)
         examples = [e if e is not None else {"input_ids": [self.pad_token_id], "labels": [IGNORE],
-                                             **({"position_ids": [0]} if "position_ids" in real[0] else {})}
+                                             **({"position_ids": [0]} if packed else {})}
                     for e in examples]
         ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
@@ -237,7 +239,7 @@ class Collator:
             ids[i, :n] = torch.tensor(e["input_ids"])
             labels[i, :n] = torch.tensor(e["labels"])
         batch = {"input_ids": ids, "labels": labels}
-        if "position_ids" in real[0]:
+        if packed:
             pos = torch.zeros((len(examples), width), dtype=torch.long)
             for i, e in enumerate(examples):
                 n = len(e["position_ids"])

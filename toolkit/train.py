@@ -22,6 +22,7 @@ from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalRows, EvalShardSampler, build_datasets, packing_is_isolated
 from .model import DTYPES, apply_lora, build_model, build_tokenizer, count_parameters
+from .summary import run_summary
 
 
 def run(recipe: Recipe, source: str = "recipe") -> dict:
@@ -29,11 +30,16 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
     from accelerate.utils import set_seed
 
     out = Path(recipe.output_dir)
-    resume_from = checkpoint.find_resume(recipe.resume, out)
-    check_output_dir(out, recipe, resuming=resume_from is not None)
+    preemption = Preemption()  # a signal before the loop stops the run at once, with one line
     accelerator = backend.make_accelerator(recipe, source)
     log = accelerator.print
     t = recipe.train
+    if accelerator.is_main_process and out.is_dir() and recipe.resume is not None:
+        for line in checkpoint.tidy(out):
+            log(f"checkpoints: {line}")
+    accelerator.wait_for_everyone()  # every rank then finds the same checkpoint
+    resume_from = checkpoint.find_resume(recipe.resume, out)
+    check_output_dir(out, recipe, resume_from)
 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
@@ -63,10 +69,11 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {world} processes)")
     state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.launch_kind(),
-                                    data_fingerprint=data.fingerprint, recipe=learning_relevant(recipe))
+                                    data_fingerprint=data.fingerprint, recipe=learning_relevant(recipe),
+                                    layout=backend.checkpoint_layout(accelerator))
     if resume_from is not None:
         check_resumable(checkpoint.read_state(resume_from), state, resume_from)
-    collate = Collator(tokenizer.pad_token_id)
+    collate = Collator(tokenizer.pad_token_id, packed=packing)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
@@ -88,22 +95,27 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
         state = checkpoint.load(accelerator, resume_from)
         sampler.resume_at(state.step)
         log(f"resumed from {resume_from} at step {state.step}")
+    summary = run_summary(recipe, accelerator, ds_config, rows=len(data.train), eval_rows=len(data.eval),
+                          steps_per_epoch=sampler.steps_per_epoch, total_steps=total_steps)
     if accelerator.is_main_process:
+        for line in summary:
+            print(f"run: {line}", file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_recipe(recipe))
-        write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resume_from)
+        write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resume_from, summary=summary)
         keep_metrics_until(out / "metrics.jsonl", state.step if resume_from is not None else -1)
         if base_weights is not None and not (out / "base-model").exists():
             save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
     accelerator.wait_for_everyone()
-    log(f"training: {len(data.train):,} rows, {len(data.eval):,} eval rows, {total_steps} steps of "
-        f"{global_batch} sequences ({world} process{'es' if world > 1 else ''}, {accelerator.distributed_type.value})")
     try:
+        preemption.arm()  # from here a signal finishes the step and saves a checkpoint
         last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe, state,
-                   total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, run_dir=out)
+                   total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, run_dir=out, preemption=preemption)
     except TrainingStopped:
         backend.teardown(accelerator)  # every rank agreed to stop at the same step
         raise
+    finally:
+        preemption.disarm()
     backend.save_model(accelerator, model, tokenizer, out / "final")
     log(f"saved {out / 'final'}")
     backend.teardown(accelerator)
@@ -123,13 +135,13 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; resume=auto continues from the sa
 
 
 def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
-        state: checkpoint.TrainerState, *, total_steps: int, steps_per_epoch: int, run_dir: Path) -> dict:
+        state: checkpoint.TrainerState, *, total_steps: int, steps_per_epoch: int, run_dir: Path,
+        preemption: Preemption) -> dict:
     t = recipe.train
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     batches = global_batches(train_loader, steps_per_epoch, t.gradient_accumulation_steps, start_step=state.step)
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
     faults = injected_nonfinite_steps()
-    preemption = Preemption()
     row = {}
     if state.step == 0:
         row = metrics.write({"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader)})
@@ -155,19 +167,27 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
             loss_sum = torch.zeros((), device=accelerator.device)
             lr = optimizer.param_groups[0]["lr"]  # this step's (a DeepSpeed scheduler steps inside the last backward)
-            for i, batch in enumerate(micro_batches):
-                with accelerator.accumulate(model):
-                    token_losses = token_loss_sum(model, batch)
-                    if step in faults and i == 0:  # test seam: a non-finite loss and gradient
-                        token_losses = token_losses * float("nan")
-                    accelerator.backward(token_losses * scale)
-                    loss_sum += token_losses.detach()
-                    if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
-                        grad_norm = as_float(accelerator.clip_grad_norm_(model.parameters(), clip))
-                        applied = backend.optimizer_step(accelerator, model, optimizer, grad_norm)
-                        if applied:  # a skipped step does not advance the schedule
-                            scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
+            try:
+                for i, batch in enumerate(micro_batches):
+                    with accelerator.accumulate(model):
+                        token_losses = token_loss_sum(model, batch)
+                        if step in faults and i == 0:  # test seam: a non-finite loss and gradient
+                            token_losses = token_losses * float("nan")
+                        accelerator.backward(token_losses * scale)
+                        loss_sum += token_losses.detach()
+                        if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
+                            grad_norm = as_float(accelerator.clip_grad_norm_(model.parameters(), clip))
+                            applied = backend.optimizer_step(accelerator, model, optimizer, grad_norm)
+                            if applied:  # a skipped step does not advance the schedule
+                                scheduler.step()
+                            optimizer.zero_grad(set_to_none=True)
+            except Exception as e:
+                reason = backend.step_failure(e)
+                if reason is None:
+                    raise
+                kept = checkpoint.complete_checkpoints(run_dir)
+                raise TrainingStopped(f"train: {reason} at step {step}; stopped. Last good checkpoint: "
+                                      f"{kept[-1] if kept else 'none'}", EXIT_NONFINITE) from None
 
             # One reduction for the loss and for "a rank was asked to stop", so all ranks agree.
             totals = accelerator.reduce(torch.stack([loss_sum.float(), torch.tensor(float(preemption.requested),
@@ -307,12 +327,25 @@ def as_float(x) -> float:
     return float(x)
 
 
-def check_output_dir(out: Path, recipe: Recipe, resuming: bool = False) -> None:
+def check_output_dir(out: Path, recipe: Recipe, resume_from: Path | None = None) -> None:
     """Refuse to write into earlier results unless resuming them or asked; with overwrite, clear
-    them first."""
+    them first. A resume continues the run that wrote the checkpoint, from its newest checkpoint,
+    or starts a new run (an empty output_dir) from another run's checkpoint."""
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"output_dir: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not resuming:
+    if resume_from is not None:
+        if resume_from.resolve().parent == checkpoint.checkpoint_dir(out).resolve():
+            newest = checkpoint.complete_checkpoints(out)[-1]
+            if newest.resolve() != resume_from.resolve():
+                raise ToolkitError(f"resume: {resume_from} is not the newest checkpoint of {out} ({newest.name} is); "
+                                   "continuing from it would replace the later ones. Resume from it into a new, "
+                                   "empty output_dir instead")
+        elif out.is_dir() and any(out.iterdir()):
+            raise ToolkitError(f"output_dir: {out} is not empty and resume={recipe.resume} is a checkpoint of "
+                               "another run; resume from it into an empty output_dir (a new run that continues "
+                               f"from that checkpoint), or use resume=auto to continue {out} itself")
+        return
+    if out.is_dir() and any(out.iterdir()):
         if recipe.resume == "auto":
             if never_checkpointed(out, recipe):
                 return  # killed before its first checkpoint: start again from step 0
@@ -380,6 +413,11 @@ def learning_relevant(recipe: Recipe) -> dict:
 
 def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> None:
     """Resuming must continue the same run: same launch layout, same data, same recipe."""
+    if saved.layout and saved.layout != now.layout:
+        raise ToolkitError(
+            f"resume: {path} holds a {saved.layout} training state and this launch is {now.layout}, which cannot "
+            "load it; resume with the launch config that wrote it (continuing under another layout is not "
+            "supported yet)")
     if saved.world_size != now.world_size or saved.launch != now.launch:
         raise ToolkitError(
             f"resume: {path} was written by {saved.world_size} process(es) under {saved.launch}; this launch has "
@@ -406,7 +444,7 @@ def keep_metrics_until(path: Path, step: int) -> None:
 
 
 def write_manifest(path: Path, recipe: Recipe, state: checkpoint.TrainerState, ds_config: dict | None,
-                   resumed_from: Path | None) -> None:
+                   resumed_from: Path | None, summary: list[str] = ()) -> None:
     """What this run was: resolved configs, versions, commit, launch; one entry per launch."""
     import importlib.metadata as md
     import os
@@ -429,7 +467,8 @@ def write_manifest(path: Path, recipe: Recipe, state: checkpoint.TrainerState, d
                     dataset_fingerprint=state.data_fingerprint)
     manifest["launches"].append({
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "launch": state.launch,
-        "world_size": state.world_size, "resumed_from": str(resumed_from) if resumed_from else None,
+        "world_size": state.world_size, "layout": state.layout, "summary": list(summary),
+        "resumed_from": str(resumed_from) if resumed_from else None,
         "accelerate_env": {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))},
         "deepspeed_config": ds_config, "versions": versions, "git_commit": commit, "python": platform.python_version(),
         "host": platform.node()})
@@ -444,8 +483,11 @@ def save_preset_base(config, weights: dict, tokenizer, path: Path) -> None:
 
     base = LlamaForCausalLM(config).to(next(iter(weights.values())).dtype)  # as loaded (model.dtype)
     base.load_state_dict(weights)
-    base.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    tmp = path.with_name(path.name + ".tmp")  # complete or absent: a killed write is never taken for the base
+    shutil.rmtree(tmp, ignore_errors=True)
+    base.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
 
 
 def injected_nonfinite_steps() -> set[int]:
@@ -458,16 +500,26 @@ def injected_nonfinite_steps() -> set[int]:
 
 
 class Preemption:
-    """SIGTERM or SIGINT: finish the optimizer step, save a checkpoint, exit EXIT_PREEMPTED.
-    A second signal more than 2 s later aborts at once (a launcher relaying the same Ctrl-C or
-    SIGTERM to its workers within that window counts as the same request)."""
+    """SIGTERM or SIGINT. Before the loop (loading, tokenizing): stop at once with one line and exit
+    EXIT_PREEMPTED, nothing having been trained. In the loop (`arm`): finish the optimizer step,
+    save a checkpoint, exit EXIT_PREEMPTED. A second signal more than 2 s after the first aborts at
+    once (a launcher relaying the same Ctrl-C or SIGTERM to its workers within that window counts
+    as the same request). The handler only records and writes with os.write: it may interrupt
+    anything, including tqdm holding its lock."""
 
     def __init__(self):
         import signal
 
         self.requested_at: float | None = None
+        self.armed = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
 
     @property
     def requested(self) -> bool:
@@ -475,13 +527,20 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         import os
+        import signal
 
         now = time.monotonic()
+        name = signal.Signals(signum).name
         if self.requested_at is not None and now - self.requested_at > 2.0:
             os._exit(128 + signum)
-        if self.requested_at is None:
-            self.requested_at = now
-            tqdm.write(f"signal {signum}: stopping after this optimizer step with a checkpoint")
+        if self.requested_at is not None:
+            return
+        self.requested_at = now
+        if not self.armed:
+            raise TrainingStopped(f"preempted: {name} before training started; nothing was trained or saved. "
+                                  "Run again to start over", EXIT_PREEMPTED)
+        if backend.is_main_rank():
+            os.write(2, f"\n{name}: stopping after this optimizer step with a checkpoint\n".encode())
 
 
 class MetricsLog:

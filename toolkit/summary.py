@@ -1,0 +1,50 @@
+"""The start-of-run summary: which backend, precision, batch arithmetic, optimizer and schedule are
+in force, and which of them a DeepSpeed JSON decided rather than the recipe. Printed as `run:`
+lines by the main process and kept in the manifest."""
+
+from __future__ import annotations
+
+from . import backend, deepspeed_config
+from .config import Recipe
+
+
+def run_summary(recipe: Recipe, accelerator, ds_config: dict | None, *, rows: int, eval_rows: int,
+                steps_per_epoch: int, total_steps: int) -> list[str]:
+    t, world = recipe.train, accelerator.num_processes
+    ds = ds_config or {}
+    json_name = deepspeed_config.config_source() or "the accelerate config's deepspeed_config"
+    lines = [f"backend {backend.describe(accelerator)}"]
+
+    precision = f"precision {t.precision} (train.precision)"
+    if recipe.lora.enabled and recipe.model.dtype != "fp32":
+        precision += f"; frozen base weights stored in {recipe.model.dtype}"
+    if t.precision == "fp16":
+        precision += f"; dynamic loss scale from {t.initial_loss_scale:g}"
+    lines.append(precision)
+
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world
+    length = "train.max_steps" if t.max_steps else f"train.epochs {t.epochs}"
+    lines.append(f"batch {global_batch} sequences per optimizer step = micro_batch_size {t.micro_batch_size} x "
+                 f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} process"
+                 f"{'es' if world > 1 else ''}; {rows:,} rows give {steps_per_epoch} steps per epoch; "
+                 f"{total_steps} steps ({length}); {eval_rows:,} eval rows")
+
+    if "optimizer" in ds:
+        lines.append(f"optimizer {ds['optimizer'].get('type')} from {json_name}: {_params(ds['optimizer'])}")
+    else:
+        lines.append(f"optimizer AdamW lr {t.learning_rate:g}, betas ({t.adam_beta1:g}, {t.adam_beta2:g}), "
+                     f"eps {t.adam_epsilon:g}, weight_decay {t.weight_decay:g} on matrices only (recipe)")
+    if "scheduler" in ds:
+        lines.append(f"schedule {ds['scheduler'].get('type')} from {json_name}: {_params(ds['scheduler'])}; "
+                     "the recipe's warmup-cosine and min_lr_ratio are not used")
+    else:
+        lines.append(f"schedule linear warmup over {t.warmup_steps} step{'s' if t.warmup_steps != 1 else ''}, then cosine decay to "
+                     f"{t.min_lr_ratio:g} x learning_rate at step {total_steps} (recipe)")
+    lines.append(f"gradient clipping at global norm {t.max_grad_norm:g} (train.max_grad_norm)" if t.max_grad_norm > 0
+                 else "gradient clipping off (train.max_grad_norm 0); the norm is still logged")
+    return lines
+
+
+def _params(section: dict) -> str:
+    params = section.get("params", {})
+    return ", ".join(f"{k} {v}" for k, v in params.items()) or "no parameters"
