@@ -47,6 +47,31 @@ def finish(proc, timeout=900):
     return (proc.returncode, *read_output(proc))
 
 
+LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def user_error_line(proc, launched: bool = False, code: int = 2) -> str:
+    """The one `error: ...` line of a refused run, checked: exit `code`, no traceback from the
+    toolkit's processes. Under `accelerate launch` the launcher process itself (not the toolkit)
+    ends with its report of a failed worker, a ChildFailedError traceback, and exits 1; that report
+    must name `code` as the root cause's exit code and is the only traceback allowed."""
+    ours, report = proc.stderr, ""
+    if launched:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        end = proc.stderr.index(LAUNCHER_FAILURE)
+        start = proc.stderr.rindex("Traceback (most recent call last):", 0, end)
+        ours, report = proc.stderr[:start], proc.stderr[start:]
+        assert "Root Cause" in report and f"exitcode  : {code} " in report.split("Root Cause", 1)[1], report[-2000:]
+    else:
+        assert proc.returncode == code, proc.stderr[-3000:]
+    assert "Traceback" not in ours, ours[-3000:]
+    errors = [line for line in ours.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, ours[-3000:]
+    if not launched:
+        assert [line for line in ours.splitlines() if line.strip()][-1] == errors[0], ours[-3000:]
+    return errors[0]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -10,6 +10,7 @@ import os
 import sys
 
 from .config import ToolkitError, load_recipe
+from .stops import Preemption, TrainingStopped
 
 EXIT_USER_ERROR = 2
 
@@ -29,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--assume-gpu", action="store_true", help="judge the launch as on a CUDA host (from a laptop)")
     args = parser.parse_args(argv)
     try:
+        # Before anything slow: a signal while torch imports or data tokenizes still ends in one line.
+        preemption = Preemption() if args.command == "train" else None
         recipe = load_recipe(args.recipe, args.overrides)
         if args.command == "train":
             from .train import run
 
-            run(recipe, args.recipe)
+            run(recipe, args.recipe, preemption)
         else:
             from .config import dump_recipe
             from .launch_config import show
@@ -47,11 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except Exception as e:
-        from .train import TrainingStopped
-
-        if not isinstance(e, TrainingStopped):
-            raise
+    except TrainingStopped as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"stopped: {e}", file=sys.stderr)
         return e.exit_code

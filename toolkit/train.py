@@ -22,15 +22,17 @@ from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalRows, EvalShardSampler, build_datasets, packing_is_isolated
 from .model import DTYPES, apply_lora, build_model, build_tokenizer, count_parameters
+from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .summary import run_summary
 
 
-def run(recipe: Recipe, source: str = "recipe") -> dict:
-    """Train as the recipe says; returns the last metrics row."""
+def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = None) -> dict:
+    """Train as the recipe says; returns the last metrics row. `preemption`: the signal handler,
+    installed by the CLI before the slow imports so that a signal at any moment gets its line."""
     from accelerate.utils import set_seed
 
     out = Path(recipe.output_dir)
-    preemption = Preemption()  # a signal before the loop stops the run at once, with one line
+    preemption = preemption or Preemption()
     accelerator = backend.make_accelerator(recipe, source)
     log = accelerator.print
     t = recipe.train
@@ -120,18 +122,6 @@ def run(recipe: Recipe, source: str = "recipe") -> dict:
     log(f"saved {out / 'final'}")
     backend.teardown(accelerator)
     return last
-
-
-class TrainingStopped(Exception):
-    """The run stopped on purpose (preemption, non-finite loss): one line and a documented exit code."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-EXIT_NONFINITE = 3
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; resume=auto continues from the saved checkpoint
 
 
 def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
@@ -497,50 +487,6 @@ def injected_nonfinite_steps() -> set[int]:
 
     raw = os.environ.get("TOOLKIT_FAULT_NONFINITE_STEPS", "")
     return {int(x) for x in raw.split(",") if x.strip()}
-
-
-class Preemption:
-    """SIGTERM or SIGINT. Before the loop (loading, tokenizing): stop at once with one line and exit
-    EXIT_PREEMPTED, nothing having been trained. In the loop (`arm`): finish the optimizer step,
-    save a checkpoint, exit EXIT_PREEMPTED. A second signal more than 2 s after the first aborts at
-    once (a launcher relaying the same Ctrl-C or SIGTERM to its workers within that window counts
-    as the same request). The handler only records and writes with os.write: it may interrupt
-    anything, including tqdm holding its lock."""
-
-    def __init__(self):
-        import signal
-
-        self.requested_at: float | None = None
-        self.armed = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def disarm(self) -> None:
-        self.armed = False
-
-    @property
-    def requested(self) -> bool:
-        return self.requested_at is not None
-
-    def _handle(self, signum, frame) -> None:
-        import os
-        import signal
-
-        now = time.monotonic()
-        name = signal.Signals(signum).name
-        if self.requested_at is not None and now - self.requested_at > 2.0:
-            os._exit(128 + signum)
-        if self.requested_at is not None:
-            return
-        self.requested_at = now
-        if not self.armed:
-            raise TrainingStopped(f"preempted: {name} before training started; nothing was trained or saved. "
-                                  "Run again to start over", EXIT_PREEMPTED)
-        if backend.is_main_rank():
-            os.write(2, f"\n{name}: stopping after this optimizer step with a checkpoint\n".encode())
 
 
 class MetricsLog:

@@ -1,0 +1,59 @@
+"""How a run stops on purpose: preemption by a signal, or a loss that stays non-finite. Each ends
+with one line and a documented exit code. Light imports only: the CLI installs the signal
+handler before it imports torch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+EXIT_NONFINITE = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; resume=auto continues from the saved checkpoint
+
+
+class TrainingStopped(Exception):
+    """The run stopped on purpose (preemption, non-finite loss): one line and a documented exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Preemption:
+    """SIGTERM or SIGINT. Before the loop (loading, tokenizing): stop at once with one line and exit
+    EXIT_PREEMPTED, nothing having been trained. In the loop (`arm`): finish the optimizer step,
+    save a checkpoint, exit EXIT_PREEMPTED. A second signal more than 2 s after the first aborts at
+    once (a launcher relaying the same Ctrl-C or SIGTERM to its workers within that window counts
+    as the same request). The handler only records and writes with os.write: it may interrupt
+    anything, including tqdm holding its lock."""
+
+    def __init__(self):
+        self.requested_at: float | None = None
+        self.armed = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        name = signal.Signals(signum).name
+        if self.requested_at is not None and now - self.requested_at > 2.0:
+            os._exit(128 + signum)
+        if self.requested_at is not None:
+            return
+        self.requested_at = now
+        if not self.armed:
+            raise TrainingStopped(f"preempted: {name} before training started; nothing was trained or saved. "
+                                  "Run again to start over", EXIT_PREEMPTED)
+        if int(os.environ.get("RANK", "0")) == 0:
+            os.write(2, f"\n{name}: stopping after this optimizer step with a checkpoint\n".encode())
