@@ -30,7 +30,7 @@ train: $(STAMP)
 	$(BIN)/python examples/quickstart.py $(RECIPE)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

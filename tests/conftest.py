@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,8 +20,43 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def run_toolkit(*args, cwd=ROOT, env=None, timeout=900, launcher=None) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh process (optionally under `accelerate launch ...`)."""
     cmd = (launcher or [sys.executable, "-m"]) + ["toolkit", *map(str, args)]
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run_command(cmd, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_command(cmd, cwd=ROOT, env=None, timeout=900) -> subprocess.CompletedProcess:
+    """subprocess.run in a process group of its own, killed whole however the test ends (a
+    timeout, a failed assertion, pytest-timeout): an accelerate launch leaves no workers behind."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _STARTED.append(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (its launcher's workers included), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    """Whatever a test started dies with the test, passed or failed."""
+    yield
+    while _STARTED:
+        kill_group(_STARTED.pop())
 
 
 def start(cmd, env=None) -> subprocess.Popen:
@@ -31,6 +67,7 @@ def start(cmd, env=None) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=err, text=True,
                             start_new_session=True)
     proc.output = (out, err)
+    _STARTED.append(proc)
     return proc
 
 
@@ -163,7 +200,7 @@ def deepspeed_ops() -> dict[str, tuple[str, str]]:
         for lock in EXTENSIONS.glob("*/lock"):
             if not list(lock.parent.glob("*.so")):
                 lock.unlink()
-    return {"cpu_adam": _build_op("CPUAdamBuilder", 1500), "async_io": _build_op("AsyncIOBuilder", 1500)}
+    return {"cpu_adam": _build_op("CPUAdamBuilder", 600), "async_io": _build_op("AsyncIOBuilder", 600)}
 
 
 def require_op(ops: dict, name: str) -> None:

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, alpaca_rows, finish, load_weights, read_metrics, require_op, run_toolkit, start,
-                      train_losses, write_jsonl, write_recipe)
+from conftest import (ROOT, alpaca_rows, finish, load_weights, read_metrics, require_op, run_command, run_toolkit,
+                      start, train_losses, write_jsonl, write_recipe)
 
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
             "zero3_nvme"]
@@ -195,12 +195,10 @@ except ToolkitError as e:
 def test_processes_that_would_train_alone_are_refused(tmp_path):
     """`accelerate launch` started 2 processes, but a plain Accelerator() on a CPU host is not
     distributed: the documented trap where every rank trains alone without an error."""
-    import subprocess
-
     script = tmp_path / "guard.py"
     script.write_text(GUARD_SCRIPT)
     cmd = accelerate_launch(ROOT / "accelerate_configs" / "ddp.yaml")[:-1] + [str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_command(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         line = (tmp_path / f"rank{rank}.txt").read_text().strip()

@@ -106,3 +106,20 @@ def test_fp16_overflow_skips_are_visible_and_harmless(backend, mode, workdir):  
             if nxt is not None:
                 assert nxt["lr"] == after["lr"], (after, nxt)
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_deepspeed_fp16_at_its_minimum_loss_scale_stops_with_exit_3(workdir):  # noqa: F811
+    """Gradients that stay NaN (TOOLKIT_FAULT_NONFINITE_STEPS) under ZeRO-2 fp16 started at the
+    minimum scale (1): DeepSpeed's scaler raises "Current loss scale already at minimum"; the run
+    must stop with its one line and exit 3, not a traceback."""
+    name = "gpu_min_scale_zero2"
+    shutil.rmtree(workdir / name, ignore_errors=True)
+    recipe = recipe_for(workdir, "full", name, micro=4)
+    recipe["train"].update(precision="fp16", initial_loss_scale=1.0, max_steps=8, max_nonfinite_steps=8)
+    path = write_recipe(workdir / f"{name}.yaml", **recipe)
+    proc = run_toolkit("train", path, launcher=accelerate_launch(launch_config_for("zero2", workdir), num_processes=1),
+                       env={"TOOLKIT_FAULT_NONFINITE_STEPS": "2,3,4,5"})
+    record(case="DeepSpeed fp16 at minimum loss scale", returncode=proc.returncode, tail=proc.stderr[-300:])
+    ours = proc.stderr[:proc.stderr.find("Traceback (most recent call last)")]  # the launcher's report follows
+    assert "stopped: train: fp16 gradients still overflow with the loss scale at its minimum" in ours, proc.stderr[-3000:]
+    assert "Traceback" not in ours and "exitcode  : 3 " in proc.stderr, proc.stderr[-3000:]
