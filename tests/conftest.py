@@ -249,3 +249,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The backend matrix's data and single-process references, shared by every module that compares
+# against them (backends, precision, GPU): one reference run per configuration per session.
+MODES = {"full": {"enabled": False},
+         "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}}
+STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def matrix_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("backends")
+    write_jsonl(d / "train.jsonl", alpaca_rows(80, seed=3))
+    write_jsonl(d / "eval.jsonl", alpaca_rows(10, seed=4))
+    return d
+
+
+def recipe_for(workdir, mode, out, micro):
+    return {
+        "output_dir": str(workdir / out), "seed": 11,
+        "model": {"preset": "tiny-llama-mini"},
+        "lora": MODES[mode],
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "alpaca", "max_seq_len": 96},
+        "train": {"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": STEPS,
+                  "learning_rate": 3e-3, "warmup_steps": 2, "precision": "fp32", "eval_every_steps": 4},
+    }
+
+
+@pytest.fixture(scope="session")
+def references(matrix_dir):
+    """Single-process fp32 runs, one per mode."""
+    out = {}
+    for mode in MODES:
+        path = write_recipe(matrix_dir / f"ref_{mode}.yaml", **recipe_for(matrix_dir, mode, f"ref_{mode}", micro=4))
+        proc = run_toolkit("train", path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = matrix_dir / f"ref_{mode}"
+    return out

@@ -12,14 +12,11 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, alpaca_rows, finish, load_weights, read_metrics, require_op, run_command, run_toolkit,
-                      start, train_losses, write_jsonl, write_recipe)
+from conftest import (MODES, ROOT, STEPS, finish, load_weights, read_metrics, recipe_for, require_op, run_command,
+                      run_toolkit, start, train_losses, write_recipe)
 
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
             "zero3_nvme"]
-MODES = {"full": {"enabled": False},
-         "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}}
-STEPS = 8
 
 
 def accelerate_launch(config, num_processes=2):
@@ -27,36 +24,14 @@ def accelerate_launch(config, num_processes=2):
             "--num_processes", str(num_processes), "--main_process_port", "0", "-m"]
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("backends")
-    write_jsonl(d / "train.jsonl", alpaca_rows(80, seed=3))
-    write_jsonl(d / "eval.jsonl", alpaca_rows(10, seed=4))
-    return d
+@pytest.fixture
+def workdir(matrix_dir):
+    return matrix_dir
 
 
-def recipe_for(workdir, mode, out, micro):
-    return {
-        "output_dir": str(workdir / out), "seed": 11,
-        "model": {"preset": "tiny-llama-mini"},
-        "lora": MODES[mode],
-        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
-                 "format": "alpaca", "max_seq_len": 96},
-        "train": {"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": STEPS,
-                  "learning_rate": 3e-3, "warmup_steps": 2, "precision": "fp32", "eval_every_steps": 4},
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(workdir):
-    """Single-process runs, one per mode."""
-    out = {}
-    for mode in MODES:
-        path = write_recipe(workdir / f"ref_{mode}.yaml", **recipe_for(workdir, mode, f"ref_{mode}", micro=4))
-        proc = run_toolkit("train", path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[mode] = workdir / f"ref_{mode}"
-    return out
+@pytest.fixture
+def reference(references):
+    return references
 
 
 def launch_config_for(backend, workdir):

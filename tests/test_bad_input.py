@@ -8,7 +8,6 @@ Each case writes its recipe and files, snapshots the whole folder (contents and 
 
 import hashlib
 import json
-import sys
 
 import pytest
 
