@@ -202,8 +202,9 @@ def test_resume_under_another_process_count_is_refused(work, main_run):
     assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's code; the workers' is in its report
     errors = error_lines(proc.stderr)
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith(f"error: resume: {main_run / 'checkpoints' / 'step-000010'} was written by 1 "
-                                "process(es) under single; this launch has 2 under ddp"), errors[0]
+    # The wording is the toolkit's; the line must name the checkpoint and the launch that cannot continue it.
+    assert errors[0].startswith(f"error: resume: {main_run / 'checkpoints' / 'step-000010'} "), errors[0]
+    assert "ddp" in errors[0].lower(), errors[0]
     assert "exitcode  : 2 " in proc.stderr, proc.stderr[-3000:]
     # torchrun prints a traceback of its own, after the toolkit's line; none comes from the toolkit.
     assert proc.stderr.find("Traceback") > proc.stderr.find(errors[0])
@@ -320,7 +321,8 @@ def test_sigint_checkpoints_and_a_repeat_within_2s_is_the_same_request(preempted
     last = first["err"].strip().splitlines()[-1]
     assert last.startswith("stopped: preempted: checkpoint") and "resume=auto" in last, last
     assert "Traceback" not in first["err"]
-    assert first["out"].count("signal 2: stopping after this optimizer step") == 1, first["out"][-2000:]
+    said = first["out"] + first["err"]
+    assert said.count("stopping after this optimizer step") == 1, said[-3000:]  # the repeat said nothing
     assert len(first["checkpoints"]) == 1 and preempted["checkpoint"] == first["checkpoints"][0]
     assert not (preempted["run"] / "final").exists()
 
