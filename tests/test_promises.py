@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, alpaca_rows, base_recipe, finish, load_weights, read_metrics, read_output, run_toolkit,
-                      start, write_jsonl, write_recipe)
+                      start, user_error_line, write_jsonl, write_recipe)
 from toolkit import checkpoint
 
 TRAIN_ROWS = 44  # global batch 4 x 2 = 8: floor(44 / 8) = 5 steps per epoch, 4 rows left over
@@ -74,10 +74,6 @@ def snapshot(root: Path) -> dict:
 
 def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_second")} for r in rows]
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
 # ----------------------------------------------------------------------------- the main run
@@ -199,16 +195,9 @@ def test_resume_under_another_process_count_is_refused(work, main_run):
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m"]
     proc = run_toolkit("train", work / "main.yaml", "resume=auto", launcher=launcher, timeout=600)
-    assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's code; the workers' is in its report
-    errors = error_lines(proc.stderr)
-    assert len(errors) == 1, proc.stderr[-3000:]
-    # The wording is the toolkit's; the line must name the checkpoint and the launch that cannot continue it.
-    assert errors[0].startswith(f"error: resume: {main_run / 'checkpoints' / 'step-000010'} "), errors[0]
-    assert "ddp" in errors[0].lower(), errors[0]
-    assert "exitcode  : 2 " in proc.stderr, proc.stderr[-3000:]
-    # torchrun prints a traceback of its own, after the toolkit's line; none comes from the toolkit.
-    assert proc.stderr.find("Traceback") > proc.stderr.find(errors[0])
-    assert not [line for line in proc.stderr.splitlines() if "File " in line and "/toolkit/" in line]
+    error = user_error_line(proc, launched=True)
+    assert error.startswith(f"error: resume: {main_run / 'checkpoints' / 'step-000010'} holds a single process "
+                            "training state and this launch is DDP"), error
     assert snapshot(main_run) == before
 
 
@@ -222,12 +211,9 @@ def test_resume_with_changed_data_is_refused(work, main_run):
         proc = run_toolkit("train", work / "main.yaml", "resume=auto")
     finally:
         data.write_bytes(original)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert error_lines(proc.stderr) == [lines[-1]]
-    assert lines[-1].startswith(f"error: resume: the training data changed since "
-                                f"{main_run / 'checkpoints' / 'step-000010'} was written (fingerprint "), lines[-1]
+    error = user_error_line(proc)
+    assert error.startswith(f"error: resume: the training data changed since "
+                            f"{main_run / 'checkpoints' / 'step-000010'} was written (fingerprint "), error
     assert snapshot(main_run) == before
 
 
