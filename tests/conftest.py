@@ -24,8 +24,8 @@ def run_toolkit(*args, cwd=ROOT, env=None, timeout=900, launcher=None) -> subpro
 
 
 def run_command(cmd, cwd=ROOT, env=None, timeout=900) -> subprocess.CompletedProcess:
-    """subprocess.run in a process group of its own, killed whole however the test ends (a
-    timeout, a failed assertion, pytest-timeout): an accelerate launch leaves no workers behind."""
+    """subprocess.run in a process group of its own, killed with all its descendants however the
+    test ends (a timeout, a failed assertion, pytest-timeout): a launch leaves no workers behind."""
     proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _STARTED.append(proc)
@@ -40,15 +40,39 @@ _STARTED: list[subprocess.Popen] = []
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group `proc` leads (its launcher's workers included), then reap it."""
+    """SIGKILL `proc`, its process group and every process descended from it, then reap it.
+    torchrun starts each worker in a process group of its own, so the group alone is not enough:
+    the descendants are found (from /proc) before anything is killed, while they are still linked."""
+    doomed = descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 @pytest.fixture(autouse=True)
