@@ -52,6 +52,20 @@ def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir) -> float:
                                              ignore_index=IGNORE).item()
 
 
+def initial_weights(seed: int, preset: str) -> dict:
+    """The weights a run of this seed and preset starts from (run() seeds, then builds the model).
+    Callers check them against the run's step-0 eval loss or first update, so a change in how
+    runs are initialised fails loudly instead of skewing a comparison."""
+    from accelerate.utils import set_seed
+
+    from toolkit.config import ModelConfig
+    from toolkit.model import build_model
+
+    set_seed(seed)
+    model = build_model(ModelConfig(preset=preset))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def test_full_model_reloads_with_transformers(tmp_path, data_files):
     from transformers import AutoModelForCausalLM
 
@@ -127,3 +141,34 @@ def test_quickstart_script_answers_prompts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval loss:" in proc.stdout and "held-out prompts" in proc.stdout
     assert proc.stdout.count("->") >= 3
+
+
+def test_clipping_scales_the_update(tmp_path, data_files):
+    """One optimizer step with clipping off and with max_grad_norm well below the gradient's norm:
+    the clipped update is the unclipped one times max_grad_norm / grad_norm (the logged, pre-clip
+    norm). AdamW's first step is lr * g / (|g| + eps), which ignores the gradient's scale, so the
+    recipe sets adam_epsilon far above every gradient element: the step is then plain SGD with
+    rate lr / eps, and its size follows the (clipped) gradient."""
+    train_f, eval_f = data_files
+    lr, eps, max_norm = 100.0, 1e4, 0.5  # SGD rate 1e-2
+    runs = {}
+    for name, clip in (("off", 0.0), ("clipped", max_norm)):
+        recipe = base_recipe(tmp_path, train_f, eval_f, out=name, train__max_steps=1, train__warmup_steps=0,
+                             train__learning_rate=lr, train__adam_epsilon=eps, train__max_grad_norm=clip)
+        train(tmp_path, recipe, name)
+        runs[name] = read_metrics(tmp_path / name)[1]
+    start = initial_weights(base_recipe(tmp_path, train_f, eval_f)["seed"], "tiny-llama-mini")
+    delta = {}
+    for name in runs:
+        final = load_weights(tmp_path / name / "final")
+        assert final.keys() == start.keys()
+        delta[name] = torch.cat([(final[k] - start[k]).flatten() for k in sorted(start)])
+    norm = runs["off"]["grad_norm"]
+    assert runs["clipped"]["grad_norm"] == norm and runs["off"]["lr"] == runs["clipped"]["lr"] == lr
+    assert norm > 4 * max_norm, norm  # clipping is active: measured 2.97 against 0.5
+    # Measured 2026-11-23: |delta_off| = lr * norm / eps to 1.3e-5 (relative), |delta_clipped| =
+    # lr * max_norm / eps to 7e-6; the clipped delta is the unclipped one times 0.168 element by
+    # element to 6.7e-8 (its elements reach 4.8e-4). Unclipped, it would differ by up to 2.4e-3.
+    assert delta["off"].norm().item() == pytest.approx(lr * norm / eps, rel=1e-4)
+    assert delta["clipped"].norm().item() == pytest.approx(lr * max_norm / eps, rel=1e-4)
+    torch.testing.assert_close(delta["clipped"], delta["off"] * (max_norm / norm), rtol=0, atol=1e-6)
