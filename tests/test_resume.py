@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,10 +121,14 @@ def assert_identical(reference, resumed, from_step):
     for k in want:
         assert torch.equal(want[k], have[k]), f"{k} differs"
     last = f"step-{STEPS:06d}"
-    for rank_file in sorted((reference / "checkpoints" / last).glob("rng_rank*.pkl")):
-        a = pickle.loads(rank_file.read_bytes())
-        b = pickle.loads((resumed / "checkpoints" / last / rank_file.name).read_bytes())
-        assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"], f"RNG differs ({rank_file.name})"
+    world = checkpoint.read_state(reference / "checkpoints" / last).world_size
+    names = [sorted(p.name for p in (run / "checkpoints" / last).glob("rng_rank*.pkl")) for run in (reference, resumed)]
+    assert names[0] == names[1] == [f"rng_rank{r}.pkl" for r in range(world)], names  # one per rank, none missing
+    for name in names[0]:
+        a = pickle.loads((reference / "checkpoints" / last / name).read_bytes())
+        b = pickle.loads((resumed / "checkpoints" / last / name).read_bytes())
+        assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"], f"RNG differs ({name})"
+        assert all(np.array_equal(x, y) for x, y in zip(a["numpy"], b["numpy"])), f"numpy RNG differs ({name})"
 
 
 @pytest.fixture(scope="module")
