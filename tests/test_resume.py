@@ -148,25 +148,28 @@ def uninterrupted(workdir):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupted):
+    """Killed between the first complete checkpoint (step 2, written before step 3 is logged) and
+    the end, so there is always a checkpoint to resume from and steps left to train after it.
+    (A kill before the first checkpoint is test_killed_before_the_first_checkpoint_starts_again.)"""
     backend, dropout = CASES[name]
     reference = uninterrupted(name)
-    kill_at = random.Random(f"{KILL_SEED}-{name}").randint(2, STEPS - 1)
+    kill_at = random.Random(f"{KILL_SEED}-{name}").randint(3, STEPS - 2)
     print(f"\n{name}: SIGKILL once step {kill_at} is logged (TOOLKIT_KILL_SEED={KILL_SEED})")
     path = recipe(workdir, f"killed_{name}", dropout)
+    run = workdir / f"killed_{name}"
     proc = start(command(workdir, backend, path))
-    wait_for(lambda: logged_steps(workdir / f"killed_{name}") >= kill_at, proc)
+    wait_for(lambda: logged_steps(run) >= kill_at, proc)
     kill_tree(proc.pid)
     finish(proc)
-    saved = checkpoint_names(workdir / f"killed_{name}")  # none if killed inside the first write
+    saved = checkpoint_names(run)
+    assert saved and not (run / "final").exists(), (saved, "the kill came after the run finished")
+    resume_step = int(saved[-1].removeprefix("step-"))
+    assert 2 <= resume_step < STEPS, saved
     rc, out, err = finish(start(command(workdir, backend, path, "resume=auto")))
     assert rc == 0, err[-3000:]
     resumed_at = [line for line in out.splitlines() if line.startswith("resumed from")]
-    if saved:
-        assert resumed_at and resumed_at[0].split(" at step")[0].endswith(saved[-1]), (saved, out[-2000:])
-    else:  # started again from step 0
-        assert not resumed_at, out[-2000:]
-        resumed_at = ["started again from step 0 (no complete checkpoint)"]
-    rows = read_metrics(workdir / f"killed_{name}")
+    assert resumed_at == [f"resumed from {run / 'checkpoints' / saved[-1]} at step {resume_step}"], (saved, out[-2000:])
+    rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), "a step was repeated or lost in metrics.jsonl"
     assert_identical(reference, workdir / f"killed_{name}", from_step=0)
     with open(workdir / "kills.jsonl", "a") as f:
