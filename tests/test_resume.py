@@ -242,13 +242,17 @@ def test_sigterm_checkpoints_and_exits_75(workdir, uninterrupted):
 def test_sigterm_under_accelerate_launch_checkpoints_and_resumes(target, workdir, uninterrupted):
     """DDP, 2 processes. `launcher`: SIGTERM to `accelerate launch` alone, as a container runtime
     does to its main process; torchrun forwards it to the workers and waits up to 30 s before
-    SIGKILL. `every_process`: SIGTERM to every process of the tree at once, as Slurm does."""
+    SIGKILL. `every_process`: SIGTERM to every process of the tree at once, as Slurm does.
+
+    The signal lands while step 6's checkpoint is being written (slowed by the test seam), so the
+    run stops after step 7: with 6 steps per epoch (48 rows, global batch 8), the resumed run
+    starts in the middle of the second epoch, where the sampler must skip its first batch again."""
     reference = uninterrupted("ddp")
     name = f"terminated_ddp_{target}"
     path = recipe(workdir, name, None)
     run = workdir / name
-    proc = start(command(workdir, "ddp", path))
-    wait_for(lambda: logged_steps(run) >= 3, proc)
+    proc = start(command(workdir, "ddp", path), env={"TOOLKIT_FAULT_CHECKPOINT_PAUSE": "2"})
+    wait_for(lambda: logged_steps(run) >= 6, proc)
     if target == "launcher":
         os.kill(proc.pid, signal.SIGTERM)
     else:
@@ -257,10 +261,12 @@ def test_sigterm_under_accelerate_launch_checkpoints_and_resumes(target, workdir
     assert rc != 0, err[-3000:]  # torchrun reports the signal, not the workers' exit code 75
     assert "stopped: preempted: checkpoint" in err and "resume=auto" in err, err[-3000:]
     saved = checkpoint.complete_checkpoints(run)
-    assert saved and not (run / "final").exists(), saved
+    assert saved and saved[-1].name == "step-000007" and not (run / "final").exists(), saved
+    epoch = {r["step"]: r["epoch"] for r in read_metrics(run)}[7]
+    assert 1 < epoch < 2, epoch  # 1 + 1/6: one step into the second epoch
     rc, out, err = finish(start(command(workdir, "ddp", path, "resume=auto")))
     assert rc == 0, err[-3000:]
-    assert f"resumed from {saved[-1]}" in out + err, out[-3000:]
+    assert f"resumed from {saved[-1]} at step 7" in out + err, out[-3000:]
     assert_identical(reference, run, from_step=0)
 
 
