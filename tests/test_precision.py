@@ -151,6 +151,7 @@ def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa
     for CUDA through tests/fp16_cpu_driver.py (accelerate gives a CPU host no scaler); the loop,
     accelerate's fp16 unscale/step/update path and the scaler are the real ones. The GPU version
     (tests/test_gpu.py) also covers DeepSpeed's scaler."""
+    import os
     import subprocess
     import sys
 
@@ -165,7 +166,10 @@ def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa
     driver = str(ROOT / "tests" / "fp16_cpu_driver.py")
     cmd = [sys.executable, driver, str(path)] if backend is None else \
         accelerate_launch(launch_config_for(backend, workdir))[:-1] + [driver, str(path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # The driver's folder (tests/), not the working directory, heads its sys.path: ROOT here makes
+    # it import this checkout's toolkit rather than whichever one is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in read_metrics(workdir / name) if "loss" in r]
     skipped = rows[-1]["skipped_steps"]
