@@ -132,15 +132,31 @@ def test_trainer_style_json_with_optimizer_and_scheduler_trains(tmp_path, data_f
 
 
 def test_contradicting_json_stops_before_training_with_one_line(tmp_path, data_files):
+    """The workers of a 2-process launch exit 2 without a traceback, after one line from rank 0.
+    torchrun itself then exits 1 and prints its own traceback (ChildFailedError) with each worker's
+    exit code; that one traceback is the launcher's, and no frame of the toolkit appears anywhere.
+    `toolkit config show` gives the same line, exit code 2, and nothing else."""
+    import re
+
     train_f, eval_f = data_files
     ds = dict(TRAINER_STYLE, gradient_accumulation_steps=1)
     proc = launch(tmp_path, ds, base_recipe(tmp_path, train_f, eval_f))
-    assert proc.returncode != 0
+    assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's code for any failed worker
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1, proc.stderr[-2000:]
     assert str(tmp_path / "ds.json") in errors[0] and "gradient_accumulation_steps is 1" in errors[0] and "gives 2" in errors[0]
-    assert "Traceback" not in "\n".join(l for l in proc.stderr.splitlines() if "[rank" in l)
+    # The first worker to exit is the root cause; torchrun may SIGTERM (-15) the other before it exits 2 too.
+    codes = re.findall(r"exitcode\s*: (-?\d+)", proc.stderr)
+    root_cause = re.search(r"Root Cause.*?exitcode\s*: (-?\d+)", proc.stderr, re.S)
+    assert root_cause and root_cause[1] == "2" and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]
+    tracebacks = proc.stderr.split("Traceback (most recent call last):")[1:]
+    assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0], proc.stderr[-3000:]
+    assert not re.search(r'File "[^"]*/toolkit/', proc.stderr), proc.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    shown = run_toolkit("config", "show", tmp_path / "r.yaml", "--accelerate-config", tmp_path / "launch.yaml",
+                        "--num-processes", "2")
+    assert shown.returncode == 2 and "Traceback" not in shown.stderr
+    assert shown.stderr.strip().splitlines() == errors, shown.stderr[-2000:]
 
 
 def test_config_show_prints_resolved_json(tmp_path):

@@ -35,7 +35,7 @@ def test_accumulation_is_exact(tmp_path, data_files):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir) -> float:
+def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len: int = 96) -> float:
     """Recompute the eval loss from the saved folder, outside the toolkit's training code."""
     from transformers import AutoTokenizer
 
@@ -43,13 +43,27 @@ def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir) -> float:
     from toolkit.data import IGNORE, Collator, build_datasets
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    data = build_datasets(DataConfig(train_files=[str(eval_file)], max_seq_len=96), tok, 0, False)
+    data = build_datasets(DataConfig(train_files=[str(eval_file)], max_seq_len=max_seq_len), tok, 0, False)
     batch = Collator(tok.pad_token_id)(data.train)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(),
                                              ignore_index=IGNORE).item()
+
+
+def initial_weights(seed: int, preset: str) -> dict:
+    """The weights a run of this seed and preset starts from (run() seeds, then builds the model).
+    Callers check them against the run's step-0 eval loss or first update, so a change in how
+    runs are initialised fails loudly instead of skewing a comparison."""
+    from accelerate.utils import set_seed
+
+    from toolkit.config import ModelConfig
+    from toolkit.model import build_model
+
+    set_seed(seed)
+    model = build_model(ModelConfig(preset=preset))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_full_model_reloads_with_transformers(tmp_path, data_files):
@@ -103,27 +117,95 @@ def test_non_empty_output_dir_is_refused_and_untouched(tmp_path, data_files):
 
 
 def test_packing_and_messages_train(tmp_path):
-    """The messages format with packing runs end to end on the shipped quickstart data."""
+    """The messages format with packing runs end to end on the shipped quickstart data, and does
+    pack: no fall-back to padding, fewer rows than examples, full rows of tokens per step."""
+    train_file = ROOT / "examples/data/tasks_messages_train.jsonl"
     recipe = {
         "output_dir": str(tmp_path / "run"), "model": {"preset": "tiny-llama-mini"},
-        "data": {"train_files": [str(ROOT / "examples/data/tasks_messages_train.jsonl")],
+        "data": {"train_files": [str(train_file)],
                  "eval_files": [str(ROOT / "examples/data/tasks_messages_eval.jsonl")],
                  "format": "messages", "max_seq_len": 128, "packing": True},
         "train": {"micro_batch_size": 4, "max_steps": 3, "log_every_steps": 1},
     }
-    train(tmp_path, recipe, "packed")
+    proc = train(tmp_path, recipe, "packed")
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 4 and all(r.get("loss", 1.0) > 0 for r in rows)
+    assert "padding instead of packing" not in proc.stdout + proc.stderr
+    # metrics.jsonl's epoch is step / steps_per_epoch, and an epoch is the training rows in
+    # global batches of 4 (micro 4 x 1 x 1 process). Measured 2026-11-23: 3,000 examples
+    # (36 tokens on average) packed into 1,000 rows (109 on average): 250 steps per epoch.
+    examples = sum(1 for line in train_file.read_text().splitlines() if line.strip())
+    steps_per_epoch = round(rows[-1]["step"] / rows[-1]["epoch"])
+    assert steps_per_epoch * 4 <= examples / 2, (steps_per_epoch, examples)
 
 
 def test_quickstart_script_answers_prompts(tmp_path):
-    """`make train`'s script, shortened: trains, reports the eval loss, answers held-out prompts."""
+    """`make train`'s script, shortened: trains, reports the eval loss, answers held-out prompts.
+    What it reports is checked against the run folder: a full metrics log whose losses fall, and
+    a final/ that plain transformers reloads to the logged eval loss."""
+    import os
+    import re
     import subprocess
     import sys
 
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "qs"
+    # A script's own folder, not the working directory, heads sys.path: without ROOT here the
+    # script would import whichever toolkit is installed, not this checkout's.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "examples/quickstart.py", "examples/recipes/quickstart_full.yaml",
-                           f"output_dir={tmp_path / 'qs'}", "train.max_steps=20", "train.eval_every_steps=0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           f"output_dir={run}", "train.max_steps=20", "train.eval_every_steps=0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "eval loss:" in proc.stdout and "held-out prompts" in proc.stdout
+    assert f"held-out prompts, answered by {run / 'final'}" in proc.stdout
     assert proc.stdout.count("->") >= 3
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["train"]["max_steps"] == 20 and config["data"]["packing"] is True
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(21))
+    before, after = rows[0]["eval_loss"], rows[-1]["eval_loss"]
+    said = re.search(r"eval loss: ([0-9.]+) before training -> ([0-9.]+) after", proc.stdout)
+    assert said and (said[1], said[2]) == (f"{before:.3f}", f"{after:.3f}"), proc.stdout[-2000:]
+    # Measured 2026-11-23: eval loss 5.635 -> 4.158; mean train loss of steps 1-5 5.45, of 16-20 4.38.
+    losses = [r["loss"] for r in rows[1:]]
+    assert after < 0.85 * before, (before, after)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    final = run / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    reloaded = eval_loss_with_plain_libraries(model, ROOT / config["data"]["eval_files"][0], final,
+                                              max_seq_len=config["data"]["max_seq_len"])
+    assert reloaded == pytest.approx(after, rel=1e-5)  # measured 1.2e-8 (the run packs its eval rows)
+
+
+def test_clipping_scales_the_update(tmp_path, data_files):
+    """One optimizer step with clipping off and with max_grad_norm well below the gradient's norm:
+    the clipped update is the unclipped one times max_grad_norm / grad_norm (the logged, pre-clip
+    norm). AdamW's first step is lr * g / (|g| + eps), which ignores the gradient's scale, so the
+    recipe sets adam_epsilon far above every gradient element: the step is then plain SGD with
+    rate lr / eps, and its size follows the (clipped) gradient."""
+    train_f, eval_f = data_files
+    lr, eps, max_norm = 100.0, 1e4, 0.5  # SGD rate 1e-2
+    runs = {}
+    for name, clip in (("off", 0.0), ("clipped", max_norm)):
+        recipe = base_recipe(tmp_path, train_f, eval_f, out=name, train__max_steps=1, train__warmup_steps=0,
+                             train__learning_rate=lr, train__adam_epsilon=eps, train__max_grad_norm=clip)
+        train(tmp_path, recipe, name)
+        runs[name] = read_metrics(tmp_path / name)[1]
+    start = initial_weights(base_recipe(tmp_path, train_f, eval_f)["seed"], "tiny-llama-mini")
+    delta = {}
+    for name in runs:
+        final = load_weights(tmp_path / name / "final")
+        assert final.keys() == start.keys()
+        delta[name] = torch.cat([(final[k] - start[k]).flatten() for k in sorted(start)])
+    norm = runs["off"]["grad_norm"]
+    assert runs["clipped"]["grad_norm"] == norm and runs["off"]["lr"] == runs["clipped"]["lr"] == lr
+    assert norm > 4 * max_norm, norm  # clipping is active: measured 2.97 against 0.5
+    # Measured 2026-11-23: |delta_off| = lr * norm / eps to 1.3e-5 (relative), |delta_clipped| =
+    # lr * max_norm / eps to 7e-6; the clipped delta is the unclipped one times 0.168 element by
+    # element to 6.7e-8 (its elements reach 4.8e-4). Unclipped, it would differ by up to 2.4e-3.
+    assert delta["off"].norm().item() == pytest.approx(lr * norm / eps, rel=1e-4)
+    assert delta["clipped"].norm().item() == pytest.approx(lr * max_norm / eps, rel=1e-4)
+    torch.testing.assert_close(delta["clipped"], delta["off"] * (max_norm / norm), rtol=0, atol=1e-6)
