@@ -40,20 +40,19 @@ BF16_WEIGHT_RTOL = 0.15
 MIN_TENSOR_MOVEMENT = 3e-2  # smallest measured 5.9e-02; below this, the relative bound means little
 
 
-@pytest.fixture(scope="module")
-def fp32_reference(workdir):  # noqa: F811
-    path = write_recipe(workdir / "prec_fp32.yaml", **recipe_for(workdir, "full", "prec_fp32", micro=4))
-    proc = run_toolkit("train", path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir / "prec_fp32"
+@pytest.fixture
+def fp32_reference(references):
+    """The backend matrix's single-process fp32 run (the same recipe; one run per session)."""
+    return references["full"]
 
 
 @pytest.fixture(scope="module")
-def fp32_start(workdir, fp32_reference):  # noqa: F811
+def fp32_start(matrix_dir, references):
     """The weights the fp32 reference started from, checked against its step-0 eval loss."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    recipe = recipe_for(workdir, "full", "prec_fp32", micro=4)
+    workdir, fp32_reference = matrix_dir, references["full"]
+    recipe = recipe_for(workdir, "full", fp32_reference.name, micro=4)
     start = initial_weights(recipe["seed"], recipe["model"]["preset"])
     model = LlamaForCausalLM(LlamaConfig.from_pretrained(fp32_reference / "final"))
     model.load_state_dict(start)
@@ -152,10 +151,9 @@ def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa
     accelerate's fp16 unscale/step/update path and the scaler are the real ones. The GPU version
     (tests/test_gpu.py) also covers DeepSpeed's scaler."""
     import os
-    import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, run_command
 
     name = f"prec_fp16_scaler_{backend or 'single'}"
     shutil.rmtree(workdir / name, ignore_errors=True)
@@ -168,8 +166,8 @@ def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa
         accelerate_launch(launch_config_for(backend, workdir))[:-1] + [driver, str(path)]
     # The driver's folder (tests/), not the working directory, heads its sys.path: ROOT here makes
     # it import this checkout's toolkit rather than whichever one is installed.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = run_command(cmd, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in read_metrics(workdir / name) if "loss" in r]
     skipped = rows[-1]["skipped_steps"]
