@@ -74,6 +74,10 @@ def test_backend_matches_single_process(backend, mode, workdir, reference, reque
     assert proc.returncode == 0, proc.stderr[-4000:]
     if backend == "fsdp_offload" and not torch.cuda.is_available():  # said, not silently dropped
         assert "fsdp_offload_params has no effect on a CPU-only host" in proc.stderr
+    # The layout a checkpoint of this run records; resume refuses any other (tests/test_edges.py).
+    layout = json.loads((workdir / out / "manifest.json").read_text())["launches"][-1]["layout"]
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(backend[:5])
+    assert layout == {"ddp": "DDP", "fsdp": "FSDP2 SHARDED_STATE_DICT"}.get(backend[:4], f"DeepSpeed ZeRO-{stage}"), layout
     ref, got = train_losses(reference[mode]), train_losses(workdir / out)
     assert len(got) == len(ref) == STEPS
     rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))

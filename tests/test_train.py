@@ -1,7 +1,5 @@
 """End-to-end training through the real CLI: exact accumulation, reloadable outputs, safe output folders."""
 
-import json
-
 import pytest
 import torch
 
