@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (alpaca_rows, finish, load_weights, read_metrics, read_output, start, write_jsonl,
+from conftest import (alpaca_rows, descendants, finish, load_weights, read_metrics, read_output, start, write_jsonl,
                       write_recipe)
 from toolkit import checkpoint
 from test_backends import launch_config_for
@@ -72,19 +72,7 @@ def command(workdir, backend, path, *overrides):
 def kill_tree(pid, sig=signal.SIGKILL):
     """Signal a launcher and every process below it (torchrun starts its workers in sessions of
     their own, so a process-group kill would leave them training)."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, sig)
         except ProcessLookupError:
