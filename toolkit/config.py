@@ -31,7 +31,12 @@ class ConfigError(ToolkitError):
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
-    """A local Hugging Face causal-LM folder (config, weights, tokenizer)."""
+    """A local Hugging Face causal-LM folder (config, weights, tokenizer), or a Hub id (`org/name`)
+    found in the Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`; only the cache under `HF_HUB_OFFLINE=1`)."""
+    revision: Optional[str] = None
+    """For a Hub id: the branch, tag or commit to use (default `main`)."""
+    trust_remote_code: bool = False
+    """Run the Python code a model ships with (models not built into transformers). Only for sources you trust."""
     preset: Optional[str] = None
     """A built-in model made from a config in toolkit/presets (e.g. `tiny-llama`)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

@@ -1,4 +1,4 @@
-"""Model and tokenizer builders: a local Hugging Face folder or a built-in preset, then LoRA."""
+"""Model and tokenizer builders: a local Hugging Face folder, a Hub id or a built-in preset, then LoRA."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .config import LoraConfig, ModelConfig, ToolkitError
+from .hub import resolve_model
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -49,8 +50,12 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 def build_tokenizer(cfg: ModelConfig):
     if cfg.preset is not None:
         return build_byte_tokenizer()
-    _check_model_folder(cfg.path)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
+    folder = resolve_model(cfg.path, cfg.revision)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                  trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error(cfg, folder, "a tokenizer", e) from None
     if tokenizer.pad_token is None:  # many base models ship without one; padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -72,24 +77,26 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.n
         # start from the same weights.
         model = LlamaForCausalLM(config).to(dtype)
     else:
-        _check_model_folder(cfg.path)
+        folder = resolve_model(cfg.path, cfg.revision)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation)
+                folder, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code)
         except (OSError, ValueError) as e:
-            raise ToolkitError(f"model.path: cannot load a causal LM from {cfg.path}: {str(e).splitlines()[0]}") from None
+            raise _load_error(cfg, folder, "a causal LM", e) from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
 
 
-def _check_model_folder(path: str) -> None:
-    p = Path(path)
-    if not p.is_dir():
-        raise ToolkitError(f"model.path: folder not found: {path}")
-    if not (p / "config.json").is_file():
-        raise ToolkitError(f"model.path: {path} has no config.json; expected a Hugging Face model folder")
+def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> ToolkitError:
+    where = cfg.path if folder == cfg.path else f"{cfg.path} ({folder})"
+    if "trust_remote_code" in str(e) and not cfg.trust_remote_code:  # transformers' ValueError for custom code
+        return ToolkitError(f"model.trust_remote_code: {where} needs its own Python code to load {what}; "
+                            "set model.trust_remote_code=true if you trust its source")
+    first_line = (str(e).splitlines() or [type(e).__name__])[0]
+    return ToolkitError(f"model.path: cannot load {what} from {where}: {first_line}")
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
