@@ -5,7 +5,7 @@ import torch
 
 from conftest import write_jsonl
 from toolkit.config import DataConfig, ModelConfig, ToolkitError
-from toolkit.data import IGNORE, Collator, build_datasets, pack, packing_is_isolated, tokenize_example
+from toolkit.data import IGNORE, Collator, Examples, _bins_dataset, build_datasets, packing_is_isolated, tokenize_example
 from toolkit.model import build_byte_tokenizer, build_model
 
 
@@ -92,15 +92,33 @@ def test_every_file_type_loads(tmp_path, tok, suffix):
     assert len(data.train) == 8 and len(data.eval) == 2
 
 
-def test_pack_restarts_positions_and_never_splits(tok):
-    rows = [tokenize_example({"text": w}, "text", tok, 64, False) for w in ["aaaa", "bbbbbbbb", "cc", "dddddd"]]
-    packed = pack([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows], 16)
-    assert sum(len(p["input_ids"]) for p in packed) == sum(len(r["input_ids"]) for r in rows)
-    for p in packed:
-        assert len(p["input_ids"]) <= 16
-        starts = [i for i, pos in enumerate(p["position_ids"]) if pos == 0]
-        for s in starts:
-            assert p["labels"][s] == IGNORE  # nothing predicts across a document boundary
+def test_pack_restarts_positions_and_never_splits(tmp_path, tok):
+    words = ["aaaa", "bbbbbbbb", "cc", "dddddd", "e", "ffffffffff"]
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": w} for w in words])
+    data = build_datasets(DataConfig(train_files=[str(f)], format="text", max_seq_len=16), tok, 0, True)
+    rows = list(data.train)
+    assert len(rows) < len(words)  # documents did share rows
+    docs = sorted(tuple(r["input_ids"][s:e]) for r in rows
+                  for s, e in zip(*_starts_and_ends(r["position_ids"])))
+    assert docs == sorted(tuple(tokenize_example({"text": w}, "text", tok, 16, False)["input_ids"]) for w in words)
+    for r in rows:
+        assert len(r["input_ids"]) <= 16 and len(r["labels"]) == len(r["position_ids"]) == len(r["input_ids"])
+        for s in _starts_and_ends(r["position_ids"])[0]:
+            assert r["labels"][s] == IGNORE  # nothing predicts across a document boundary
+
+
+def _starts_and_ends(positions):
+    starts = [i for i, p in enumerate(positions) if p == 0]
+    return starts, starts[1:] + [len(positions)]
+
+
+def packed_rows(docs: list[dict], bins: list[list[int]]) -> list[dict]:
+    """Rows as training reads them: documents in Arrow, rows of document indices in Arrow."""
+    import datasets
+    import numpy as np
+
+    table = datasets.Dataset.from_list([{k: d[k] for k in ("input_ids", "labels")} for d in docs])
+    return list(Examples(table, _bins_dataset([np.array(b) for b in bins])))
 
 
 def test_packed_batch_gives_document_b_the_logits_of_b_alone(tok):
@@ -109,8 +127,7 @@ def test_packed_batch_gives_document_b_the_logits_of_b_alone(tok):
     a = tokenize_example({"text": "first document, longer"}, "text", tok, 64, False)
     b = tokenize_example({"text": "second one"}, "text", tok, 64, False)
     collate = Collator(tok.pad_token_id)
-    packed = collate(pack([{k: a[k] for k in ("input_ids", "labels")}, {k: b[k] for k in ("input_ids", "labels")}], 64)
-                     + pack([{k: b[k] for k in ("input_ids", "labels")}], 64))  # a second row, shorter: padded
+    packed = collate(packed_rows([a, b], [[0, 1], [1]]))  # a second row, shorter: padded
     alone = collate([{k: b[k] for k in ("input_ids", "labels")}])
     with torch.no_grad():
         logits_packed = model(**{k: v for k, v in packed.items() if k != "labels"}, use_cache=False).logits

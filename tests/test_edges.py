@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
 from conftest import (alpaca_rows, base_recipe, finish, load_weights, read_metrics, run_toolkit, start,
@@ -17,7 +18,7 @@ from test_bad_input import snapshot
 from test_deepspeed_config import TRAINER_STYLE
 from toolkit import checkpoint
 from toolkit.config import ConfigError, load_recipe
-from toolkit.data import Collator, EvalRows, EvalShardSampler
+from toolkit.data import Collator, EvalShardSampler
 
 
 # ----------------------------------------------------------------------------- eval padding
@@ -30,11 +31,24 @@ def test_a_rank_whose_eval_share_is_all_padding_gets_a_batch():
     for packed in (False, True):
         data = [dict(r, position_ids=list(range(len(r["input_ids"])))) if packed else r for r in rows]
         sampler = EvalShardSampler(len(data), 2, rank=1, world=2)
-        batches = list(torch_loader(EvalRows(data), sampler, Collator(0, packed=packed)))
+        batches = list(torch_loader(Rows(data), sampler, Collator(0, packed=packed)))
         assert len(batches) == 3
         last = batches[-1]
         assert last["input_ids"].shape == (2, 1) and (last["labels"] == -100).all()
         assert ("position_ids" in last) == packed and ("attention_mask" in last) != packed
+
+
+class Rows(torch.utils.data.Dataset):
+    """Examples by index, None (eval padding) as None, as toolkit.data.Examples reads them from Arrow."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return None if i is None else self.rows[i]
 
 
 def torch_loader(dataset, sampler, collate):

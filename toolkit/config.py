@@ -58,10 +58,29 @@ class LoraConfig:
 
 
 @dataclass
+class DataSource:
+    """An entry of data.train_files / data.eval_files written as a mapping."""
+    path: str = ""
+    """A .json, .jsonl, .parquet or .csv file, a folder or glob of such shards, or a Hub dataset id."""
+    format: Optional[Literal["alpaca", "messages", "text"]] = None
+    """This entry's format (default: data.format); every format renders through the same tokenizer."""
+    weight: Optional[float] = None
+    """Share of the training set drawn from this entry, relative to the other entries' weights
+    (the set keeps its total size: a heavier entry is repeated, a lighter one subsampled)."""
+    max_rows: Optional[int] = None
+    """Use only the first N rows of this entry."""
+    split: str = "train"
+    """Hub datasets: the split to read."""
+    revision: Optional[str] = None
+    """Hub datasets: a branch, tag or commit."""
+
+
+@dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Local .json, .jsonl, .parquet or .csv files."""
-    eval_files: list[str] = field(default_factory=list)
+    train_files: list[Union[str, DataSource]] = field(default_factory=list)
+    """Local .json, .jsonl, .parquet or .csv files, folders or globs of them, Hub dataset ids,
+    or mappings (see DataSource) with a weight or max_rows per entry."""
+    eval_files: list[Union[str, DataSource]] = field(default_factory=list)
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
     format: Literal["alpaca", "messages", "text"] = "alpaca"
@@ -70,6 +89,10 @@ class DataConfig:
     """Concatenate examples into rows of max_seq_len; documents never attend to each other."""
     train_on_prompt: bool = False
     """By default the loss covers only response tokens."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """Examples longer than max_seq_len: cut to max_seq_len, or left out."""
+    num_proc: Optional[int] = None
+    """Processes that tokenize (default: the usable cores, at most 16; at least 1,000 rows each)."""
 
 
 @dataclass
@@ -212,9 +235,17 @@ def _suggest(key: str, names: set[str]) -> str:
 
 def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", source)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        choices = [a for a in args if a is not type(None)]
+        if len(choices) == 1:  # Optional[X]: X's own message
+            return _coerce(value, choices[0], key, source)
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and sections:
+            return _build(sections[0], value, key + ".", source)
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
@@ -227,7 +258,7 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
             return value
         raise ConfigError(source, key, f"must be one of {', '.join(map(str, args))}; got {value!r}")
     if origin is list:
-        if isinstance(value, str) and args[0] is str:
+        if isinstance(value, str) and (args[0] is str or str in typing.get_args(args[0])):
             return [value]  # a single path or name is a list of one
         if not isinstance(value, list):
             raise ConfigError(source, key, f"expected a list, got {_kind(value)}")
@@ -258,6 +289,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in args if a is not type(None))
     if origin is list:
         return f"a list of {_describe(args[0])}"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
@@ -290,6 +323,16 @@ def validate(r: Recipe, source: str) -> None:
         need(r.train.precision == r.model.dtype, "model.dtype",
              f"{r.model.dtype} base weights need train.precision={r.model.dtype}, got {r.train.precision}")
     need(bool(r.data.train_files), "data.train_files", "required: at least one training file")
+    for name in ("train_files", "eval_files"):
+        for i, e in enumerate(getattr(r.data, name)):
+            key = f"data.{name}[{i}]"
+            need(e != "" and getattr(e, "path", "x") != "", key + (".path" if not isinstance(e, str) else ""),
+                 "required: a file, folder, glob or Hub dataset id")
+            if isinstance(e, DataSource):
+                need(e.weight is None or e.weight > 0, key + ".weight", f"must be positive, got {e.weight}")
+                need(e.weight is None or name == "train_files", key + ".weight", "weights mix training data only")
+                need(e.max_rows is None or e.max_rows > 0, key + ".max_rows", f"must be positive, got {e.max_rows}")
+    need(r.data.num_proc is None or r.data.num_proc > 0, "data.num_proc", f"must be positive, got {r.data.num_proc}")
     need(r.data.max_seq_len >= 2, "data.max_seq_len", f"must be at least 2, got {r.data.max_seq_len}")
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {r.data.eval_fraction}")
     need(not (r.data.eval_files and r.data.eval_fraction), "data.eval_fraction",

@@ -1,48 +1,132 @@
-"""Data: local files -> tokenized examples with response-only labels -> (packed) batches.
+"""Data: local files (or Hub datasets) -> tokenized examples with response-only labels -> batches.
 
 Every example becomes `input_ids` and `labels` of equal length; `labels` is -100 wherever no loss
 is taken (the prompt, by default, and always the first token of a document, which nothing
-predicts). Packing concatenates examples into rows of `max_seq_len` with `position_ids` that
-restart at each document; the model then builds a block-diagonal causal mask, so no token
-attends across a document boundary (checked at start-up by `packing_is_isolated`).
+predicts). Packing places whole documents into rows of `max_seq_len` (best fit decreasing) with
+`position_ids` that restart at each document; the model then builds a block-diagonal causal mask,
+so no token attends across a document boundary (checked at start-up by `packing_is_isolated`).
+
+Prepared data lives in Arrow, never in Python lists: the main process of each node tokenizes once
+(in `data.num_proc` processes) into `$HF_DATASETS_CACHE/toolkit/<fingerprint>/`, written under a
+temporary name and renamed when complete; the other ranks wait for that folder by polling the
+file system (not in a collective that could time out during a long tokenization) and then
+memory-map the same files, so every rank shares one copy through the page cache. Batches are read
+from Arrow by index.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
+import os
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from .config import DataConfig, ToolkitError
+from .config import DataConfig, DataSource, ToolkitError
+from .packing import best_fit_decreasing, pack_stats
 
 IGNORE = -100
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+TOKENIZE_VERSION = 2  # bump when tokenization or preparation changes what it produces
+EMPTY_ROWS_TOLERATED = 0.01
+"""Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
+dropped with a warning while they are at most this share of their file; more is an error."""
+ROWS_PER_PROCESS = 1000  # fewer rows than this per tokenizing process is not worth a process
 
 
-# ----------------------------------------------------------------------------- reading files
+# ----------------------------------------------------------------------------- sources
 
 
-def check_files(files: list[str], key: str) -> None:
-    """Fail fast, naming the key, the file and (for JSON Lines) the line."""
+@dataclass
+class Source:
+    """One entry of data.train_files or data.eval_files, resolved to what is read."""
+    key: str  # e.g. data.train_files[1]
+    files: list[str]  # local files (all of one type); empty for a Hub dataset
+    format: str
+    weight: float | None = None
+    max_rows: int | None = None
+    hub_id: str | None = None
+    split: str = "train"
+    revision: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.hub_id:
+            return f"{self.hub_id}[{self.split}]"
+        return self.files[0] if len(self.files) == 1 else f"{Path(self.files[0]).parent}/ ({len(self.files)} files)"
+
+
+def resolve_sources(entries: list, cfg: DataConfig, key: str) -> list[Source]:
+    """Each entry (a path, a folder or glob of shards, a Hub dataset id, or a mapping with `path`,
+    `format`, `weight`, `max_rows`) as a Source whose files exist and are of one readable type."""
+    sources = []
+    for i, entry in enumerate(entries):
+        e = entry if isinstance(entry, DataSource) else DataSource(path=entry)
+        k = f"{key}[{i}]" if len(entries) > 1 or isinstance(entry, DataSource) else key
+        fmt = e.format or cfg.format
+        files = _expand(e.path, k)
+        if files is None:  # not a local path: a Hub dataset id
+            from .hub import is_hub_id
+
+            if not is_hub_id(e.path):
+                raise ToolkitError(f"{k}: file not found: {e.path}")
+            sources.append(Source(k, [], fmt, e.weight, e.max_rows, hub_id=e.path, split=e.split, revision=e.revision))
+        else:
+            sources.append(Source(k, files, fmt, e.weight, e.max_rows))
+    weighted = [s.weight is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        raise ToolkitError(f"{key}: give a weight to every entry or to none")
+    return sources
+
+
+def _expand(path: str, key: str) -> list[str] | None:
+    """The files of one entry: a file, every data file in a folder, or a glob's matches (sorted).
+    None when nothing local is named (the entry may be a Hub id)."""
+    p = Path(path).expanduser()
+    if any(c in path for c in "*?["):
+        files = sorted(f for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+        if not files:
+            raise ToolkitError(f"{key}: no files match {path}")
+    elif p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in LOADERS)
+        if not files:
+            raise ToolkitError(f"{key}: {path} holds no {', '.join(LOADERS)} files")
+    elif p.exists() or p.suffix.lower() in LOADERS or path.startswith(("/", ".", "~")):
+        files = [str(p)]
+    else:
+        return None
     for f in files:
-        p = Path(f)
-        if not p.is_file():
+        q = Path(f)
+        if not q.is_file():
             raise ToolkitError(f"{key}: file not found: {f}")
-        if p.suffix.lower() not in LOADERS:
-            raise ToolkitError(f"{key}: {f}: unsupported file type '{p.suffix}' (use {', '.join(LOADERS)})")
-        if p.stat().st_size == 0:
+        if q.suffix.lower() not in LOADERS:
+            raise ToolkitError(f"{key}: {f}: unsupported file type '{q.suffix}' (use {', '.join(LOADERS)})")
+        if q.stat().st_size == 0:
             raise ToolkitError(f"{key}: {f}: file is empty")
-        if p.suffix.lower() == ".jsonl":
-            with open(p, encoding="utf-8") as fh:
+    kinds = {LOADERS[Path(f).suffix.lower()] for f in files}
+    if len(kinds) > 1:
+        raise ToolkitError(f"{key}: {path} mixes file types ({', '.join(sorted(kinds))}); give one entry per type")
+    return files
+
+
+def check_json_lines(files: list[str]) -> None:
+    """Fail fast on malformed JSON, naming the file and line (only before a tokenization)."""
+    for f in files:
+        suffix = Path(f).suffix.lower()
+        if suffix == ".jsonl":
+            with open(f, encoding="utf-8") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if line.strip():
                         try:
@@ -51,28 +135,38 @@ def check_files(files: list[str], key: str) -> None:
                             raise ToolkitError(f"{f}: line {lineno}: malformed JSON ({e.msg})") from None
                         if not isinstance(row, dict):
                             raise ToolkitError(f"{f}: line {lineno}: expected a JSON object per line")
-        elif p.suffix.lower() == ".json":
+        elif suffix == ".json":
             try:
-                json.loads(p.read_text(encoding="utf-8"))
+                json.loads(Path(f).read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
                 raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
 
 
-def load_rows(path: str, fmt: str):
-    """One file as a `datasets.Dataset`, with its required columns checked."""
+def load_rows(source: Source):
+    """One source's rows as a memory-mapped `datasets.Dataset`, its columns checked."""
     import datasets
 
     datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset(LOADERS[Path(path).suffix.lower()], data_files=[str(path)], split="train")
-    except Exception as e:  # datasets wraps parser errors in several exception types
-        raise ToolkitError(f"{path}: cannot read as {Path(path).suffix} ({str(e).splitlines()[0][:200]})") from None
+    if source.hub_id:
+        from .hub import load_hub_dataset
+
+        ds = load_hub_dataset(source.hub_id, source.split, source.revision, source.key)
+    else:
+        check_json_lines(source.files)
+        try:
+            ds = datasets.load_dataset(LOADERS[Path(source.files[0]).suffix.lower()], data_files=source.files,
+                                       split="train")
+        except Exception as e:  # datasets wraps parser errors in several exception types
+            raise ToolkitError(f"{source.name}: cannot read as {Path(source.files[0]).suffix} "
+                               f"({str(e).splitlines()[0][:200]})") from None
     if len(ds) == 0:
-        raise ToolkitError(f"{path}: no rows")
-    missing = [c for c in COLUMNS[fmt] if c not in ds.column_names]
+        raise ToolkitError(f"{source.name}: no rows")
+    missing = [c for c in COLUMNS[source.format] if c not in ds.column_names]
     if missing:
-        raise ToolkitError(f"{path}: data.format={fmt} needs column(s) {', '.join(missing)}; "
+        raise ToolkitError(f"{source.name}: data.format={source.format} needs column(s) {', '.join(missing)}; "
                            f"found {', '.join(ds.column_names)}")
+    if source.max_rows is not None:
+        ds = ds.select(range(min(source.max_rows, len(ds))))
     return ds
 
 
@@ -104,116 +198,334 @@ def render(row: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]], 
     return tokenizer.apply_chat_template(messages, tokenize=False), spans, True
 
 
-def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool) -> dict:
-    text, spans, has_specials = render(row, fmt, tokenizer)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+def _labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """Each token is a target when it starts inside a span (spans and offsets both ascend)."""
+    labels, j = [], 0
+    for t, (a, _) in zip(ids, offsets):
+        while j < len(spans) and spans[j][1] <= a:
+            j += 1
+        labels.append(t if j < len(spans) and spans[j][0] <= a else IGNORE)
+    return labels
+
+
+def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_seq_len, train_on_prompt) -> dict:
+    ids, offsets = list(enc_ids), list(offsets)
     if fmt == "text" and tokenizer.bos_token_id is not None and not has_specials:
         ids, offsets = [tokenizer.bos_token_id] + ids, [(0, 0)] + offsets
-    if fmt == "text" or train_on_prompt:
-        labels = list(ids)
-    else:
-        labels = [t if any(s <= a < e for s, e in spans) else IGNORE for t, (a, _) in zip(ids, offsets)]
+    labels = list(ids) if fmt == "text" or train_on_prompt else _labels(ids, offsets, spans)
     full_targets = sum(1 for t in labels[1:] if t != IGNORE)
+    full_length = len(ids)
     ids, labels = ids[:max_seq_len], labels[:max_seq_len]
     labels[0] = IGNORE  # nothing predicts a document's first token
     return {"input_ids": ids, "labels": labels, "n_targets": sum(1 for t in labels if t != IGNORE),
-            "full_targets": full_targets, "length": len(ids)}
+            "full_targets": full_targets, "length": len(ids), "full_length": full_length}
 
 
-def fingerprint(files: list[str], cfg: DataConfig, tokenizer, extra: str = "") -> str:
-    """Identifies the tokenized data: file contents, tokenizer and the settings that shape examples."""
+def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool) -> dict:
+    """One row as `input_ids`/`labels` (truncated to max_seq_len) with its target and length counts."""
+    text, spans, has_specials = render(row, fmt, tokenizer)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
+    return _example(text, spans, has_specials, enc["input_ids"], enc["offset_mapping"], fmt, tokenizer,
+                    max_seq_len, train_on_prompt)
+
+
+def _tokenize_batch(batch: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool, source: int) -> dict:
+    """`datasets.map` function: a batch of rows rendered, encoded in one call, and labelled."""
+    rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
+    rendered = [render(r, fmt, tokenizer) for r in rows]
+    enc = tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                    truncation=False)
+    out = [_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt)
+           for r, i, o in zip(rendered, enc["input_ids"], enc["offset_mapping"])]
+    columns = {k: [o[k] for o in out] for k in out[0]}
+    columns["source"] = [source] * len(out)
+    return columns
+
+
+def _features():
+    from datasets import Features, Sequence, Value
+
+    return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
+                     "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
+                     "full_length": Value("int32"), "source": Value("int16")})
+
+
+def default_num_proc() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), 16))
+
+
+def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_proc: int, report: "Report",
+                    cache_file: Path):
+    """One source tokenized into Arrow, overlong rows truncated or dropped, rows left without a
+    target dropped (an error when they are more than EMPTY_ROWS_TOLERATED of the source)."""
+
+    import datasets
+
+    ds = load_rows(source)
+    procs = max(1, min(num_proc, math.ceil(len(ds) / ROWS_PER_PROCESS)))
+    datasets.enable_progress_bars()  # the one bar worth showing; only the preparing process runs this
+    try:
+        tokenized = ds.map(_tokenize_batch, batched=True, batch_size=256, remove_columns=ds.column_names,
+                           features=_features(), num_proc=procs if procs > 1 else None,
+                           cache_file_name=str(cache_file), new_fingerprint=cache_file.stem,
+                           fn_kwargs=dict(fmt=source.format, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
+                                          train_on_prompt=cfg.train_on_prompt, source=index),
+                           desc=f"tokenizing {Path(source.name).name}")
+    except ToolkitError as e:
+        raise ToolkitError(f"{source.name}: {e}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ToolkitError(f"{source.name}: a row does not fit data.format={source.format} "
+                           f"({type(e).__name__}: {e})") from None
+    finally:
+        datasets.disable_progress_bars()
+    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length"]).with_format("numpy")[:]
+    n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
+    overlong = full_length > cfg.max_seq_len
+    keep = np.ones(len(tokenized), dtype=bool)
+    if cfg.overlong == "drop":
+        keep &= ~overlong
+        report.dropped_overlong += int(overlong.sum())
+        report.targets_lost += int(full_targets[overlong].sum())
+    else:
+        report.truncated += int(overlong.sum())
+        report.targets_lost += int((full_targets - n_targets)[overlong].sum())
+    empty = keep & (n_targets == 0)
+    if empty.any():
+        i = int(np.flatnonzero(empty)[0])
+        reason = (f"the prompt fills data.max_seq_len={cfg.max_seq_len}" if full_targets[i] > 0
+                  else "it has no response tokens")
+        where = f"{source.name}: row {i + 1}: no target tokens left ({reason})"
+        if empty.sum() > EMPTY_ROWS_TOLERATED * len(tokenized):
+            raise ToolkitError(f"{where}; {int(empty.sum())} of {len(tokenized)} rows affected "
+                               f"(more than {EMPTY_ROWS_TOLERATED:.0%})")
+        report.warnings.append(f"{where}; dropped {int(empty.sum())} such row(s) of {len(tokenized)}")
+        report.dropped_empty += int(empty.sum())
+        keep &= ~empty
+    report.rows += len(tokenized)
+    if not keep.all():
+        tokenized = tokenized.select(np.flatnonzero(keep))
+    if len(tokenized) == 0:
+        raise ToolkitError(f"{source.name}: no rows left after dropping overlong rows (data.overlong=drop)")
+    return tokenized
+
+
+# ----------------------------------------------------------------------------- preparing
+
+
+@dataclass
+class Report:
+    """What preparation did, for the start-of-run `data:` lines (kept beside the prepared data)."""
+    rows: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_empty: int = 0
+    targets_lost: int = 0
+    seconds: float = 0.0
+    num_proc: int = 1
+    warnings: list = None
+    lines: list = None
+
+    def __post_init__(self):
+        self.warnings = self.warnings or []
+        self.lines = self.lines or []
+
+
+def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = "") -> str:
+    """Identifies the prepared data: file contents, tokenizer, template and every setting that
+    shapes examples (changing any of them prepares the data again)."""
     h = hashlib.sha256()
-    for f in files:
-        h.update(f.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+    for s in sources:
+        h.update(json.dumps([s.key, s.format, s.weight, s.max_rows, s.hub_id, s.split, s.revision]).encode())
+        if s.hub_id:
+            h.update(load_rows(s)._fingerprint.encode())
+        for f in s.files:
+            h.update(f.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
-    h.update(json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on_prompt, TOKENIZE_VERSION, extra]).encode())
+    h.update(json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on_prompt, cfg.overlong, TOKENIZE_VERSION,
+                         extra]).encode())
     return h.hexdigest()[:16]
 
 
-TOKENIZE_VERSION = 1  # bump when tokenize_example changes what it produces
+def cache_root() -> Path:
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "toolkit"
 
 
-def tokenize_file(path: str, cfg: DataConfig, tokenizer):
-    """Tokenize one file (cached by `datasets` under a content fingerprint) and check every row
-    keeps at least one target token after truncation."""
-    ds = load_rows(path, cfg.format)
-    fp = fingerprint([path], cfg, tokenizer)
+def mix(train, sources: list[Source], seed: int):
+    """Rows drawn so that each source makes up its weight's share of the training set, which keeps
+    the total size: a source is subsampled without repeats, or upsampled by repeating whole
+    shuffled passes. Without weights, every row once, in order."""
+    if sources[0].weight is None:
+        return train
+    src = train.select_columns(["source"]).with_format("numpy")[:]["source"]
+    weights = np.array([s.weight for s in sources], dtype=np.float64)
+    counts = np.floor(weights / weights.sum() * len(train)).astype(np.int64)
+    counts[np.argsort(-(weights / weights.sum() * len(train) - counts), kind="stable")[: len(train) - counts.sum()]] += 1
+    rng = np.random.default_rng(seed)
+    picked = []
+    for s, n in enumerate(counts):
+        rows = np.flatnonzero(src == s)
+        if len(rows) == 0 or n == 0:
+            continue
+        passes = [rng.permutation(rows) for _ in range(math.ceil(n / len(rows)))]
+        picked.append(np.concatenate(passes)[:n])
+    return train.select(np.sort(np.concatenate(picked)))
 
-    def fn(batch):
-        rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
-        out = [tokenize_example(r, cfg.format, tokenizer, cfg.max_seq_len, cfg.train_on_prompt) for r in rows]
-        return {k: [o[k] for o in out] for k in out[0]}
 
+def _bins_dataset(bins: list[np.ndarray]):
+    import datasets
+    import pyarrow as pa
+
+    offsets = np.zeros(len(bins) + 1, dtype=np.int32)
+    offsets[1:] = np.cumsum([len(b) for b in bins])
+    values = np.concatenate(bins).astype(np.int64) if bins else np.zeros(0, dtype=np.int64)
+    table = pa.table({"docs": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+    return datasets.Dataset(table)
+
+
+def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_sources, folder: Path,
+            num_proc: int) -> None:
+    """Tokenize, filter, mix, split and pack into `folder` (train/, eval/, *_bins/, report.json),
+    written under a temporary name and renamed when complete."""
+    import datasets
+
+    start = time.time()
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     try:
-        tokenized = ds.map(fn, batched=True, remove_columns=ds.column_names, new_fingerprint=fp,
-                           desc=f"tokenizing {Path(path).name}")
-    except ToolkitError as e:
-        raise ToolkitError(f"{path}: {e}") from None
-    except (KeyError, TypeError) as e:
-        raise ToolkitError(f"{path}: a row does not fit data.format={cfg.format} ({type(e).__name__}: {e})") from None
-    empty = [i for i, n in enumerate(tokenized["n_targets"]) if n == 0]
-    if empty:
-        i = empty[0]
-        reason = (f"the prompt fills data.max_seq_len={cfg.max_seq_len}"
-                  if tokenized[i]["full_targets"] > 0 else "it has no response tokens")
-        raise ToolkitError(f"{path}: row {i + 1}: no target tokens left ({reason}); "
-                           f"{len(empty)} row(s) affected")
-    return tokenized
+        report = Report(num_proc=num_proc)
+        train = datasets.concatenate_datasets(
+            [tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "work" / f"train-{i}.arrow")
+             for i, s in enumerate(sources)])
+        evaluation = None
+        if eval_sources:
+            evaluation = datasets.concatenate_datasets(
+                [tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "work" / f"eval-{i}.arrow")
+                 for i, s in enumerate(eval_sources)])
+        elif cfg.eval_fraction > 0:
+            split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed, shuffle=True)
+            train, evaluation = split["train"], split["test"]
+        train = mix(train, sources, seed)
+        columns = ["input_ids", "labels", "length", "n_targets", "source"]
+        parts = {"train": train.select_columns(columns)}
+        if evaluation is not None:
+            parts["eval"] = evaluation.select_columns(columns)
+        for name, part in parts.items():
+            part.save_to_disk(str(tmp / name))
+            if packing:
+                lengths = part.select_columns(["length"]).with_format("numpy")[:]["length"]
+                bins = best_fit_decreasing(lengths, cfg.max_seq_len, seed)
+                _bins_dataset(bins).save_to_disk(str(tmp / f"{name}_bins"))
+                if name == "train":
+                    stats = pack_stats(bins, lengths, cfg.max_seq_len)
+                    report.lines.append(f"packed {stats.documents:,} examples into {stats.rows:,} rows of "
+                                        f"{cfg.max_seq_len}: fill {stats.fill:.1%}, padding {1 - stats.fill:.1%}")
+        del train, evaluation, parts
+        shutil.rmtree(tmp / "work", ignore_errors=True)
+        report.seconds = time.time() - start
+        (tmp / "report.json").write_text(json.dumps(report.__dict__))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another node's main process on a shared file system finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @dataclass
 class Datasets:
-    train: list[dict]
-    eval: list[dict]
+    train: "Examples"
+    eval: "Examples"
     fingerprint: str
+    lines: list  # the start-of-run `data:` summary
+    warnings: list
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool) -> Datasets:
-    """Tokenized train and eval examples (packed into rows when `packing`)."""
+def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,
+                   on_wait: Callable[[], None] | None = None) -> Datasets:
+    """The prepared train and eval examples. `prepares`: this process tokenizes when the data is not
+    prepared yet (the main process of each node); the others wait for its folder (calling `on_wait`
+    while they do, e.g. to check the preparing process is alive)."""
+    sources = resolve_sources(cfg.train_files, cfg, "data.train_files")
+    eval_sources = resolve_sources(cfg.eval_files, cfg, "data.eval_files") if cfg.eval_files else []
+    fp = fingerprint(sources + eval_sources, cfg, tokenizer, extra=f"{cfg.eval_fraction}/{seed}/{packing}")
+    folder = cache_root() / fp
+    if not (folder / "report.json").is_file():
+        if prepares:
+            prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, cfg.num_proc or default_num_proc())
+        else:
+            while not (folder / "report.json").is_file():
+                if on_wait is not None:
+                    on_wait()
+                time.sleep(0.5)
+    return load_prepared(folder, packing, fp)
+
+
+def load_prepared(folder: Path, packing: bool, fp: str) -> Datasets:
     import datasets
 
-    check_files(cfg.train_files, "data.train_files")
-    check_files(cfg.eval_files, "data.eval_files")
-    train = datasets.concatenate_datasets([tokenize_file(f, cfg, tokenizer) for f in cfg.train_files])
-    if cfg.eval_files:
-        evaluation = datasets.concatenate_datasets([tokenize_file(f, cfg, tokenizer) for f in cfg.eval_files])
-    elif cfg.eval_fraction > 0:
-        split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed, shuffle=True)
-        train, evaluation = split["train"], split["test"]
-    else:
-        evaluation = None
-    columns = ["input_ids", "labels"]
-    train_rows = train.select_columns(columns).to_list()
-    eval_rows = evaluation.select_columns(columns).to_list() if evaluation is not None else []
-    if packing:
-        train_rows, eval_rows = pack(train_rows, cfg.max_seq_len), pack(eval_rows, cfg.max_seq_len)
-    fp = fingerprint(cfg.train_files + cfg.eval_files, cfg, tokenizer, extra=f"{cfg.eval_fraction}/{seed}/{packing}")
-    return Datasets(train=train_rows, eval=eval_rows, fingerprint=fp)
+    report = Report(**json.loads((folder / "report.json").read_text()))
 
+    def part(name):
+        if not (folder / name).is_dir():
+            return None
+        docs = datasets.load_from_disk(str(folder / name))
+        bins = datasets.load_from_disk(str(folder / f"{name}_bins")) if packing else None
+        return Examples(docs, bins)
 
-def pack(rows: list[dict], max_seq_len: int) -> list[dict]:
-    """Concatenate examples in order into rows of at most max_seq_len tokens; an example is never
-    split. `position_ids` restart at 0 at each document."""
-    packed, cur = [], {"input_ids": [], "labels": [], "position_ids": []}
-    for r in rows:
-        n = len(r["input_ids"])
-        if cur["input_ids"] and len(cur["input_ids"]) + n > max_seq_len:
-            packed.append(cur)
-            cur = {"input_ids": [], "labels": [], "position_ids": []}
-        cur["input_ids"] += r["input_ids"]
-        cur["labels"] += r["labels"]
-        cur["position_ids"] += list(range(n))
-    if cur["input_ids"]:
-        packed.append(cur)
-    return packed
+    train, evaluation = part("train"), part("eval")
+    lengths = train.table.select_columns(["length", "n_targets"]).with_format("numpy")[:]
+    lines = [f"{len(train.table):,} train examples, {int(lengths['length'].sum()):,} tokens "
+             f"({int(lengths['n_targets'].sum()):,} targets); {len(evaluation.table) if evaluation else 0:,} eval "
+             f"examples; prepared in {report.seconds:.1f} s with {report.num_proc} process(es) "
+             f"into {folder}"]
+    if report.truncated:
+        lines.append(f"{report.truncated:,} of {report.rows:,} rows truncated to data.max_seq_len "
+                     f"({report.targets_lost:,} target tokens lost; data.overlong=drop drops them instead)")
+    if report.dropped_overlong:
+        lines.append(f"{report.dropped_overlong:,} of {report.rows:,} rows longer than data.max_seq_len dropped "
+                     f"({report.targets_lost:,} target tokens lost)")
+    lines += report.lines
+    return Datasets(train=train, eval=evaluation or Examples(None, None), fingerprint=fp, lines=lines,
+                    warnings=report.warnings)
 
 
 # ----------------------------------------------------------------------------- batching
+
+
+class Examples(torch.utils.data.Dataset):
+    """Examples read from Arrow by index: one document each, or (packed) one row of documents
+    with `position_ids` restarting at each. Index None (eval padding) gives None."""
+
+    def __init__(self, docs, bins=None):
+        self.table = docs  # every column, for counting
+        self.docs = docs.select_columns(["input_ids", "labels"]).with_format("numpy") if docs is not None else None
+        self.bins = bins.with_format("numpy") if bins is not None else None
+
+    def __len__(self) -> int:
+        if self.docs is None:
+            return 0
+        return len(self.bins) if self.bins is not None else len(self.docs)
+
+    def __getitem__(self, i):
+        if i is None:
+            return None
+        if self.bins is None:
+            return self.docs[int(i)]
+        rows = self.docs[self.bins[int(i)]["docs"]]
+        ids = [np.asarray(x) for x in rows["input_ids"]]
+        return {"input_ids": np.concatenate(ids), "labels": np.concatenate(list(rows["labels"])),
+                "position_ids": np.concatenate([np.arange(len(x)) for x in ids])}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 class Collator:
@@ -236,14 +548,14 @@ class Collator:
         labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
         for i, e in enumerate(examples):
             n = len(e["input_ids"])
-            ids[i, :n] = torch.tensor(e["input_ids"])
-            labels[i, :n] = torch.tensor(e["labels"])
+            ids[i, :n] = torch.as_tensor(e["input_ids"])
+            labels[i, :n] = torch.as_tensor(e["labels"])
         batch = {"input_ids": ids, "labels": labels}
         if packed:
             pos = torch.zeros((len(examples), width), dtype=torch.long)
             for i, e in enumerate(examples):
                 n = len(e["position_ids"])
-                pos[i, :n] = torch.tensor(e["position_ids"])
+                pos[i, :n] = torch.as_tensor(e["position_ids"])
                 pos[i, n:] = torch.arange(width - n)
             batch["position_ids"] = pos
         else:
@@ -299,17 +611,6 @@ class EvalShardSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.indices)
-
-
-class EvalRows(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict]):
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return None if i is None else self.rows[i]
 
 
 def packing_is_isolated(model: torch.nn.Module, tol: float = 1e-4) -> bool:

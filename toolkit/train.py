@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe, load_recipe
-from .data import IGNORE, Collator, EpochSampler, EvalRows, EvalShardSampler, build_datasets, packing_is_isolated
+from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, packing_is_isolated
 from .model import DTYPES, apply_lora, build_model, build_tokenizer, count_parameters
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .summary import run_summary
@@ -63,7 +63,13 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
 
-    data = main_process_first(accelerator, lambda: build_datasets(recipe.data, tokenizer, recipe.seed, packing))
+    # The main process of each node prepares the data; the others wait on the file system, not in a
+    # collective that a long tokenization could time out.
+    data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process)
+    for line in data.lines:
+        log(f"data: {line}")
+    for line in data.warnings:
+        log(f"warning: {line}")
     world = accelerator.num_processes
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world
     sampler = EpochSampler(len(data.train), global_batch, recipe.seed)
@@ -81,7 +87,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
                               drop_last=True, generator=torch.Generator().manual_seed(recipe.seed))
     eval_batch = t.eval_batch_size or t.micro_batch_size
-    eval_loader = DataLoader(EvalRows(data.eval), batch_size=eval_batch, collate_fn=collate,
+    eval_loader = DataLoader(data.eval, batch_size=eval_batch, collate_fn=collate,
                              sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
                              generator=torch.Generator().manual_seed(recipe.seed))
     total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch
@@ -360,23 +366,6 @@ def never_checkpointed(out: Path, recipe: Recipe) -> bool:
     except ToolkitError:
         return False
     return learning_relevant(earlier) == learning_relevant(recipe)
-
-
-def main_process_first(accelerator, fn):
-    """Run fn on the main process, then on the others (which read its caches). A user error on the
-    main process still reaches the barrier, so the other ranks fail the same way instead of hanging."""
-    error, result = None, None
-    if accelerator.is_main_process:
-        try:
-            result = fn()
-        except ToolkitError as e:
-            error = e
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        result = fn()
-    if error is not None:
-        raise error
-    return result
 
 
 # Recipe fields that may change between a run and its resumption (they do not change what is learned).
