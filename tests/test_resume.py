@@ -32,7 +32,9 @@ CASES = {  # name: (accelerate config or None for one plain process, lora dropou
     "fsdp": ("fsdp", None),
     "zero2": ("zero2", None),
     "zero3": ("zero3", None),
+    "ddp_packed": ("ddp", None),  # rows of documents read from Arrow bins
 }
+PACKED = {"ddp_packed"}
 KILL_SEED = int(os.environ.get("TOOLKIT_KILL_SEED", time.time_ns() % 10_000))
 
 
@@ -126,7 +128,8 @@ def uninterrupted(workdir):
     def get(name):
         if name not in done:
             backend, dropout = CASES[name]
-            rc, _, err = finish(start(command(workdir, backend, recipe(workdir, f"ref_{name}", dropout))))
+            path = recipe(workdir, f"ref_{name}", dropout, data__packing=name in PACKED)
+            rc, _, err = finish(start(command(workdir, backend, path)))
             assert rc == 0, err[-3000:]
             done[name] = workdir / f"ref_{name}"
         return done[name]
@@ -145,7 +148,7 @@ def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupt
     reference = uninterrupted(name)
     kill_at = random.Random(f"{KILL_SEED}-{name}").randint(3, STEPS - 2)
     print(f"\n{name}: SIGKILL once step {kill_at} is logged (TOOLKIT_KILL_SEED={KILL_SEED})")
-    path = recipe(workdir, f"killed_{name}", dropout)
+    path = recipe(workdir, f"killed_{name}", dropout, data__packing=name in PACKED)
     run = workdir / f"killed_{name}"
     proc = start(command(workdir, backend, path))
     wait_for(lambda: logged_steps(run) >= kill_at, proc)
