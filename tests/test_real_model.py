@@ -1,0 +1,283 @@
+"""A real model, tokenizer and chat template: SmolLM2-135M-Instruct (BPE, ChatML template, tied
+embeddings, 30 layers), fetched by tests/fetch_real_model.sh and skipped where it cannot be.
+
+The rest of the suite trains a byte-level preset built locally; these tests check what only a real
+checkpoint exercises: response-only labels under a template the toolkit did not write, packing
+isolation on a pretrained architecture, a LoRA run that learns, and ZeRO-3 loading the model
+already partitioned (`zero3_init_flag`), which presets never do.
+"""
+
+import json
+import random
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, load_weights, read_metrics, run_toolkit, train_losses, write_jsonl, write_recipe
+
+pytestmark = pytest.mark.real_model
+
+END_OF_TURN = "<|im_end|>"  # SmolLM2's ChatML end of turn, also its eos token
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model_dir):
+    from toolkit.config import ModelConfig
+    from toolkit.model import build_tokenizer
+
+    return build_tokenizer(ModelConfig(path=str(real_model_dir)))
+
+
+def labelled_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
+    """The labelled tokens, as maximal runs of consecutive positions."""
+    from toolkit.data import IGNORE
+
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE:
+            assert label == token  # labels are the inputs themselves; the loss shifts them
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+@pytest.mark.parametrize("system", ["You are terse.", None])
+def test_chat_template_labels_only_assistant_turns(tokenizer, system):
+    """Two assistant turns under the real ChatML template (with a system turn, and without one,
+    where the template writes its own default system prompt): exactly the assistant turns are
+    labelled, each as its content, the end-of-turn token (one special token, not its characters)
+    and the newline the template writes after it. tests/test_data.py pins the same convention on
+    the byte-level template: a turn's labels are everything the turn adds to the rendering."""
+    from toolkit.data import IGNORE, tokenize_example
+
+    users, answers = ["Capital of France?", "And of Italy, briefly?"], ["Paris.", "Rome, of course."]
+    messages = [{"role": "system", "content": system}] if system else []
+    for user, answer in zip(users, answers):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    ex = tokenize_example({"messages": messages}, "messages", tokenizer, 512, False)
+    ids, labels = ex["input_ids"], ex["labels"]
+    assert len(ids) == len(labels) == ex["length"]
+
+    end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    assert end_id == tokenizer.eos_token_id and ids.count(end_id) == len(messages) + (system is None)
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    runs = labelled_runs(ids, labels)
+    assert runs == [enc(a) + [end_id] + enc("\n") for a in answers], [tokenizer.decode(r) for r in runs]
+    assert [tokenizer.decode(r) for r in runs] == [a + END_OF_TURN + "\n" for a in answers]
+    assert ex["n_targets"] == sum(map(len, runs))
+    unlabelled = tokenizer.decode([t for t, label in zip(ids, labels) if label == IGNORE])
+    for text in users + ([system] if system else ["You are a helpful AI assistant named SmolLM"]):
+        assert text in unlabelled  # rendered, and not labelled
+    assert unlabelled.count("<|im_start|>assistant\n") == 2  # the turn headers are prompt
+
+
+@pytest.mark.parametrize("inp", ["abc def", ""])
+def test_alpaca_labels_only_the_response(tokenizer, inp):
+    from toolkit.data import IGNORE, tokenize_example
+
+    row = {"instruction": "Reverse the words.", "input": inp, "output": "fed cba"}
+    ex = tokenize_example(row, "alpaca", tokenizer, 512, False)
+    ids, labels = ex["input_ids"], ex["labels"]
+    assert ids[0] == tokenizer.bos_token_id and labels[0] == IGNORE
+    runs = labelled_runs(ids, labels)
+    assert len(runs) == 1 and runs[0][-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(runs[0]) == "fed cba" + END_OF_TURN
+    assert ids[-len(runs[0]):] == runs[0]  # the response ends the example
+    prompt = tokenizer.decode(ids[: len(ids) - len(runs[0])])
+    assert "Reverse the words." in prompt and prompt.endswith("### Response:\n")
+    assert ("### Input:\nabc def" in prompt) == bool(inp)
+
+
+class DropsPositions(torch.nn.Module):
+    """The model, called without position_ids: packed documents then run on as one sequence."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return self.model(input_ids=input_ids, **kwargs)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packing_is_isolated_on_the_real_model(real_model_dir, attn):
+    """The start-up check passes on the real architecture, and is not vacuous there: the same
+    model fed packed rows without restarting positions fails it."""
+    from toolkit.config import ModelConfig
+    from toolkit.data import packing_is_isolated
+    from toolkit.model import build_model
+
+    model = build_model(ModelConfig(path=str(real_model_dir), attn_implementation=attn))
+    assert model.config._attn_implementation == attn
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
+    assert packing_is_isolated(model)
+    assert not packing_is_isolated(DropsPositions(model))
+
+
+def capital_code_rows(words: list[str]) -> list[dict]:
+    """A task with a fixed answer pattern: the code is the name's first three letters in capitals
+    and its length, e.g. Benumi -> Code: BEN-6."""
+    return [{"messages": [{"role": "system", "content": "Answer with the code only."},
+                          {"role": "user", "content": f"What is the capital code of {w}?"},
+                          {"role": "assistant", "content": f"Code: {w[:3].upper()}-{len(w)}"}]}
+            for w in words]
+
+
+@pytest.fixture(scope="module")
+def capital_data(tmp_path_factory):
+    rng = random.Random(0)
+    words = set()
+    while len(words) < 80:
+        words.add("".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(3)).capitalize())
+    words = sorted(words)
+    d = tmp_path_factory.mktemp("capital")
+    return (write_jsonl(d / "train.jsonl", capital_code_rows(words[:64])),
+            write_jsonl(d / "eval.jsonl", capital_code_rows(words[64:])))
+
+
+def real_recipe(model_dir, train, evaluation, out, **train_overrides) -> dict:
+    return {
+        "output_dir": str(out), "seed": 3,
+        "model": {"path": str(model_dir)},
+        "lora": {"enabled": True, "r": 8, "alpha": 16, "target_modules": "all-linear"},
+        "data": {"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "messages",
+                 "max_seq_len": 128, "packing": True},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 16, "learning_rate": 1e-3,
+                  "warmup_steps": 2, "precision": "fp32", "log_every_steps": 1, **train_overrides},
+    }
+
+
+def eval_loss_unpacked(model, tokenizer, eval_file) -> float:
+    """The eval loss recomputed outside the training code, one padded batch of unpacked examples."""
+    from toolkit.config import DataConfig
+    from toolkit.data import IGNORE, Collator, build_datasets
+
+    data = build_datasets(DataConfig(train_files=[str(eval_file)], format="messages", max_seq_len=128),
+                          tokenizer, 0, False)
+    batch = Collator(tokenizer.pad_token_id)(data.train)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=IGNORE).item()
+
+
+def test_lora_learns_and_reloads_with_peft(tmp_path, real_model_dir, capital_data, tokenizer):
+    """16 steps of LoRA (r 8, all-linear; one packed row of 128 tokens, ~3 examples, per step): the held-out eval loss falls far
+    below the pretrained model's, and final/ is an adapter that peft loads onto the base folder,
+    giving the logged eval loss again."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    train, evaluation = capital_data
+    out = tmp_path / "run"
+    proc = run_toolkit("train", write_recipe(tmp_path / "lora.yaml", **real_recipe(real_model_dir, train, evaluation, out)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "padding instead of packing" not in proc.stdout + proc.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(17))
+    before, after = rows[0]["eval_loss"], rows[-1]["eval_loss"]
+    # Measured 2026-11-23: eval loss 3.61 before, 0.155 after (ratio 0.043); the first five train
+    # losses average 2.39, the last five 0.26 (single packed rows: noisy, 0.04 to 0.66).
+    assert after < 0.25 * before, (before, after)
+    losses = train_losses(out)
+    assert sum(losses[-5:]) / 5 < 0.4 * sum(losses[:5]) / 5, losses
+
+    final = out / "final"
+    assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
+    adapter = load_weights(final)
+    # all-linear: q, k, v, o, gate, up, down in each of the 30 layers, A and B each; never the tied head
+    assert len(adapter) == 30 * 7 * 2 and all("lora_" in k and v.numel() > 0 for k, v in adapter.items())
+    base = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, final).eval()
+    # Packed (the run) vs. unpacked (here) eval batches: measured 5e-7 relative.
+    assert eval_loss_unpacked(model, tokenizer, evaluation) == pytest.approx(after, rel=1e-4)
+    with model.disable_adapter():
+        assert eval_loss_unpacked(model, tokenizer, evaluation) == pytest.approx(before, rel=1e-4)
+
+
+def zero3_launch_config(workdir):
+    """The shipped zero3.yaml (zero3_init_flag: the model is loaded already partitioned) with its
+    JSON's persistence threshold at 0, so the LoRA matrices are partitioned too and a save that
+    forgot to gather would be caught (as in tests/test_backends.py)."""
+    import yaml
+
+    launch = yaml.safe_load((ROOT / "accelerate_configs" / "zero3.yaml").read_text())
+    ds = json.loads((ROOT / launch["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    (workdir / "launch_zero3.json").write_text(json.dumps(ds))
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(workdir / "launch_zero3.json")
+    (workdir / "launch_zero3.yaml").write_text(yaml.safe_dump(launch))
+    return workdir / "launch_zero3.yaml"
+
+
+# Measured 2026-11-23 (2 CPU cores, fp32, 3 LoRA steps, unpacked): step 1 equal to the last bit,
+# steps 2-3 within 7.6e-7 relative, eval losses within 6e-7, grad norms within 3e-7. The tiny
+# model's backends differ by less (test_backends.py); 30 layers of all-reduced gradient shards
+# add rounding. 5e-6 is the tightest bound with a few times that margin.
+ZERO3_RTOL = 5e-6
+
+
+# Known bug, not fixed here: with zero3_init_flag the model is loaded already partitioned (every
+# parameter an empty placeholder until prepare()), and toolkit/train.py run() calls
+# packing_is_isolated(model) on it before prepare(): its forward fails in F.embedding.
+ZERO3_PACKING_BUG = "Padding_idx must be within num_embeddings"
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_zero3_two_processes_match_one(tmp_path, real_model_dir, capital_data, packing):
+    """`accelerate launch` with the shipped ZeRO-3 config, 2 gloo processes (micro 1 x accumulation
+    2 x 2), against one process (micro 2 x 2): the same global batch learns the same losses and
+    adapter. The launch runs first, so the known-bug case costs one failed launch."""
+    train, evaluation = capital_data
+    few = write_jsonl(tmp_path / "eval4.jsonl", [json.loads(line) for line in evaluation.read_text().splitlines()[:4]])
+    common = {"max_steps": 3, "warmup_steps": 1, "gradient_accumulation_steps": 2}
+    recipes = {}
+    for name, micro in (("zero3", 1), ("single", 2)):
+        recipe = real_recipe(real_model_dir, train, few, tmp_path / name, micro_batch_size=micro, **common)
+        recipe["data"]["packing"] = packing
+        recipes[name] = write_recipe(tmp_path / f"{name}.yaml", **recipe)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(zero3_launch_config(tmp_path)),
+                "--num_processes", "2", "--main_process_port", "0", "-m"]
+    proc = run_toolkit("train", recipes["zero3"], launcher=launcher)
+    if packing and proc.returncode != 0 and ZERO3_PACKING_BUG in proc.stderr:
+        pytest.xfail(f"known bug: ZeRO-3 with packing on a model.path model: {ZERO3_PACKING_BUG} "
+                     "(packing_is_isolated before prepare() on a partitioned model)")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "run: backend DeepSpeed ZeRO-3, 2 processes" in proc.stderr
+    proc = run_toolkit("train", recipes["single"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    ref, got = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "zero3")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [0, 1, 2, 3]
+    for key in ("loss", "eval_loss", "grad_norm"):
+        want = [r[key] for r in ref if key in r]
+        have = [r[key] for r in got if key in r]
+        assert len(have) == len(want) > 0, key
+        rel = max(abs(a - b) / abs(a) for a, b in zip(want, have))
+        print(f"\nzero3 vs single, packing {packing}: {key} max relative difference {rel:.2e}")
+        assert rel <= ZERO3_RTOL, (key, want, have)
+    losses = train_losses(tmp_path / "single")
+    assert losses[-1] < losses[0]  # it learned, so equal losses are not trivially equal
+
+    # The adapters, compared by relative Frobenius norm rather than element by element: Adam's first
+    # updates are about lr * sign(gradient), so the few elements whose gradient is near 0 (or near
+    # eps) turn rounding into differences of up to ~0.1 lr. Measured 2026-11-23: 36 of 2.4M
+    # elements differ by more than 1e-5 (at most 9.6e-5); per tensor |dW|/|W| at most 3.0e-4
+    # (a lora_B), over the whole adapter 8.4e-6. A save that lost the gathering, a rank's shard
+    # or the training (lora_B still 0) is off by 1 or more.
+    want, have = load_weights(tmp_path / "single" / "final"), load_weights(tmp_path / "zero3" / "final")
+    assert want.keys() == have.keys() and len(want) == 30 * 7 * 2
+    for k in want:
+        assert have[k].shape == want[k].shape and want[k].norm() > 0, k
+        assert (have[k] - want[k]).norm() / want[k].norm() <= 1e-2, k
+    flat_want, flat_have = (torch.cat([w[k].flatten() for k in sorted(want)]) for w in (want, have))
+    assert (flat_have - flat_want).norm() / flat_want.norm() <= 1e-4
