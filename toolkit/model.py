@@ -99,6 +99,24 @@ def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> Toolk
     return ToolkitError(f"model.path: cannot load {what} from {where}: {first_line}")
 
 
+def isolation_probe(model: torch.nn.Module) -> torch.nn.Module:
+    """A model to run the packing check on: `model` itself, or, when its weights are partitioned
+    before prepare() (ZeRO-3's zero.Init leaves every parameter an empty placeholder), a randomly
+    initialised copy of its architecture cut to one layer and a small vocabulary. Whether packed
+    documents stay apart depends on how the architecture builds its attention mask, not on weights."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return model
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    config.vocab_size = 512
+    config.pad_token_id = None
+    return type(model)(config).float()
+
+
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """Distinct leaf names of the linear layers a LoRA adapter can target."""
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

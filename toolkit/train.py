@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, packing_is_isolated
-from .model import DTYPES, apply_lora, build_model, build_tokenizer, count_parameters
+from .model import DTYPES, apply_lora, isolation_probe, build_model, build_tokenizer, count_parameters
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .summary import run_summary
 
@@ -47,7 +47,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     tokenizer = build_tokenizer(recipe.model)
     model = build_model(recipe.model, DTYPES[recipe.model.dtype])
     packing = recipe.data.packing
-    if packing and not packing_is_isolated(model):
+    if packing and not packing_is_isolated(isolation_probe(model)):
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
         packing = False
     base_weights = None
