@@ -39,7 +39,7 @@ LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-TOKENIZE_VERSION = 2  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 3  # bump when tokenization or preparation changes what it produces
 EMPTY_ROWS_TOLERATED = 0.01
 """Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
 dropped with a warning while they are at most this share of their file; more is an error."""
@@ -142,8 +142,9 @@ def check_json_lines(files: list[str]) -> None:
                 raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
 
 
-def load_rows(source: Source):
-    """One source's rows as a memory-mapped `datasets.Dataset`, its columns checked."""
+def load_rows(source: Source, cache_dir: Path | None = None):
+    """One source's rows as a memory-mapped `datasets.Dataset`, its columns checked. `cache_dir`:
+    where `datasets` keeps its Arrow copy of local files (a folder the caller removes)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -155,7 +156,7 @@ def load_rows(source: Source):
         check_json_lines(source.files)
         try:
             ds = datasets.load_dataset(LOADERS[Path(source.files[0]).suffix.lower()], data_files=source.files,
-                                       split="train")
+                                       split="train", cache_dir=str(cache_dir) if cache_dir else None)
         except Exception as e:  # datasets wraps parser errors in several exception types
             raise ToolkitError(f"{source.name}: cannot read as {Path(source.files[0]).suffix} "
                                f"({str(e).splitlines()[0][:200]})") from None
@@ -198,26 +199,23 @@ def render(row: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]], 
     return tokenizer.apply_chat_template(messages, tokenize=False), spans, True
 
 
-def _labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
-    """Each token is a target when it starts inside a span (spans and offsets both ascend)."""
-    labels, j = [], 0
-    for t, (a, _) in zip(ids, offsets):
-        while j < len(spans) and spans[j][1] <= a:
-            j += 1
-        labels.append(t if j < len(spans) and spans[j][0] <= a else IGNORE)
-    return labels
-
-
 def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_seq_len, train_on_prompt) -> dict:
-    ids, offsets = list(enc_ids), list(offsets)
+    """Labels: a token is a target when its first character lies inside a span that carries loss."""
+    ids = np.asarray(enc_ids, dtype=np.int64)
+    starts = np.asarray([a for a, _ in offsets], dtype=np.int64)
     if fmt == "text" and tokenizer.bos_token_id is not None and not has_specials:
-        ids, offsets = [tokenizer.bos_token_id] + ids, [(0, 0)] + offsets
-    labels = list(ids) if fmt == "text" or train_on_prompt else _labels(ids, offsets, spans)
-    full_targets = sum(1 for t in labels[1:] if t != IGNORE)
+        ids, starts = np.concatenate([[tokenizer.bos_token_id], ids]), np.concatenate([[0], starts])
+    if fmt == "text" or train_on_prompt:
+        target = np.ones(len(ids), dtype=bool)
+    else:
+        bounds = np.asarray(spans, dtype=np.int64).reshape(-1)  # [s0, e0, s1, e1, ...], ascending
+        target = np.searchsorted(bounds, starts, side="right") % 2 == 1  # inside some [s, e)
+    full_targets = int(target[1:].sum())
     full_length = len(ids)
-    ids, labels = ids[:max_seq_len], labels[:max_seq_len]
-    labels[0] = IGNORE  # nothing predicts a document's first token
-    return {"input_ids": ids, "labels": labels, "n_targets": sum(1 for t in labels if t != IGNORE),
+    ids, target = ids[:max_seq_len], target[:max_seq_len].copy()
+    target[0] = False  # nothing predicts a document's first token
+    labels = np.where(target, ids, IGNORE)
+    return {"input_ids": ids.tolist(), "labels": labels.tolist(), "n_targets": int(target.sum()),
             "full_targets": full_targets, "length": len(ids), "full_length": full_length}
 
 
@@ -302,11 +300,9 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         report.dropped_empty += int(empty.sum())
         keep &= ~empty
     report.rows += len(tokenized)
-    if not keep.all():
-        tokenized = tokenized.select(np.flatnonzero(keep))
-    if len(tokenized) == 0:
+    if not keep.any():
         raise ToolkitError(f"{source.name}: no rows left after dropping overlong rows (data.overlong=drop)")
-    return tokenized
+    return tokenized, np.flatnonzero(keep)
 
 
 # ----------------------------------------------------------------------------- preparing
@@ -356,25 +352,26 @@ def cache_root() -> Path:
     return Path(datasets.config.HF_DATASETS_CACHE) / "toolkit"
 
 
-def mix(train, sources: list[Source], seed: int):
-    """Rows drawn so that each source makes up its weight's share of the training set, which keeps
-    the total size: a source is subsampled without repeats, or upsampled by repeating whole
-    shuffled passes. Without weights, every row once, in order."""
+def mix(rows: np.ndarray, src: np.ndarray, sources: list[Source], seed: int) -> np.ndarray:
+    """Rows (numbers into the tokenized documents; `src`: each one's source) drawn so that each
+    source makes up its weight's share of the training set, which keeps the total size: a source
+    is subsampled without repeats, or upsampled by repeating whole shuffled passes. Without
+    weights, every row once, in order."""
     if sources[0].weight is None:
-        return train
-    src = train.select_columns(["source"]).with_format("numpy")[:]["source"]
+        return rows
+    n = len(rows)
     weights = np.array([s.weight for s in sources], dtype=np.float64)
-    counts = np.floor(weights / weights.sum() * len(train)).astype(np.int64)
-    counts[np.argsort(-(weights / weights.sum() * len(train) - counts), kind="stable")[: len(train) - counts.sum()]] += 1
+    counts = np.floor(weights / weights.sum() * n).astype(np.int64)
+    counts[np.argsort(-(weights / weights.sum() * n - counts), kind="stable")[: n - counts.sum()]] += 1
     rng = np.random.default_rng(seed)
     picked = []
-    for s, n in enumerate(counts):
-        rows = np.flatnonzero(src == s)
-        if len(rows) == 0 or n == 0:
+    for s, k in enumerate(counts):
+        mine = rows[src == s]
+        if len(mine) == 0 or k == 0:
             continue
-        passes = [rng.permutation(rows) for _ in range(math.ceil(n / len(rows)))]
-        picked.append(np.concatenate(passes)[:n])
-    return train.select(np.sort(np.concatenate(picked)))
+        passes = [rng.permutation(mine) for _ in range(math.ceil(k / len(mine)))]
+        picked.append(np.concatenate(passes)[:k])
+    return np.sort(np.concatenate(picked))
 
 
 def _bins_dataset(bins: list[np.ndarray]):
@@ -390,46 +387,54 @@ def _bins_dataset(bins: list[np.ndarray]):
 
 def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_sources, folder: Path,
             num_proc: int) -> None:
-    """Tokenize, filter, mix, split and pack into `folder` (train/, eval/, *_bins/, report.json),
-    written under a temporary name and renamed when complete."""
-    import datasets
-
+    """Tokenize into `folder`/docs/ (Arrow, written once), then choose rows (filter, split, mix) as
+    numbers into those documents (train.npy, eval.npy) and pack them (*_bins/); report.json says
+    which files make each part. Written under a temporary name and renamed when complete."""
     start = time.time()
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    (tmp / "docs").mkdir(parents=True)
     try:
         report = Report(num_proc=num_proc)
-        train = datasets.concatenate_datasets(
-            [tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "work" / f"train-{i}.arrow")
-             for i, s in enumerate(sources)])
-        evaluation = None
+
+        def tokenized(entries, tag):
+            files, rows, src, offset = [], [], [], 0
+            for i, s in enumerate(entries):
+                ds, keep = tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "docs" / f"{tag}-{i}.arrow")
+                files += [str(Path(c["filename"]).relative_to(tmp)) for c in ds.cache_files]
+                rows.append(keep + offset)
+                src.append(np.full(len(keep), i, dtype=np.int16))
+                offset += len(ds)
+            return files, np.concatenate(rows), np.concatenate(src)
+
+        train_files, train_rows, train_src = tokenized(sources, "train")
+        parts = {}
         if eval_sources:
-            evaluation = datasets.concatenate_datasets(
-                [tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "work" / f"eval-{i}.arrow")
-                 for i, s in enumerate(eval_sources)])
+            eval_files, eval_rows, _ = tokenized(eval_sources, "eval")
+            parts["eval"] = (eval_files, eval_rows)
         elif cfg.eval_fraction > 0:
-            split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed, shuffle=True)
-            train, evaluation = split["train"], split["test"]
-        train = mix(train, sources, seed)
-        columns = ["input_ids", "labels", "length", "n_targets", "source"]
-        parts = {"train": train.select_columns(columns)}
-        if evaluation is not None:
-            parts["eval"] = evaluation.select_columns(columns)
-        for name, part in parts.items():
-            part.save_to_disk(str(tmp / name))
+            held = np.random.default_rng(seed).permutation(len(train_rows))[: math.ceil(cfg.eval_fraction * len(train_rows))]
+            out = np.zeros(len(train_rows), dtype=bool)
+            out[held] = True
+            parts["eval"] = (train_files, train_rows[out])
+            train_rows, train_src = train_rows[~out], train_src[~out]
+        parts["train"] = (train_files, mix(train_rows, train_src, sources, seed))
+        shutil.rmtree(tmp / "raw", ignore_errors=True)  # datasets' Arrow copy of the source files
+        layout = {}
+        for name, (files, rows) in parts.items():
+            np.save(tmp / f"{name}.npy", rows.astype(np.int64))
+            layout[name] = files
             if packing:
-                lengths = part.select_columns(["length"]).with_format("numpy")[:]["length"]
+                lengths = _open_docs(tmp, files).select_columns(["length"]).with_format("numpy")[:]["length"][rows]
                 bins = best_fit_decreasing(lengths, cfg.max_seq_len, seed)
                 _bins_dataset(bins).save_to_disk(str(tmp / f"{name}_bins"))
                 if name == "train":
                     stats = pack_stats(bins, lengths, cfg.max_seq_len)
                     report.lines.append(f"packed {stats.documents:,} examples into {stats.rows:,} rows of "
                                         f"{cfg.max_seq_len}: fill {stats.fill:.1%}, padding {1 - stats.fill:.1%}")
-        del train, evaluation, parts
-        shutil.rmtree(tmp / "work", ignore_errors=True)
         report.seconds = time.time() - start
-        (tmp / "report.json").write_text(json.dumps(report.__dict__))
+        (tmp / "layout.json").write_text(json.dumps(layout))
+        (tmp / "report.json").write_text(json.dumps(report.__dict__))  # last: its presence marks the folder complete
         try:
             tmp.rename(folder)
         except OSError:  # another node's main process on a shared file system finished first
@@ -437,6 +442,13 @@ def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _open_docs(folder: Path, files: list[str]):
+    """The tokenized documents of one part, memory-mapped from their Arrow files."""
+    import datasets
+
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(folder / f)) for f in files])
 
 
 @dataclass
@@ -473,10 +485,12 @@ def load_prepared(folder: Path, packing: bool, fp: str) -> Datasets:
 
     report = Report(**json.loads((folder / "report.json").read_text()))
 
+    layout = json.loads((folder / "layout.json").read_text())
+
     def part(name):
-        if not (folder / name).is_dir():
+        if name not in layout:
             return None
-        docs = datasets.load_from_disk(str(folder / name))
+        docs = _open_docs(folder, layout[name]).select(np.load(folder / f"{name}.npy"))
         bins = datasets.load_from_disk(str(folder / f"{name}_bins")) if packing else None
         return Examples(docs, bins)
 

@@ -114,7 +114,8 @@ def isolation_probe(model: torch.nn.Module) -> torch.nn.Module:
         config.layer_types = config.layer_types[:1]
     config.vocab_size = 512
     config.pad_token_id = None
-    return type(model)(config).float()
+    with torch.random.fork_rng(devices=[]):  # its random init must not shift LoRA's, which comes next
+        return type(model)(config).float()
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
