@@ -36,7 +36,7 @@ nothing is cached between contenders; imports and the tokenizer are loaded befor
   memory and mapped file pages is reported (how many file pages one read maps depends on the
   kernel: fault-around, large folios).
 - lists: the pipeline this replaced held the tokenized rows as Python lists on every rank: the
-  prepared train docs loaded with `datasets.load_from_disk` and
+  prepared train docs (`toolkit.data.load_prepared(...).train.table`, memory-mapped) and
   `.select_columns(['input_ids', 'labels']).to_list()`; the RSS added while they are held, per
   million tokens. The figures above are also given as ratios to it.
 - first step (--first-step, smallest N only): `python -m toolkit train` on the real model with
@@ -352,12 +352,12 @@ def run_rank(a) -> dict:
 
 def run_lists(a) -> dict:
     child_imports("")
-    import datasets
-
     gc.collect()
     exact_peak = reset_peak_rss()
     before = status_kb("VmRSS", "RssAnon")
-    docs = datasets.load_from_disk(str(Path(a._folder) / "train"))
+    from toolkit.data import load_prepared
+
+    docs = load_prepared(Path(a._folder), False, "").train.table
     rows = docs.select_columns(["input_ids", "labels"]).to_list()
     gc.collect()
     held = status_kb("VmRSS", "VmHWM", "RssAnon")
