@@ -23,7 +23,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -318,12 +318,8 @@ class Report:
     targets_lost: int = 0
     seconds: float = 0.0
     num_proc: int = 1
-    warnings: list = None
-    lines: list = None
-
-    def __post_init__(self):
-        self.warnings = self.warnings or []
-        self.lines = self.lines or []
+    warnings: list = field(default_factory=list)
+    lines: list = field(default_factory=list)
 
 
 def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = "") -> str:
