@@ -39,7 +39,7 @@ LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-TOKENIZE_VERSION = 3  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 4  # bump when tokenization or preparation changes what it produces
 EMPTY_ROWS_TOLERATED = 0.01
 """Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
 dropped with a warning while they are at most this share of their file; more is an error."""
@@ -318,6 +318,7 @@ class Report:
     targets_lost: int = 0
     seconds: float = 0.0
     num_proc: int = 1
+    counts: dict = field(default_factory=dict)  # per part: examples, tokens, targets (so no rank scans the columns)
     warnings: list = field(default_factory=list)
     lines: list = field(default_factory=list)
 
@@ -420,8 +421,12 @@ def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_
         for name, (files, rows) in parts.items():
             np.save(tmp / f"{name}.npy", rows.astype(np.int64))
             layout[name] = files
+            cols = _open_docs(tmp, files).select_columns(["length", "n_targets"]).with_format("numpy")[:]
+            lengths = cols["length"][rows]
+            report.counts[name] = dict(examples=len(rows), tokens=int(lengths.sum()),
+                                       targets=int(cols["n_targets"][rows].sum()))
+            del cols
             if packing:
-                lengths = _open_docs(tmp, files).select_columns(["length"]).with_format("numpy")[:]["length"][rows]
                 bins = best_fit_decreasing(lengths, cfg.max_seq_len, seed)
                 _bins_dataset(bins).save_to_disk(str(tmp / f"{name}_bins"))
                 if name == "train":
@@ -491,11 +496,10 @@ def load_prepared(folder: Path, packing: bool, fp: str) -> Datasets:
         return Examples(docs, bins)
 
     train, evaluation = part("train"), part("eval")
-    lengths = train.table.select_columns(["length", "n_targets"]).with_format("numpy")[:]
-    lines = [f"{len(train.table):,} train examples, {int(lengths['length'].sum()):,} tokens "
-             f"({int(lengths['n_targets'].sum()):,} targets); {len(evaluation.table) if evaluation else 0:,} eval "
-             f"examples; prepared in {report.seconds:.1f} s with {report.num_proc} process(es) "
-             f"into {folder}"]
+    counts = report.counts["train"]
+    lines = [f"{counts['examples']:,} train examples, {counts['tokens']:,} tokens ({counts['targets']:,} targets); "
+             f"{report.counts.get('eval', {}).get('examples', 0):,} eval examples; prepared in "
+             f"{report.seconds:.1f} s with {report.num_proc} process(es) into {folder}"]
     if report.truncated:
         lines.append(f"{report.truncated:,} of {report.rows:,} rows truncated to data.max_seq_len "
                      f"({report.targets_lost:,} target tokens lost; data.overlong=drop drops them instead)")
