@@ -4,6 +4,7 @@ measured in the same run as the reference.
 
     python benchmarks/data_scale.py                           # 20k and 100k rows (~15 min; the lists hold ~6 GB)
     python benchmarks/data_scale.py --rows 2000 --first-step  # a quick check (~2 min on 2 cores)
+    python benchmarks/data_scale.py --large 1000000           # does 1M rows (~770M tokens) prepare here?
 
 Data: N chat rows (`messages`: an optional system turn, then 1-3 user/assistant turns) written
 straight to JSONL. Their text is seeded random English words from a fixed vocabulary, cut from one
@@ -15,7 +16,8 @@ tokenizer.json on slices of the corpus; the template's own tokens are estimated 
 
 Each contender is a process of its own whose HF_DATASETS_CACHE is its own temporary folder, so
 nothing is cached between contenders; imports and the tokenizer are loaded before its baseline.
-- prep, num_proc 1 and num_proc P = the usable cores (`os.sched_getaffinity`): wall time of
+- prep, num_proc 1 and num_proc P = the usable cores (`os.sched_getaffinity`), and num_proc 1 again
+  with the tokenizer's own threads on: wall time of
   `build_datasets(DataConfig(format=messages, max_seq_len=2048, packing=True, num_proc=...), ...)`
   on an empty cache: file hash, JSON load, tokenization, filtering, save, packing, reload. Tokens
   are the prepared train tokens (the sum of the `length` column, as in the `data:` line).
@@ -29,12 +31,15 @@ nothing is cached between contenders; imports and the tokenizer are loaded befor
   its workers (how many cores each contender really used).
 - rank: a non-main rank on the prepared cache: `build_datasets(..., prepares=False)`, then the
   training DataLoader as toolkit/train.py builds it (EpochSampler over micro x world rows with
-  world 2, Collator, micro_batch_size, drop_last, its own generator), --batches batches read. Its
-  private memory, USS (Private_Clean + Private_Dirty of /proc/self/smaps_rollup), after that minus
-  right before build_datasets. Arrow pages that only this process maps count as private here; on
-  a node whose ranks read the same files they are shared page cache. The split into anonymous
-  memory and mapped file pages is reported (how many file pages one read maps depends on the
-  kernel: fault-around, large folios).
+  world 2, Collator, micro_batch_size, drop_last, its own generator). Its private memory, USS
+  (Private_Clean + Private_Dirty of /proc/self/smaps_rollup), once the loader is built minus right
+  before build_datasets: the goal's figure, split into anonymous memory and mapped file pages (the
+  header of each Arrow record batch, read when a file is opened). Then --batches batches are read
+  and what that added is reported apart: anonymous memory (must stay flat) and file pages. Arrow
+  pages that only this process maps count as private here; on a node whose ranks read the same
+  files they are shared page cache, and how many pages one read maps is the kernel's choice (on
+  6.x kernels a fault maps the whole large folio around it, up to MBs), so that figure follows
+  the number of reads and the kernel, not the dataset.
 - lists: the pipeline this replaced held the tokenized rows as Python lists on every rank: the
   prepared train docs (`toolkit.data.load_prepared(...).train.table`, memory-mapped) and
   `.select_columns(['input_ids', 'labels']).to_list()`; the RSS added while they are held, per
@@ -53,9 +58,11 @@ Goals, each printed as met, not met, or n/a (not measurable in this run):
 - packing fill at least 97%.
 
 Output: one JSON line per N, the goals, and Markdown rows for benchmarks/NOTES.md on stdout;
-progress on stderr. TOKENIZERS_PARALLELISM is left as the caller has it, as `toolkit train`
-leaves it: unset, the fast tokenizer's batch encode already runs on several threads with
-num_proc 1 (cpu_seconds_p1 above the wall time), which bounds the speedup num_proc can add.
+progress on stderr. The speedup goal compares processes of one core each: num_proc 1 runs with
+TOKENIZERS_PARALLELISM=false, and with num_proc > 1 the toolkit sets it so itself (unless the user
+set it). The third contender, num_proc 1 with TOKENIZERS_PARALLELISM unset, is what a user who sets
+`num_proc: 1` gets: the fast tokenizer's batch encode then already runs on several threads, and
+num_proc P is also compared with it (speedup_vs_p1_threads).
 Timings on a shared host vary between processes; --repeats N keeps the best of N.
 """
 
@@ -335,6 +342,8 @@ def run_rank(a) -> dict:
     loader = DataLoader(data.train, batch_size=a.micro_batch_size, sampler=sampler,
                         collate_fn=Collator(tok.pad_token_id, packed=True), drop_last=True,
                         generator=torch.Generator().manual_seed(0))
+    gc.collect()
+    built = smaps_kb()
     seen, tokens = 0, 0
     for batch in loader:
         seen += 1
@@ -343,11 +352,17 @@ def run_rank(a) -> dict:
             break
     gc.collect()
     after = smaps_kb()
+
+    def file_pages(x):
+        return x["USS"] - x["Anonymous"]
+
     return {"batches": seen, "batch_tokens": tokens, "uss_before_mb": mb(before["USS"]),
-            "uss_added_mb": mb(after["USS"] - before["USS"]),
-            "anon_added_mb": mb(after["Anonymous"] - before["Anonymous"]),
-            "private_file_added_mb": mb((after["USS"] - after["Anonymous"]) - (before["USS"] - before["Anonymous"])),
-            "rss_added_mb": mb(after["Rss"] - before["Rss"]), "examples": len(data.train)}
+            "uss_added_mb": mb(built["USS"] - before["USS"]),
+            "anon_added_mb": mb(built["Anonymous"] - before["Anonymous"]),
+            "private_file_added_mb": mb(file_pages(built) - file_pages(before)),
+            "rss_added_mb": mb(built["Rss"] - before["Rss"]),
+            "read_anon_added_mb": mb(after["Anonymous"] - built["Anonymous"]),
+            "read_file_added_mb": mb(file_pages(after) - file_pages(built)), "examples": len(data.train)}
 
 
 def run_lists(a) -> dict:
@@ -366,14 +381,19 @@ def run_lists(a) -> dict:
             "peak_added_mb": mb(held["VmHWM"] - before["VmRSS"]) if exact_peak else None}
 
 
-def contender(a, who: str, cache: Path, **kw) -> dict:
-    """Run one contender in a fresh process with `cache` as its HF_DATASETS_CACHE."""
+def contender(a, who: str, cache: Path, threads: bool | None = None, **kw) -> dict:
+    """Run one contender in a fresh process with `cache` as its HF_DATASETS_CACHE; `threads`: the
+    tokenizer's own threads on (TOKENIZERS_PARALLELISM unset) or off (false); None: as the caller has it."""
     out = cache.parent / f"{cache.name}-{who}.json"
     cmd = [sys.executable, __file__, "--_run", who, "--model", a.model, "--_out", str(out),
            "--micro-batch-size", str(a.micro_batch_size), "--batches", str(a.batches)]
     for k, v in kw.items():
         cmd += [f"--_{k}", str(v)]
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    if threads is not None:
+        env.pop("TOKENIZERS_PARALLELISM", None)
+        if not threads:
+            env["TOKENIZERS_PARALLELISM"] = "false"
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -432,22 +452,26 @@ def measure(a, n: int, all_procs: int, with_first_step: bool, base: Path) -> dic
         rows_file = work / "rows.jsonl"
         gen = write_rows(rows_file, n, a.model, a.mean_tokens, a.sigma, a.seed)
         print(f"N={n}: wrote {gen['file_mb']} MB in {gen['write_seconds']} s", file=sys.stderr)
-        prep = {1: [], all_procs: []}
-        for r in range(a.repeats):  # interleaved, so drift in the machine's speed hits both alike
-            for procs in dict.fromkeys([1, all_procs]):
-                cache = work / f"cache-p{procs}-{r}"
-                res = contender(a, "prep", cache, file=rows_file, procs=procs)
-                prep[procs].append(res)
-                print(f"N={n}: prep num_proc={procs}: {res['seconds']:.1f} s, "
+        # num_proc 1 on one core (the tokenizer's threads off), num_proc P (the toolkit turns them off
+        # itself), and num_proc 1 with the tokenizer's threads on (what a user who sets num_proc: 1 gets)
+        runs = {"p1": (1, False), "pall": (all_procs, None), "p1_threads": (1, True)}
+        prep = {k: [] for k in runs}
+        for r in range(a.repeats):  # interleaved, so drift in the machine's speed hits all alike
+            for key, (procs, threads) in runs.items():
+                cache = work / f"cache-{key}-{r}"
+                res = contender(a, "prep", cache, threads=threads, file=rows_file, procs=procs)
+                prep[key].append(res)
+                print(f"N={n}: prep {key} (num_proc={procs}): {res['seconds']:.1f} s, "
                       f"{res['tokens'] / res['seconds']:,.0f} tok/s, "
                       f"peak +{res['peak_added_mb']} MB (children {res['children_peak_rss_mb']} MB)", file=sys.stderr)
-                if not (procs == 1 and r == 0):
+                if not (key == "p1" and r == 0):
                     shutil.rmtree(cache, ignore_errors=True)  # only the first P=1 cache is read again
         kept = work / "cache-p1-0"
         rank = contender(a, "rank", kept, file=rows_file)
-        print(f"N={n}: non-main rank: USS +{rank['uss_added_mb']} MB (anonymous +{rank['anon_added_mb']} MB)",
-              file=sys.stderr)
-        lists = contender(a, "lists", work / "cache-lists", folder=prep[1][0]["folder"])
+        print(f"N={n}: non-main rank: USS +{rank['uss_added_mb']} MB (anonymous +{rank['anon_added_mb']} MB); "
+              f"reading {rank['batches']} batches: anonymous +{rank['read_anon_added_mb']} MB, "
+              f"file pages +{rank['read_file_added_mb']} MB", file=sys.stderr)
+        lists = contender(a, "lists", work / "cache-lists", folder=prep["p1"][0]["folder"])
         print(f"N={n}: list reference: RSS +{lists['rss_added_mb']} MB", file=sys.stderr)
         first = first_step(a, work, rows_file) if with_first_step else None
         if first:
@@ -456,30 +480,34 @@ def measure(a, n: int, all_procs: int, with_first_step: bool, base: Path) -> dic
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    one, many = prep[1][0], prep[all_procs][0]
+    one, many = prep["p1"][0], prep["pall"][0]
     tokens = one["tokens"]
     assert all(p["tokens"] == tokens for ps in prep.values() for p in ps) and lists["tokens"] == tokens
     per_m = 1e6 / tokens
     best = {p: min(x["seconds"] for x in v) for p, v in prep.items()}
-    main_peak = max(x["peak_added_mb"] for x in prep[1]) * per_m
+    main_peak = max(x["peak_added_mb"] for x in prep["p1"]) * per_m
     list_ref = lists["rss_added_mb"] * per_m
     return {
         "rows": n, "tokens": tokens, "train_rows": one["train_rows"],
         "mean_row_tokens": round(tokens / one["train_rows"], 1),
         "truncated_rows": one["truncated"], "packed_rows": one["packed_rows"], "generation": gen,
         "procs_all": all_procs, "repeats": a.repeats,
-        "seconds_p1": round(best[1], 2), "seconds_pall": round(best[all_procs], 2),
-        "seconds_all_repeats": {str(p): [round(x["seconds"], 2) for x in v] for p, v in prep.items()},
-        "tokens_per_second_p1": round(tokens / best[1]), "tokens_per_second_pall": round(tokens / best[all_procs]),
-        "speedup": round(best[1] / best[all_procs], 3),
+        "seconds_p1": round(best["p1"], 2), "seconds_pall": round(best["pall"], 2),
+        "seconds_p1_threads": round(best["p1_threads"], 2),
+        "seconds_all_repeats": {p: [round(x["seconds"], 2) for x in v] for p, v in prep.items()},
+        "tokens_per_second_p1": round(tokens / best["p1"]), "tokens_per_second_pall": round(tokens / best["pall"]),
+        "tokens_per_second_p1_threads": round(tokens / best["p1_threads"]),
+        "speedup": round(best["p1"] / best["pall"], 3),
+        "speedup_vs_p1_threads": round(best["p1_threads"] / best["pall"], 3),
         "cpu_seconds_p1": {"self": one["cpu_seconds_self"], "children": one["cpu_seconds_children"]},
+        "cpu_seconds_p1_threads": prep["p1_threads"][0]["cpu_seconds_self"],
         "cpu_seconds_pall": {"self": many["cpu_seconds_self"], "children": many["cpu_seconds_children"]},
-        "main_peak_added_mb_p1": max(x["peak_added_mb"] for x in prep[1]),
+        "main_peak_added_mb_p1": max(x["peak_added_mb"] for x in prep["p1"]),
         "main_peak_mb_per_m_tokens": round(main_peak, 2),
-        "main_anon_peak_mb_per_m_tokens": round(max(x["anon_peak_added_mb"] for x in prep[1]) * per_m, 2),
-        "main_file_peak_mb_per_m_tokens": round(max(x["file_peak_added_mb"] for x in prep[1]) * per_m, 2),
-        "main_anon_peak_added_mb_p1": max(x["anon_peak_added_mb"] for x in prep[1]),
-        "main_file_peak_added_mb_p1": max(x["file_peak_added_mb"] for x in prep[1]),
+        "main_anon_peak_mb_per_m_tokens": round(max(x["anon_peak_added_mb"] for x in prep["p1"]) * per_m, 2),
+        "main_file_peak_mb_per_m_tokens": round(max(x["file_peak_added_mb"] for x in prep["p1"]) * per_m, 2),
+        "main_anon_peak_added_mb_p1": max(x["anon_peak_added_mb"] for x in prep["p1"]),
+        "main_file_peak_added_mb_p1": max(x["file_peak_added_mb"] for x in prep["p1"]),
         "main_peak_exact": one["peak_exact"],
         "main_peak_added_mb_pall": many["peak_added_mb"], "children_peak_rss_mb_pall": many["children_peak_rss_mb"],
         "main_rss_before_mb": one["rss_before_mb"],
@@ -489,12 +517,64 @@ def measure(a, n: int, all_procs: int, with_first_step: bool, base: Path) -> dic
         "main_peak_vs_list": round(main_peak / list_ref, 3) if list_ref > 0 else None,
         "rank_uss_added_mb": rank["uss_added_mb"], "rank_anon_added_mb": rank["anon_added_mb"],
         "rank_private_file_added_mb": rank["private_file_added_mb"], "rank_rss_added_mb": rank["rss_added_mb"],
+        "rank_read_anon_added_mb": rank["read_anon_added_mb"], "rank_read_file_added_mb": rank["read_file_added_mb"],
         "rank_uss_vs_list": round(rank["uss_added_mb"] / lists["rss_added_mb"], 3)
         if lists["rss_added_mb"] > 0 else None,
         "rank_batches": rank["batches"], "micro_batch_size": a.micro_batch_size,
         "fill": one["fill"], "data_lines": one["data_lines"], "warnings": one["warnings"],
         "first_step": first,
     }
+
+
+def measure_large(a, n: int, all_procs: int, base: Path) -> dict:
+    """--large N: only what a size too big for the comparisons needs: preparation with all cores
+    (time, peak RSS of the process and of its largest worker, the lowest MemAvailable the host
+    saw while it ran) and the non-main rank. No list reference (it would need ~80 MB per million
+    tokens) and no num_proc 1 runs."""
+    work = Path(tempfile.mkdtemp(prefix=f"large{n}-", dir=base))
+    low = {"MemAvailable": None}
+
+    def watch(stop: threading.Event):
+        while not stop.wait(1.0):
+            with open("/proc/meminfo") as f:
+                kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+            low["MemAvailable"] = kb if low["MemAvailable"] is None else min(low["MemAvailable"], kb)
+
+    try:
+        rows_file = work / "rows.jsonl"
+        gen = write_rows(rows_file, n, a.model, a.mean_tokens, a.sigma, a.seed)
+        print(f"N={n}: wrote {gen['file_mb']} MB in {gen['write_seconds']} s", file=sys.stderr)
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+        watcher.start()
+        cache = work / "cache-pall"
+        try:
+            prep = contender(a, "prep", cache, file=rows_file, procs=all_procs)
+        finally:
+            stop.set()
+            watcher.join()
+        folder = Path(prep["folder"])
+        disk_mb = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+        print(f"N={n}: prep num_proc={all_procs}: {prep['seconds']:.1f} s, peak +{prep['peak_added_mb']} MB "
+              f"(children {prep['children_peak_rss_mb']} MB), {disk_mb:,.0f} MB on disk", file=sys.stderr)
+        rank = contender(a, "rank", cache, file=rows_file)
+        print(f"N={n}: non-main rank: USS +{rank['uss_added_mb']} MB", file=sys.stderr)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    tokens = prep["tokens"]
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    return {"rows": n, "tokens": tokens, "train_rows": prep["train_rows"], "generation": gen, "procs_all": all_procs,
+            "seconds_pall": round(prep["seconds"], 1), "tokens_per_second_pall": round(tokens / prep["seconds"]),
+            "main_peak_added_mb_pall": prep["peak_added_mb"], "children_peak_rss_mb_pall": prep["children_peak_rss_mb"],
+            "mem_total_mb": mb(total),
+            "mem_available_low_mb": mb(low["MemAvailable"]) if low["MemAvailable"] is not None else None,
+            "prepared_disk_mb": round(disk_mb), "fill": prep["fill"], "packed_rows": prep["packed_rows"],
+            "rank_uss_added_mb": rank["uss_added_mb"], "rank_anon_added_mb": rank["anon_added_mb"],
+            "rank_private_file_added_mb": rank["private_file_added_mb"],
+            "rank_read_anon_added_mb": rank["read_anon_added_mb"], "rank_read_file_added_mb": rank["read_file_added_mb"],
+            "data_lines": prep["data_lines"]}
 
 
 def goals(results: list[dict]) -> list[tuple[str, bool | None, str]]:
@@ -510,7 +590,9 @@ def goals(results: list[dict]) -> list[tuple[str, bool | None, str]]:
     for r in results:
         out.append((f"N={r['rows']:,}: non-main rank USS under 300 MB above baseline", r["rank_uss_added_mb"] < 300,
                     f"{r['rank_uss_added_mb']} MB (anonymous {r['rank_anon_added_mb']}, "
-                    f"mapped file pages {r['rank_private_file_added_mb']})"))
+                    f"mapped file pages {r['rank_private_file_added_mb']}); then reading {r['rank_batches']} "
+                    f"batches: anonymous +{r['rank_read_anon_added_mb']} MB, mapped file pages "
+                    f"+{r['rank_read_file_added_mb']} MB"))
         out.append((f"N={r['rows']:,}: main peak RSS added (num_proc 1) <= 16 MB per million tokens",
                     r["main_peak_mb_per_m_tokens"] <= 16,
                     f"{r['main_peak_mb_per_m_tokens']} MB/M: {r['main_peak_added_mb_p1']} MB over "
@@ -518,7 +600,9 @@ def goals(results: list[dict]) -> list[tuple[str, bool | None, str]]:
                     f"(sampled peaks: heap {r['main_anon_peak_added_mb_p1']} MB, mapped files "
                     f"{r['main_file_peak_added_mb_p1']} MB; list pipeline {r['list_reference_mb_per_m_tokens']} MB/M)"))
         cpu = (f"cpu seconds: num_proc 1 {r['cpu_seconds_p1']['self']}, num_proc {r['procs_all']} "
-               f"{r['cpu_seconds_pall']['self']} + workers {r['cpu_seconds_pall']['children']}")
+               f"{r['cpu_seconds_pall']['self']} + workers {r['cpu_seconds_pall']['children']}; against num_proc 1 "
+               f"with the tokenizer's threads ({r['seconds_p1_threads']} s, {r['cpu_seconds_p1_threads']} cpu s): "
+               f"{r['speedup_vs_p1_threads']}x")
         if r["procs_all"] == 2:
             out.append((f"N={r['rows']:,}: num_proc 2 >= 1.7x num_proc 1", r["speedup"] >= 1.7,
                         f"{r['speedup']}x ({r['seconds_p1']} s vs {r['seconds_pall']} s; {cpu})"))
@@ -543,6 +627,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None, help="where the temporary files go (default: the system temp)")
     p.add_argument("--keep", action="store_true", help="keep the temporary files")
+    p.add_argument("--large", type=int, metavar="N",
+                   help="only prepare N rows with all cores and measure a non-main rank (e.g. 1000000)")
     for hidden in ("_run", "_out", "_file", "_folder"):
         p.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
     p.add_argument("--_procs", type=int, help=argparse.SUPPRESS)
@@ -557,6 +643,22 @@ def main() -> None:
     all_procs = len(os.sched_getaffinity(0))
     results = []
     base = Path(tempfile.mkdtemp(prefix="data_scale_", dir=a.work_dir))
+    if a.large:
+        try:
+            result = measure_large(a, a.large, all_procs, base)
+        finally:
+            if not a.keep:
+                shutil.rmtree(base, ignore_errors=True)
+        result.update(date=time.strftime("%Y-%m-%d"), host=f"{platform.node()} ({all_procs} cores)")
+        print(json.dumps(result), flush=True)
+        print(f"| {result['date']} | {result['host']} | {result['rows']:,} | {result['tokens']:,} | "
+              f"{result['seconds_pall']} s ({result['tokens_per_second_pall']:,} tok/s, P={all_procs}) | "
+              f"main +{result['main_peak_added_mb_pall']} MB, largest worker {result['children_peak_rss_mb_pall']} MB | "
+              f"lowest MemAvailable {result['mem_available_low_mb']} of {result['mem_total_mb']} MB | "
+              f"{result['prepared_disk_mb']:,} MB on disk | non-main USS +{result['rank_uss_added_mb']} MB | "
+              f"{result['fill']}% |")
+        print(f"data_scale.py took {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        return
     try:
         for n in sorted(a.rows):
             result = measure(a, n, all_procs, a.first_step and n == min(a.rows), base)
@@ -574,13 +676,14 @@ def main() -> None:
     for goal, met, figures in goals(results):
         print(f"goal {'MET    ' if met else 'NOT MET' if met is not None else 'n/a    '} {goal}: {figures}")
     print()
-    print("| date | host | N | tokens | tok/s P=1 | tok/s P=all | speedup | main peak MB/M tokens | "
-          "list reference MB/M tokens | non-main USS MB | fill | first step s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| date | host | N | tokens | tok/s P=1 | tok/s P=all | speedup | tok/s P=1, tokenizer threads | "
+          "main peak MB/M tokens | list reference MB/M tokens | non-main USS MB | fill | first step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         fs = r["first_step"]["first_step_seconds"] if r["first_step"] else "-"
         print(f"| {r['date']} | {r['host']} | {r['rows']:,} | {r['tokens']:,} | {r['tokens_per_second_p1']:,} | "
               f"{r['tokens_per_second_pall']:,} (P={r['procs_all']}) | {r['speedup']}x | "
+              f"{r['tokens_per_second_p1_threads']:,} ({r['speedup_vs_p1_threads']}x) | "
               f"{r['main_peak_mb_per_m_tokens']} ({r['main_peak_vs_list']}x list) | "
               f"{r['list_reference_mb_per_m_tokens']} | "
               f"{r['rank_uss_added_mb']} ({r['rank_uss_vs_list']}x list) | {r['fill']}% | {fs} |")

@@ -44,6 +44,8 @@ EMPTY_ROWS_TOLERATED = 0.01
 """Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
 dropped with a warning while they are at most this share of their file; more is an error."""
 ROWS_PER_PROCESS = 1000  # fewer rows than this per tokenizing process is not worth a process
+ENCODE_ROWS = 256  # rows per tokenizer call
+MAP_BATCH_ROWS = 1000  # rows per Arrow record batch (each costs a rank its header page when it opens the file)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -214,8 +216,8 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
     full_length = len(ids)
     ids, target = ids[:max_seq_len], target[:max_seq_len].copy()
     target[0] = False  # nothing predicts a document's first token
-    labels = np.where(target, ids, IGNORE)
-    return {"input_ids": ids.tolist(), "labels": labels.tolist(), "n_targets": int(target.sum()),
+    labels = np.where(target, ids, IGNORE)  # numpy, not lists: datasets writes a list of arrays in one copy
+    return {"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int32), "n_targets": int(target.sum()),
             "full_targets": full_targets, "length": len(ids), "full_length": full_length}
 
 
@@ -223,18 +225,22 @@ def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_
     """One row as `input_ids`/`labels` (truncated to max_seq_len) with its target and length counts."""
     text, spans, has_specials = render(row, fmt, tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
-    return _example(text, spans, has_specials, enc["input_ids"], enc["offset_mapping"], fmt, tokenizer,
-                    max_seq_len, train_on_prompt)
+    ex = _example(text, spans, has_specials, enc["input_ids"], enc["offset_mapping"], fmt, tokenizer,
+                  max_seq_len, train_on_prompt)
+    return {**ex, "input_ids": ex["input_ids"].tolist(), "labels": ex["labels"].tolist()}
 
 
 def _tokenize_batch(batch: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool, source: int) -> dict:
     """`datasets.map` function: a batch of rows rendered, encoded in one call, and labelled."""
     rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
-    rendered = [render(r, fmt, tokenizer) for r in rows]
-    enc = tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
-                    truncation=False)
-    out = [_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt)
-           for r, i, o in zip(rendered, enc["input_ids"], enc["offset_mapping"])]
+    out = []
+    for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time
+        rendered = [render(r, fmt, tokenizer) for r in rows[start:start + ENCODE_ROWS]]
+        enc = tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                        truncation=False)
+        out += [_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt)
+                for r, i, o in zip(rendered, enc["input_ids"], enc["offset_mapping"])]
+        del rendered, enc
     columns = {k: [o[k] for o in out] for k in out[0]}
     columns["source"] = [source] * len(out)
     return columns
@@ -262,8 +268,11 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     ds = load_rows(source)
     procs = max(1, min(num_proc, math.ceil(len(ds) / ROWS_PER_PROCESS)))
     datasets.enable_progress_bars()  # the one bar worth showing; only the preparing process runs this
+    threads = os.environ.get("TOKENIZERS_PARALLELISM")
+    if procs > 1 and threads is None:  # num_proc processes of one core each, not num_proc x cores threads
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        tokenized = ds.map(_tokenize_batch, batched=True, batch_size=256, remove_columns=ds.column_names,
+        tokenized = ds.map(_tokenize_batch, batched=True, batch_size=MAP_BATCH_ROWS, remove_columns=ds.column_names,
                            features=_features(), num_proc=procs if procs > 1 else None,
                            cache_file_name=str(cache_file), new_fingerprint=cache_file.stem,
                            fn_kwargs=dict(fmt=source.format, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
@@ -276,6 +285,8 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
                            f"({type(e).__name__}: {e})") from None
     finally:
         datasets.disable_progress_bars()
+        if procs > 1 and threads is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
     cols = tokenized.select_columns(["n_targets", "full_targets", "full_length"]).with_format("numpy")[:]
     n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
     overlong = full_length > cfg.max_seq_len
