@@ -1,4 +1,6 @@
-"""Command line: `toolkit train RECIPE.yaml [key=value ...]`, `toolkit config show RECIPE.yaml`.
+"""Command line: `toolkit train RECIPE.yaml [key=value ...]`, `toolkit config show RECIPE.yaml`, and
+the verbs for after training, each a module of its own with `add_arguments(parser)` and `run(args)`:
+`toolkit merge`, `toolkit generate`, `toolkit eval`.
 
 User mistakes (ToolkitError) end with one line on stderr and exit code 2, never a traceback.
 """
@@ -13,6 +15,15 @@ from .config import ToolkitError, load_recipe
 from .stops import Preemption, TrainingStopped
 
 EXIT_USER_ERROR = 2
+VERBS = {"merge": ("merge", "merge a LoRA adapter into its base: a plain Hugging Face folder"),
+         "generate": ("generate", "answer prompts with a model, merged model or adapter folder"),
+         "eval": ("evaluate", "loss, perplexity and answer accuracy of a model on a data file")}
+
+
+def verb_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"toolkit.{VERBS[name][0]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--accelerate-config", help="an accelerate launch config (YAML) to resolve against the recipe")
     show.add_argument("--num-processes", type=int, default=None)
     show.add_argument("--assume-gpu", action="store_true", help="judge the launch as on a CUDA host (from a laptop)")
+    for name, (_, text) in VERBS.items():
+        verb_module(name).add_arguments(sub.add_parser(name, help=text, description=text))
     args = parser.parse_args(argv)
     try:
+        if args.command in VERBS:
+            return verb_module(args.command).run(args)
         # Before anything slow: a signal while torch imports or data tokenizes still ends in one line.
         preemption = Preemption() if args.command == "train" else None
         recipe = load_recipe(args.recipe, args.overrides)
