@@ -272,7 +272,12 @@ def step_failure(error: Exception) -> str | None:
 
 def save_model(accelerator, model, tokenizer, path: Path) -> None:
     """Gather shards (ZeRO-3, FSDP) and save once, in Hugging Face format, from the main process.
-    Written to a temporary folder and renamed, so `path` is either complete or absent."""
+    Written to a temporary folder, read back and compared with the gathered weights, then renamed,
+    so `path` is either complete and verified or absent (a mismatch stops every rank in one line,
+    with the folder left as `<path>.tmp` and an earlier `path` untouched)."""
+    from .stops import TrainingStopped
+    from .verify import EXIT_SAVE_MISMATCH, first_mismatch, inject_corruption
+
     state_dict = accelerator.get_state_dict(model) or {}  # a collective; ZeRO-3 returns None off the main rank
     # FSDP with a sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
     state_dict = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
@@ -288,8 +293,12 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
             shutil.rmtree(tmp)
         unwrapped = accelerator.unwrap_model(model)
         if hasattr(unwrapped, "peft_config"):  # peft keeps only the adapter's tensors
+            from peft.utils import get_peft_model_state_dict
+
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            expected = get_peft_model_state_dict(unwrapped, state_dict=state_dict)
         else:
+            expected = state_dict
             # Not transformers' save_pretrained: on a sharded model it tries to gather again, as a
             # collective, from the main process alone.
             from huggingface_hub import save_torch_state_dict
@@ -300,8 +309,19 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
                 unwrapped.generation_config.save_pretrained(tmp)
             save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
         tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
+        inject_corruption(tmp)
+        problem = first_mismatch(tmp, expected)
+        if problem is None:
+            replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
+    verdict = [problem if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(verdict)  # every rank stops, or none does
     accelerator.wait_for_everyone()
+    if verdict[0] is not None:
+        raise TrainingStopped(f"{verdict[0]}; the save did not read back as trained, so {path.name}/ was not "
+                              f"written (checkpoints are intact)", EXIT_SAVE_MISMATCH)
 
 
 def deepspeed_fp32_masters(model) -> dict:
