@@ -28,7 +28,7 @@ def preset_run(tmp_path_factory) -> Path:
     train = write_jsonl(d / "train.jsonl", alpaca_rows(16, seed=5))
     recipe = {"output_dir": str(d / "run"), "seed": 3, "model": {"preset": "tiny-llama-mini"},
               "lora": {"enabled": True, "r": 4, "alpha": 8, "use_dora": True, "use_rslora": True},
-              "data": {"train_files": [str(train)], "format": "alpaca", "max_seq_len": 64},
+              "data": {"train_files": [str(train)], "format": "alpaca", "max_seq_len": 96},
               "train": {"micro_batch_size": 4, "max_steps": 3, "learning_rate": 1e-2, "log_every_steps": 1}}
     proc = run_toolkit("train", write_recipe(d / "run.yaml", **recipe), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,7 +24,7 @@ from .config import ToolkitError
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The check fails above this max |logit difference|, relative to max(1, the largest |logit|): fp32
 # differs only in summation order ((W + BA)x against Wx + B(Ax)); half precision rounds every merged weight.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "float64": 1e-4}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt",
                    "vocab.txt", "chat_template.jinja", "chat_template.json")
@@ -76,27 +76,28 @@ class Plan:
 
 
 def run(args) -> int:
-    plan = plan_merge(Path(args.adapter), args.base)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ToolkitError(f"merge: --out {out} exists and is not empty; choose another folder "
                            "(earlier results are never overwritten)")
+    plan = plan_merge(Path(args.adapter), args.base)
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else base_dtype(plan.config)
     tmp = out.with_name(out.name + ".tmp")  # a merge killed midway left it: ours to replace
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"merge: {plan.description} from {plan.adapter}, onto {plan.base}")
     try:
         tmp.mkdir(parents=True)
-        merged, replaced = write_weights(plan, tmp, dtype)
         tokenizer = write_tokenizer(plan, tmp)
+        merged, replaced, written = write_weights(plan, tmp, dtype)
         write_configs(plan, tmp, dtype, tokenizer)
     except OSError as e:
         raise ToolkitError(f"merge: cannot write {tmp}: {e.strerror or e}") from None
     shards = len(plan.shards)
     print(f"merge: {merged} weights merged, {replaced} replaced (modules_to_save), {shards} shard"
-          f"{'s' if shards > 1 else ''} written ({dtype or 'dtypes of the base'})")
+          f"{'s' if shards > 1 else ''} written ({', '.join(sorted(written))})")
     if not args.skip_check:
-        print(check(plan, tmp, tokenizer, dtype or "float32"))
+        # The loosest tolerance among the dtypes written (several only when the base mixes them).
+        print(check(plan, tmp, tokenizer, max(written, key=tolerance_of, default="float32")))
     if out.exists():
         out.rmdir()  # empty, checked above
     tmp.rename(out)
@@ -122,7 +123,8 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
     tensors = load_adapter_tensors(adapter)
     modules, bias_deltas, replaced = parse_adapter(tensors, adapter_config, adapter)
     check_fits(modules, bias_deltas, replaced, base, shards, config)
-    parts = [f"LoRA r={adapter_config.get('r')} alpha={adapter_config.get('lora_alpha')}"]
+    alpha = adapter_config.get("lora_alpha")
+    parts = [f"LoRA r={adapter_config.get('r')} alpha={f'{alpha:g}' if isinstance(alpha, (int, float)) else alpha}"]
     parts += [name for key, name in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")) if adapter_config.get(key)]
     description = ", ".join(parts) + f" on {len(modules)} layers"
     return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description)
@@ -326,14 +328,16 @@ def merge_weight(weight, m: Module):
     return w.T if m.fan_in_fan_out else w
 
 
-def write_weights(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int]:
-    """Each base shard in turn, tensor by tensor, into a shard of the same name; returns (merged, replaced)."""
+def write_weights(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, set[str]]:
+    """Each base shard in turn, tensor by tensor, into a shard of the same name; returns the number of
+    weights merged and replaced, and the floating-point dtypes written."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     out_dtype = getattr(torch, dtype) if dtype else None
     merged = replaced = total_size = 0
+    written = set()
     for shard in plan.shards:
         tensors = {}
         with safe_open(plan.base / shard, framework="pt") as f:
@@ -350,13 +354,15 @@ def write_weights(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int]:
                     tensor = tensor.float() + plan.bias_deltas[key]
                 tensor = tensor.to(target).contiguous()
                 tensors[key] = tensor
+                if tensor.is_floating_point():
+                    written.add(str(tensor.dtype).removeprefix("torch."))
                 total_size += tensor.numel() * tensor.element_size()
         save_file(tensors, tmp / shard, metadata={"format": "pt"})
         del tensors  # before the next shard is read: about one shard in memory at a time
     if plan.index is not None:
         index = {**plan.index, "metadata": {**plan.index.get("metadata", {}), "total_size": total_size}}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return merged, replaced
+    return merged, replaced, written
 
 
 def write_tokenizer(plan: Plan, tmp: Path):
@@ -403,6 +409,10 @@ def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
 # ----------------------------------------------------------------------------- the check
 
 
+def tolerance_of(dtype: str) -> float:
+    return TOLERANCE.get(dtype, max(TOLERANCE.values()))
+
+
 def check_inputs(tokenizer) -> list:
     texts = list(CHECK_PROMPTS)
     if tokenizer.chat_template:
@@ -413,16 +423,20 @@ def check_inputs(tokenizer) -> list:
 def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
     """Logits of the merged folder against base + adapter under peft, both in fp32, one model in memory
     at a time; a ToolkitError above the tolerance for the written dtype."""
+    import warnings
+
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     inputs = check_inputs(tokenizer)
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()  # loading reports and progress bars would bury the one line that matters
+    logging.disable_progress_bar()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             base = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True)
             reference = PeftModel.from_pretrained(base, plan.adapter).eval()
             expected = [reference(ids).logits for ids in inputs]
@@ -436,9 +450,11 @@ def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
                            f"{merged_dir} holds the merged files; --skip-check skips the check") from None
     finally:
         logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
     diff = max(float((a - b).abs().max()) for a, b in zip(expected, got))
     scale = max(1.0, max(float(a.abs().max()) for a in expected))
-    tolerance = TOLERANCE[dtype] * scale
+    tolerance = tolerance_of(dtype) * scale
     line = (f"check: merged vs base + adapter (peft), {len(inputs)} prompts in fp32: max |logit difference| "
             f"{diff:.2e} (tolerance {tolerance:.1e} for {dtype})")
     if not diff <= tolerance:  # NaN fails too
