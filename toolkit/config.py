@@ -55,6 +55,11 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: Union[str, list[str]] = "all-linear"
     """Module names to adapt, or `all-linear` for every linear layer but the output head."""
+    use_dora: bool = False
+    """DoRA: learn a magnitude per output feature beside the low-rank direction update (a little
+    slower per step; `toolkit merge` folds it into the weights like plain LoRA)."""
+    use_rslora: bool = False
+    """rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r, so that large ranks still learn."""
 
 
 @dataclass

@@ -1,13 +1,462 @@
-"""`toolkit merge`: not written yet."""
+"""`toolkit merge ADAPTER_DIR --out DIR`: fold a LoRA adapter (plain, DoRA or rsLoRA) into its base and
+write a plain Hugging Face folder that loads with `AutoModelForCausalLM.from_pretrained` alone.
+
+The base's safetensors are read one tensor at a time and each output shard is written as soon as it
+is complete, so memory holds about one shard (plus the adapter), never the whole model. Then a check
+(on by default) runs a few prompts through the merged folder and through base + adapter under peft,
+one model at a time, and compares the logits. Everything is written into DIR.tmp and renamed, so DIR
+is either complete or absent; an existing non-empty DIR is refused.
+
+torch, transformers and peft are imported inside the functions: `toolkit --help` stays fast.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
 from .config import ToolkitError
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# The check fails above this max |logit difference|, relative to max(1, the largest |logit|): fp32
+# differs only in summation order ((W + BA)x against Wx + B(Ax)); half precision rounds every merged weight.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "float64": 1e-4}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "chat_template.jinja", "chat_template.json")
+CHECK_PROMPTS = ("The quick brown fox jumps over the lazy dog.", "def fibonacci(n):\n    ")
+CHECK_CHAT = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
+# peft writes adapter keys under the PeftModel's prefix; what follows is the base model's own name.
+ADAPTER_PREFIX = "base_model.model."
+# Adapter tensor suffixes and what they are (everything else is a whole tensor that replaces the base's).
+LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
+                 ".lora_embedding_A": "embedding_A", ".lora_embedding_B": "embedding_B",
+                 ".lora_magnitude_vector": "magnitude"}
 
 
 def add_arguments(p) -> None:
-    pass
+    p.add_argument("adapter", metavar="ADAPTER_DIR", help="a peft LoRA adapter folder (e.g. RUN/final of a LoRA run)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write; must not exist or be empty")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
+                   help="dtype of the merged weights (default: the base's, from its config.json)")
+    p.add_argument("--base", default=None, metavar="PATH",
+                   help="the base model folder or Hub id (default: the adapter's base_model_name_or_path)")
+    p.add_argument("--skip-check", action="store_true",
+                   help="skip comparing the merged model's logits with base + adapter (for models too big to load)")
+
+
+@dataclass
+class Module:
+    """One adapted layer of the base: its LoRA tensors and how they combine."""
+    name: str
+    tensors: dict[str, Any] = field(default_factory=dict)
+    scale: float = 1.0
+    fan_in_fan_out: bool = False
+
+    @property
+    def embedding(self) -> bool:
+        return "embedding_A" in self.tensors
+
+
+@dataclass
+class Plan:
+    adapter: Path
+    base: Path
+    config: dict  # the base's config.json
+    shards: list[str]  # the base's safetensors files, in order
+    index: dict | None  # the base's model.safetensors.index.json, when sharded
+    modules: dict[str, Module]  # by the base weight's name (`<module>.weight`)
+    bias_deltas: dict[str, Any]  # lora_bias: by the base bias's name, already scaled
+    replaced: dict[str, Any]  # modules_to_save (and other whole tensors): by the base tensor's name
+    description: str  # "LoRA r=8 alpha=16, DoRA"
 
 
 def run(args) -> int:
-    raise ToolkitError("toolkit merge: not implemented yet")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ToolkitError(f"merge: --out {out} exists and is not empty; choose another folder "
+                           "(earlier results are never overwritten)")
+    plan = plan_merge(Path(args.adapter), args.base)
+    dtype = DTYPE_NAMES[args.dtype] if args.dtype else base_dtype(plan.config)
+    tmp = out.with_name(out.name + ".tmp")  # a merge killed midway left it: ours to replace
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"merge: {plan.description} from {plan.adapter}, onto {plan.base}")
+    try:
+        tmp.mkdir(parents=True)
+        tokenizer = write_tokenizer(plan, tmp)
+        merged, replaced, written = write_weights(plan, tmp, dtype)
+        write_configs(plan, tmp, dtype, tokenizer)
+    except OSError as e:
+        raise ToolkitError(f"merge: cannot write {tmp}: {e.strerror or e}") from None
+    shards = len(plan.shards)
+    print(f"merge: {merged} weights merged, {replaced} replaced (modules_to_save), {shards} shard"
+          f"{'s' if shards > 1 else ''} written ({', '.join(sorted(written))})")
+    if not args.skip_check:
+        # The loosest tolerance among the dtypes written (several only when the base mixes them).
+        print(check(plan, tmp, tokenizer, max(written, key=tolerance_of, default="float32")))
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    tmp.rename(out)
+    print(f"merged: {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- reading and validating
+
+
+def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
+    """Read and check the adapter and its base before anything is written; each refusal is one line."""
+    adapter_config = read_adapter_config(adapter)
+    base = resolve_base(adapter, adapter_config, base_override)
+    config = read_json(base / "config.json", f"merge: the base {base} has no config.json; "
+                                             "expected a Hugging Face model folder")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "quantized") if isinstance(quantization, dict) else "quantized"
+        raise ToolkitError(f"merge: the base {base} is quantized ({method}); merge into a quantized base loses "
+                           "quality; merge into the unquantized original of that model (--base PATH) instead")
+    shards, index = base_shards(base)
+    tensors = load_adapter_tensors(adapter)
+    modules, bias_deltas, replaced = parse_adapter(tensors, adapter_config, adapter)
+    check_fits(modules, bias_deltas, replaced, base, shards, config)
+    alpha = adapter_config.get("lora_alpha")
+    parts = [f"LoRA r={adapter_config.get('r')} alpha={f'{alpha:g}' if isinstance(alpha, (int, float)) else alpha}"]
+    parts += [name for key, name in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")) if adapter_config.get(key)]
+    description = ", ".join(parts) + f" on {len(modules)} layers"
+    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description)
+
+
+def read_json(path: Path, missing: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ToolkitError(missing) from None
+    except (OSError, ValueError) as e:
+        raise ToolkitError(f"merge: cannot read {path}: {e}") from None
+
+
+def read_adapter_config(adapter: Path) -> dict:
+    if not adapter.is_dir():
+        raise ToolkitError(f"merge: adapter folder not found: {adapter}")
+    if not (adapter / "adapter_config.json").is_file():
+        if (adapter / "final" / "adapter_config.json").is_file():
+            raise ToolkitError(f"merge: {adapter} is a run folder; its adapter is {adapter / 'final'}")
+        if (adapter / "config.json").is_file():
+            raise ToolkitError(f"merge: {adapter} is already a full model (config.json, no adapter_config.json); "
+                               "there is nothing to merge, use it as it is")
+        raise ToolkitError(f"merge: {adapter} has no adapter_config.json; expected a peft LoRA adapter folder "
+                           "(e.g. RUN/final of a LoRA run)")
+    cfg = read_json(adapter / "adapter_config.json", "")
+    if cfg.get("peft_type") != "LORA":
+        raise ToolkitError(f"merge: {adapter} holds a {cfg.get('peft_type')} adapter; toolkit merge folds LoRA "
+                           "adapters (plain, DoRA, rsLoRA) only")
+    unsupported = [key for key in ("layer_replication", "target_parameters", "trainable_token_indices",
+                                   "megatron_config", "use_qalora") if cfg.get(key)]
+    unsupported += variants_other_than_dora(cfg)
+    if unsupported:
+        raise ToolkitError(f"merge: {adapter}/adapter_config.json uses {', '.join(unsupported)}, which toolkit merge "
+                           "does not fold; use peft's merge_and_unload() for it")
+    return cfg
+
+
+def variants_other_than_dora(cfg: dict) -> list[str]:
+    """LoRA variants (peft marks their config fields) that change how an adapter merges; DoRA is handled here."""
+    import dataclasses
+
+    from peft import LoraConfig
+
+    return [f.name for f in dataclasses.fields(LoraConfig)
+            if f.metadata.get("is_lora_variant") and f.name != "use_dora" and cfg.get(f.name)]
+
+
+def resolve_base(adapter: Path, cfg: dict, override: str | None) -> Path:
+    """The base model's folder: --base, else the adapter's base_model_name_or_path (a folder, or a Hub id
+    taken from the Hugging Face cache). A LoRA run on a preset records its own `base-model/` folder."""
+    name = override or cfg.get("base_model_name_or_path")
+    if not name:
+        raise ToolkitError(f"merge: {adapter}/adapter_config.json names no base_model_name_or_path; "
+                           "give the base with --base PATH")
+    where = "--base" if override else "the adapter's base_model_name_or_path"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    from .hub import is_hub_id, resolve_model
+
+    if not is_hub_id(name):
+        raise ToolkitError(f"merge: the base {name} ({where}) is not a folder; give the base with --base PATH")
+    try:
+        return Path(resolve_model(name, cfg.get("revision") if not override else None))
+    except ToolkitError as e:
+        raise ToolkitError(f"merge: the base {name} ({where}): {str(e).removeprefix('model.path: ')}") from None
+
+
+def base_dtype(config: dict) -> str | None:
+    """The base's dtype from its config (transformers writes `dtype`, older versions `torch_dtype`);
+    None: keep each tensor's own dtype."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in TOLERANCE else None
+
+
+def base_shards(base: Path) -> tuple[list[str], dict | None]:
+    index_path = base / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = read_json(index_path, "")
+        shards = list(dict.fromkeys(index.get("weight_map", {}).values()))
+        missing = [s for s in shards if not (base / s).is_file()]
+        if missing:
+            raise ToolkitError(f"merge: the base {base} misses {missing[0]} (named in model.safetensors.index.json)")
+        return shards, index
+    if (base / "model.safetensors").is_file():
+        return ["model.safetensors"], None
+    if any(base.glob("*.bin")) or any(base.glob("*.pt")):
+        raise ToolkitError(f"merge: the base {base} has PyTorch .bin weights only; toolkit merge reads safetensors "
+                           "(load it once and save_pretrained() it to convert)")
+    raise ToolkitError(f"merge: the base {base} has no model.safetensors or model.safetensors.index.json")
+
+
+def load_adapter_tensors(adapter: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    if (adapter / "adapter_model.safetensors").is_file():
+        return load_file(adapter / "adapter_model.safetensors")
+    if (adapter / "adapter_model.bin").is_file():
+        return torch.load(adapter / "adapter_model.bin", map_location="cpu", weights_only=True)
+    raise ToolkitError(f"merge: {adapter} has adapter_config.json but no adapter_model.safetensors")
+
+
+def parse_adapter(tensors: dict, cfg: dict, adapter: Path) -> tuple[dict[str, Module], dict, dict]:
+    """Group the adapter's tensors by the base layer they change, with each layer's scale as peft
+    computes it: alpha / r, or alpha / sqrt(r) under rsLoRA, with per-layer rank_pattern / alpha_pattern."""
+    from peft.utils.other import get_pattern_key
+
+    by_name: dict[str, Module] = {}
+    replaced = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(ADAPTER_PREFIX)
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            if ".lora_" in name or "trainable_tokens" in name:
+                raise ToolkitError(f"merge: {adapter}: adapter tensor {key} is of a kind toolkit merge does not fold")
+            replaced[name.replace(".base_layer.", ".")] = tensor  # modules_to_save; embeddings saved whole
+            continue
+        module = name[: -len(suffix)]
+        by_name.setdefault(module, Module(module)).tensors[LORA_SUFFIXES[suffix]] = tensor
+    modules, bias_deltas = {}, {}
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    for module in by_name.values():
+        t = module.tensors
+        a, b = (t.get("embedding_A"), t.get("embedding_B")) if module.embedding else (t.get("A"), t.get("B"))
+        if a is None or b is None:
+            raise ToolkitError(f"merge: {adapter}: layer {module.name} has only one of its two LoRA matrices")
+        if a.ndim != 2 or b.ndim != 2:
+            raise ToolkitError(f"merge: {adapter}: layer {module.name} is a convolution ({a.ndim}-D LoRA tensors); "
+                               "toolkit merge folds linear and embedding layers")
+        r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module.name), cfg.get("r"))
+        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module.name), cfg.get("lora_alpha"))
+        if r != a.shape[0]:
+            raise ToolkitError(f"merge: {adapter}: adapter_config.json gives layer {module.name} rank {r} but its "
+                               f"lora_A has rank {a.shape[0]}")
+        module.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        module.fan_in_fan_out = bool(cfg.get("fan_in_fan_out")) and not module.embedding
+        if cfg.get("use_dora"):
+            if module.embedding:
+                raise ToolkitError(f"merge: {adapter}: DoRA on the embedding {module.name} is not folded by "
+                                   "toolkit merge; use peft's merge_and_unload() for it")
+            if "magnitude" not in t:
+                raise ToolkitError(f"merge: {adapter}: use_dora is set but layer {module.name} has no "
+                                   "lora_magnitude_vector")
+        if "B_bias" in t:
+            bias_deltas[f"{module.name}.bias"] = t["B_bias"].float() * module.scale
+        modules[f"{module.name}.weight"] = module
+    return modules, bias_deltas, replaced
+
+
+def check_fits(modules: dict, bias_deltas: dict, replaced: dict, base: Path, shards: list[str], config: dict) -> None:
+    """Every tensor the adapter changes exists in the base, with the shape the adapter expects
+    (headers only: safetensors reads shapes without loading the tensors)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for shard in shards:
+        with safe_open(base / shard, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    tied = " (the base ties lm_head to its input embeddings)" if config.get("tie_word_embeddings") else ""
+    wanted = {name: delta_shape(m) for name, m in modules.items()}
+    wanted.update({name: tuple(t.shape) for name, t in {**bias_deltas, **replaced}.items()})
+    for name, shape in wanted.items():
+        if name not in shapes:
+            raise ToolkitError(f"merge: the adapter changes {name}, which the base {base} does not have{tied}; "
+                               "was it trained on another model?")
+        if shapes[name] != shape:
+            raise ToolkitError(f"merge: the adapter's {name} has shape {list(shape)} but the base's is "
+                               f"{list(shapes[name])}; was it trained on another model (or a resized vocabulary)?")
+
+
+def delta_shape(m: Module) -> tuple[int, ...]:
+    t = m.tensors
+    if m.embedding:  # lora_embedding_A: r x num_embeddings, lora_embedding_B: embedding_dim x r
+        return (t["embedding_A"].shape[1], t["embedding_B"].shape[0])
+    out_features, in_features = t["B"].shape[0], t["A"].shape[1]
+    return (in_features, out_features) if m.fan_in_fan_out else (out_features, in_features)
+
+
+# ----------------------------------------------------------------------------- merging and writing
+
+
+def merge_weight(weight, m: Module):
+    """peft's merge, in fp32: W + scale * (B @ A) (transposed for fan_in_fan_out; for an embedding
+    (B @ A)^T); for DoRA then each output row rescaled to the learned magnitude,
+    m / ||W + scale * B @ A|| (norm over the input dimension, peft's DoraLinearLayer.get_weight_norm)."""
+    t = m.tensors
+    w = weight.float()
+    if m.embedding:
+        return w + (t["embedding_B"].float() @ t["embedding_A"].float()).T * m.scale
+    if m.fan_in_fan_out:  # stored (in, out), as GPT-2's Conv1D; work in nn.Linear's (out, in)
+        w = w.T
+    w = w + (t["B"].float() @ t["A"].float()) * m.scale
+    if "magnitude" in t:
+        import torch
+
+        norm = torch.linalg.norm(w, dim=1)
+        w = (t["magnitude"].float() / norm).view(-1, 1) * w
+    return w.T if m.fan_in_fan_out else w
+
+
+def write_weights(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, set[str]]:
+    """Each base shard in turn, tensor by tensor, into a shard of the same name; returns the number of
+    weights merged and replaced, and the floating-point dtypes written."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out_dtype = getattr(torch, dtype) if dtype else None
+    merged = replaced = total_size = 0
+    written = set()
+    for shard in plan.shards:
+        tensors = {}
+        with safe_open(plan.base / shard, framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                target = out_dtype if out_dtype is not None and tensor.is_floating_point() else tensor.dtype
+                if key in plan.replaced:  # modules_to_save: the adapter's copy, in the base's dtype
+                    tensor = plan.replaced[key]
+                    replaced += 1
+                if key in plan.modules:  # computed in fp32, rounded once
+                    tensor = merge_weight(tensor, plan.modules[key])
+                    merged += 1
+                elif key in plan.bias_deltas:
+                    tensor = tensor.float() + plan.bias_deltas[key]
+                tensor = tensor.to(target).contiguous()
+                tensors[key] = tensor
+                if tensor.is_floating_point():
+                    written.add(str(tensor.dtype).removeprefix("torch."))
+                total_size += tensor.numel() * tensor.element_size()
+        save_file(tensors, tmp / shard, metadata={"format": "pt"})
+        del tensors  # before the next shard is read: about one shard in memory at a time
+    if plan.index is not None:
+        index = {**plan.index, "metadata": {**plan.index.get("metadata", {}), "total_size": total_size}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return merged, replaced, written
+
+
+def write_tokenizer(plan: Plan, tmp: Path):
+    """The adapter's tokenizer when it has one (a run saves it beside the adapter, chat template and
+    all), else the base's; copied file by file, then loaded once to check it and to learn its eos."""
+    from transformers import AutoTokenizer
+
+    source = plan.adapter if any((plan.adapter / f).is_file() for f in TOKENIZER_FILES[:5]) else plan.base
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, tmp / name)
+    if (source / "additional_chat_templates").is_dir():
+        shutil.copytree(source / "additional_chat_templates", tmp / "additional_chat_templates")
+    try:
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+    except (OSError, ValueError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ToolkitError(f"merge: no loadable tokenizer in {plan.adapter} or the base {plan.base}: {first}") from None
+
+
+def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
+    """config.json with the written dtype, and generation_config.json whose eos includes the
+    tokenizer's (the token the chat template ends a turn with), so an inference server stops there."""
+    config = dict(plan.config)
+    if dtype is not None:
+        config["dtype"] = dtype
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if (plan.base / "generation_config.json").is_file():
+        generation = read_json(plan.base / "generation_config.json", "")
+    else:
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                      if config.get(k) is not None}
+    eos = generation.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    if eos_ids:
+        generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def tolerance_of(dtype: str) -> float:
+    return TOLERANCE.get(dtype, max(TOLERANCE.values()))
+
+
+def check_inputs(tokenizer) -> list:
+    texts = list(CHECK_PROMPTS)
+    if tokenizer.chat_template:
+        texts.append(tokenizer.apply_chat_template(CHECK_CHAT, tokenize=False, add_generation_prompt=True))
+    return [tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids for text in texts]
+
+
+def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
+    """Logits of the merged folder against base + adapter under peft, both in fp32, one model in memory
+    at a time; a ToolkitError above the tolerance for the written dtype."""
+    import warnings
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    inputs = check_inputs(tokenizer)
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()  # loading reports and progress bars would bury the one line that matters
+    logging.disable_progress_bar()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True)
+            reference = PeftModel.from_pretrained(base, plan.adapter).eval()
+            expected = [reference(ids).logits for ids in inputs]
+            del base, reference
+            merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32, local_files_only=True)
+            got = [merged.eval()(ids).logits for ids in inputs]
+            del merged
+    except (OSError, ValueError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ToolkitError(f"merge: check: cannot load the models to compare ({first}); "
+                           f"{merged_dir} holds the merged files; --skip-check skips the check") from None
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+    diff = max(float((a - b).abs().max()) for a, b in zip(expected, got))
+    scale = max(1.0, max(float(a.abs().max()) for a in expected))
+    tolerance = tolerance_of(dtype) * scale
+    line = (f"check: merged vs base + adapter (peft), {len(inputs)} prompts in fp32: max |logit difference| "
+            f"{diff:.2e} (tolerance {tolerance:.1e} for {dtype})")
+    if not diff <= tolerance:  # NaN fails too
+        raise ToolkitError(f"merge: {line}: too large; the merged files are left in {merged_dir} for inspection")
+    return line

@@ -139,7 +139,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
                 f"(linear modules available: {', '.join(available)})")
     peft_config = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        task_type="CAUSAL_LM", bias="none")
+        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none")
     model = get_peft_model(model, peft_config)
     for p in model.parameters():  # adapters train in fp32 even over a half-precision base
         if p.requires_grad and p.dtype != torch.float32:
