@@ -42,11 +42,13 @@ def add_arguments(p) -> None:
                         f"data.max_seq_len when MODEL_DIR is a run's final/, else {DEFAULT_MAX_SEQ_LEN})")
     p.add_argument("--train-on-prompt", action="store_true",
                    help="count prompt tokens in the loss too (default: the run's data.train_on_prompt, else off)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="rows per forward pass and per generation batch (8)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="rows per forward pass and per generation batch (8)")
     p.add_argument("--answers", choices=("exact", "contains", "none"), default="exact",
                    help="score generated answers by exact match after strip (default), by containing the "
                         "reference, or not at all")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="at most this many tokens per answer (128)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="at most this many tokens per answer (128)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N rows")
     p.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
     p.add_argument("--json", action="store_true", help="print the results as JSON (the summary goes to stderr)")
@@ -75,68 +77,22 @@ def run(args) -> int:
         max_seq_len, origin = args.max_seq_len, None
     train_on_prompt = args.train_on_prompt or train_on_prompt
 
-    import torch
-
-    from .generate import load_for_inference
-
     state = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under `accelerate launch`: one share of the rows each
+        import torch
         from accelerate import PartialState
 
         state = PartialState(cpu=not torch.cuda.is_available())
-    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
-    with tempfile.TemporaryDirectory(prefix="toolkit-eval-") as cache:  # datasets' Arrow copy of the file
-        rows, where = read_rows(source, Path(cache), args.limit)
-    model, tokenizer = load_for_inference(args.model, args.dtype, device=state.device if state else None,
-                                          trust_remote_code=args.trust_remote_code)
-
-    mine = list(range(rank, len(rows), world))  # EvalShardSampler's split
-    error, examples, questions = None, [], []
     try:
-        examples, questions = prepare_rows(rows, mine, where, source.format, tokenizer, max_seq_len, train_on_prompt,
-                                           args.answers != "none")
-    except ToolkitError as e:
-        error = str(e)
-    if state:  # every rank stops on the first rank's error, so none waits in a collective below
-        from accelerate.utils import gather_object
-
-        error = next((e for e in gather_object([error]) if e is not None), None)
-    if error is not None:
-        raise ToolkitError(error)
-
-    loss_sum, n_targets = loss_sums(model, tokenizer, examples, args.batch_size)
-    records = []
-    if questions:
-        from .generate import generate_texts
-
-        answers = generate_texts(model, tokenizer, [q["text"] for q in questions], add_bos=False,
-                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-        records = [{"row": q["row"], "prompt": q["prompt"], "reference": q["reference"], "answer": answer,
-                    "correct": is_correct(answer, q["reference"], args.answers)}
-                   for q, (answer, _) in zip(questions, answers)]
-    part = {"loss_sum": loss_sum, "targets": n_targets, "records": records,
-            "truncated": sum(e["full_length"] > max_seq_len for e in examples)}
-    parts = [part]
-    if state:
-        from accelerate.utils import gather_object
-
-        parts = gather_object([part])
-        if not state.is_main_process:
-            return 0
-    targets = sum(p["targets"] for p in parts)
-    loss = sum(p["loss_sum"] for p in parts) / targets if targets else None
-    records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["row"])
-    result = {"model": args.model, "data": args.data, "format": source.format, "max_seq_len": max_seq_len,
-              "train_on_prompt": train_on_prompt, "rows": len(rows),
-              "truncated_rows": sum(p["truncated"] for p in parts),
-              "target_tokens": targets, "loss": loss, "perplexity": perplexity(loss), "processes": world,
-              "answers": None}
-    if args.answers != "none":
-        correct = sum(r["correct"] for r in records)
-        shown = ([r for r in records if r["correct"]][:EXAMPLES] + [r for r in records if not r["correct"]][:EXAMPLES])
-        result["answers"] = {"mode": args.answers, "max_new_tokens": args.max_new_tokens, "scored": len(records),
-                             "correct": correct, "accuracy": correct / len(records) if records else None,
-                             "examples": sorted(shown, key=lambda r: r["row"])}
+        with tempfile.TemporaryDirectory(prefix="toolkit-eval-") as cache:  # datasets' Arrow copy of the file
+            rows, where = read_rows(source, Path(cache), args.limit)
+        parts = measure(args, state, rows, where, source.format, max_seq_len, train_on_prompt)
+    finally:
+        if state is not None:
+            state.destroy_process_group()
+    if parts is None:  # not the main process
+        return 0
+    result = results(args, parts, rows, source.format, max_seq_len, train_on_prompt)
     text = summary(result, origin)
     if args.out:
         out = Path(args.out)
@@ -149,6 +105,62 @@ def run(args) -> int:
     else:
         print(text)
     return 0
+
+
+def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, train_on_prompt: bool) -> list | None:
+    """This process's share of the rows measured: loss sums and scored answers. The main process
+    gets every process's share (a list of dicts), the others None."""
+    from .generate import generate_texts, load_for_inference
+
+    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
+    model, tokenizer = load_for_inference(args.model, args.dtype, device=state.device if state else None,
+                                          trust_remote_code=args.trust_remote_code)
+    error, examples, questions = None, [], []
+    try:
+        examples, questions = prepare_rows(rows, range(rank, len(rows), world),  # EvalShardSampler's split
+                                           where, fmt, tokenizer, max_seq_len, train_on_prompt, args.answers != "none")
+    except ToolkitError as e:
+        error = str(e)
+    if state:  # every process stops on the first one's error, so none waits in a collective below
+        from accelerate.utils import gather_object
+
+        error = next((e for e in gather_object([error]) if e is not None), None)
+    if error is not None:
+        raise ToolkitError(error)
+
+    loss_sum, n_targets = loss_sums(model, tokenizer, examples, args.batch_size)
+    answers = generate_texts(model, tokenizer, [q["text"] for q in questions], add_bos=False,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    records = [{"row": q["row"], "prompt": q["prompt"], "reference": q["reference"], "answer": answer,
+                "correct": is_correct(answer, q["reference"], args.answers)}
+               for q, (answer, _) in zip(questions, answers)]
+    part = {"loss_sum": loss_sum, "targets": n_targets, "records": records,
+            "truncated": sum(e["full_length"] > max_seq_len for e in examples)}
+    if state is None:
+        return [part]
+    from accelerate.utils import gather_object
+
+    parts = gather_object([part])
+    return parts if state.is_main_process else None
+
+
+def results(args, parts: list[dict], rows: list, fmt: str, max_seq_len: int, train_on_prompt: bool) -> dict:
+    """The processes' shares summed into the results written as JSON."""
+    targets = sum(p["targets"] for p in parts)
+    loss = sum(p["loss_sum"] for p in parts) / targets if targets else None
+    result = {"model": args.model, "data": args.data, "format": fmt, "max_seq_len": max_seq_len,
+              "train_on_prompt": train_on_prompt, "rows": len(rows),
+              "truncated_rows": sum(p["truncated"] for p in parts),
+              "target_tokens": targets, "loss": loss, "perplexity": perplexity(loss), "processes": len(parts),
+              "answers": None}
+    if args.answers != "none":
+        records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["row"])
+        correct = sum(r["correct"] for r in records)
+        shown = [r for r in records if r["correct"]][:EXAMPLES] + [r for r in records if not r["correct"]][:EXAMPLES]
+        result["answers"] = {"mode": args.answers, "max_new_tokens": args.max_new_tokens, "scored": len(records),
+                             "correct": correct, "accuracy": correct / len(records) if records else None,
+                             "examples": sorted(shown, key=lambda r: r["row"])}
+    return result
 
 
 # ----------------------------------------------------------------------------- rows
@@ -216,9 +228,11 @@ def read_rows(source, cache: Path, limit: int | None):
     return rows, where
 
 
-def prepare_rows(rows: list[dict], indices: list[int], where, fmt: str, tokenizer, max_seq_len: int,
+def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_len: int,
                  train_on_prompt: bool, answers: bool) -> tuple[list[dict], list[dict]]:
     """This rank's rows as training examples, and the questions of those with a reference answer."""
+    from jinja2 import TemplateError
+
     from .data import render, tokenize_example
 
     examples, questions = [], []
@@ -229,7 +243,8 @@ def prepare_rows(rows: list[dict], indices: list[int], where, fmt: str, tokenize
             question = reference_question(row, fmt, tokenizer, render) if answers else None
         except ToolkitError as e:
             raise ToolkitError(f"{where(i)}: {e}") from None
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, TemplateError) as e:
+            # TemplateError: a chat template that reads a key the row lacks (jinja's UndefinedError)
             raise ToolkitError(f"{where(i)}: the row does not fit --format={fmt} ({type(e).__name__}: {e})") from None
         if question is not None:
             questions.append({"row": i + 1, **question})

@@ -30,7 +30,8 @@ def add_arguments(p) -> None:
                    help="a text file of prompts, one per line; or a .jsonl file with a `prompt` string or a "
                         "`messages` list of {role, content} per line")
     p.add_argument("--system", metavar="TEXT", help="a system message put before every prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="at most this many tokens per answer (128)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="at most this many tokens per answer (128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy decoding (default); above 0: sampling")
     p.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling's cumulative probability (with --temperature)")
@@ -186,6 +187,22 @@ def load_for_inference(path: str, dtype="fp32", device=None, trust_remote_code: 
     "fp32", "bf16", "fp16" or a torch dtype. The tokenizer is the adapter folder's when it has
     one, else the base's; a missing pad token is the eos token, as in training."""
     import torch
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per load would be most of what a short answer prints
+    try:
+        model, tokenizer = _load(path, dtype, trust_remote_code)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval(), tokenizer
+
+
+def _load(path: str, dtype, trust_remote_code: bool):
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, dtype)
@@ -214,9 +231,7 @@ def load_for_inference(path: str, dtype="fp32", device=None, trust_remote_code: 
             model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
         except Exception as e:
             raise _load_error(path, "the LoRA adapter", e) from None
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), tokenizer
+    return model, tokenizer
 
 
 def _load_error(where: str, what: str, e: Exception) -> ToolkitError:
