@@ -21,9 +21,10 @@ from toolkit.generate import end_of_turn_id, generate_answers, load_for_inferenc
 
 EVAL_FILE = ROOT / "examples" / "data" / "tasks_eval.jsonl"
 QUICKSTART_STEPS = 4  # the eval-loss checks need a trained model, not a good one
-# A model that answers in a few dozen steps: the answer depends on the instruction only. After 50
-# steps (measured) "Shout." gives "HEY YOU" and stops at eos; the other two start right, then
-# repeat themselves until --max-new-tokens.
+# A model that answers in a few dozen steps: the answer depends on the instruction only. Rows are
+# cut at max_seq_len 64, which keeps the eos of short "Shout." rows and cuts it off every other
+# row; so after 50 steps (measured) "Shout." gives "HEY YOU" and stops at eos, while the other two
+# start right and run on until --max-new-tokens.
 ANSWERS = {"Greet.": "hello there", "Part.": "goodbye moon", "Shout.": "HEY YOU"}
 ANSWER_STEPS = 50
 
@@ -249,3 +250,42 @@ def test_errors_are_one_line(answers_run, tmp_path, capsys):
              ((answers_run / "final", "--prompt", "hi", "--max-new-tokens", 0), "--max-new-tokens: must be positive")]
     for args, expected in cases:
         assert expected in refused(capsys, "generate", *args)
+
+
+def test_real_chat_model_stops_at_its_end_of_turn(real_model_dir, tmp_path, capsys):
+    """SmolLM2-135M-Instruct (ChatML) with eos set to <|endoftext|> in its tokenizer, config and
+    generation_config, as base-model tokenizers of ChatML families ship it: answers still end at the
+    template's <|im_end|>, as a hand-written greedy generate told to stop there ends them; told
+    only eos, that generate runs past <|im_end|>."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "smollm2-eos-endoftext"
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer.eos_token = "<|endoftext|>"
+    tokenizer.save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((real_model_dir / name).read_text())
+        config["eos_token_id"] = tokenizer.eos_token_id
+        (folder / name).write_text(json.dumps(config))
+    os.symlink(real_model_dir / "model.safetensors", folder / "model.safetensors")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end != tokenizer.eos_token_id
+
+    limit, prompt = 48, "What is the capital of France?"
+    code, out, err = cli(capsys, "generate", folder, "--prompt", prompt, "--json", "--max-new-tokens", limit)
+    assert code == 0, err
+    got = json.loads(out)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=limit, do_sample=False, eos_token_id=[tokenizer.eos_token_id, end],
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        eos_only = model.generate(ids, max_new_tokens=len(gen) + 4, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+    assert gen[-1] == end and got["tokens"] == len(gen) < limit, (gen, got)
+    assert got["answer"] == tokenizer.decode(gen[:-1], skip_special_tokens=True) and "Paris" in got["answer"]
+    assert eos_only[:len(gen)] == gen and len(eos_only) > len(gen)  # eos alone would not have stopped it
