@@ -58,8 +58,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .config import DataConfig
-    from .data import resolve_sources
     from .generate import locate_model
 
     for name in ("batch_size", "max_new_tokens", "limit"):
@@ -68,8 +66,10 @@ def run(args) -> int:
             raise ToolkitError(f"--{name.replace('_', '-')}: must be positive, got {value}")
     if args.max_seq_len is not None and args.max_seq_len < 2:
         raise ToolkitError(f"--max-seq-len: must be at least 2, got {args.max_seq_len}")
-    # Mistakes in the paths fail here, before torch is imported.
-    locate_model(args.model)
+    locate_model(args.model)  # a wrong path fails here, before torch is imported
+    from .config import DataConfig
+    from .data import resolve_sources  # (imports torch)
+
     source = resolve_sources([args.data], DataConfig(format=args.format or "text"), "--data")[0]
     source.format = args.format or infer_format(source)
     max_seq_len, train_on_prompt, origin = run_settings(args.model)
