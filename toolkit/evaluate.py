@@ -1,13 +1,349 @@
-"""`toolkit eval`: not written yet."""
+"""`toolkit eval MODEL_DIR --data FILE`: loss, perplexity and answer accuracy of a model on a data file.
+
+The loss is training's eval loss: rows rendered and labelled by `toolkit.data.tokenize_example`
+(same formats, chat template and response-only labels), batched by `Collator`, and the
+token-weighted mean of next-token cross-entropy over target tokens (`toolkit.train.token_loss_sum`
+summed, divided by the count). So a run's final/ on its eval file gives the eval_loss the run
+logged at its last step. Answers: for rows with a reference (alpaca `output`; messages: the last
+assistant turn, prompted with the turns before it), a greedy answer scored by exact match after
+strip, or by containment.
+
+Under `accelerate launch` (WORLD_SIZE > 1) the rows are split over the processes as
+`EvalShardSampler` splits them (row i to rank i % world), the sums gathered, and the main process
+prints and writes. Light at import time.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
 from .config import ToolkitError
+
+FORMATS = ("alpaca", "messages", "text")
+DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
+EXAMPLES = 3  # right and wrong answers each, shown in the summary and kept in the JSON
 
 
 def add_arguments(p) -> None:
-    pass
+    p.add_argument("model", metavar="MODEL_DIR",
+                   help="a Hugging Face model folder, a merged model, a LoRA adapter folder (such as a run's "
+                        "final/) or a Hub id in the Hugging Face cache")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="a .jsonl, .json, .parquet or .csv file, a folder or glob of them, or a Hub dataset id")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="default: from the first row's keys (instruction/output: alpaca, messages, text)")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="truncate examples to this many tokens, as training does (default: the run's "
+                        f"data.max_seq_len when MODEL_DIR is a run's final/, else {DEFAULT_MAX_SEQ_LEN})")
+    p.add_argument("--train-on-prompt", action="store_true",
+                   help="count prompt tokens in the loss too (default: the run's data.train_on_prompt, else off)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="rows per forward pass and per generation batch (8)")
+    p.add_argument("--answers", choices=("exact", "contains", "none"), default="exact",
+                   help="score generated answers by exact match after strip (default), by containing the "
+                        "reference, or not at all")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="at most this many tokens per answer (128)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N rows")
+    p.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
+    p.add_argument("--json", action="store_true", help="print the results as JSON (the summary goes to stderr)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights' dtype (fp32)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python code a model ships with (only for sources you trust)")
 
 
 def run(args) -> int:
-    raise ToolkitError("toolkit eval: not implemented yet")
+    from .generate import locate_model
+
+    for name in ("batch_size", "max_new_tokens", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ToolkitError(f"--{name.replace('_', '-')}: must be positive, got {value}")
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        raise ToolkitError(f"--max-seq-len: must be at least 2, got {args.max_seq_len}")
+    locate_model(args.model)  # a wrong path fails here, before torch is imported
+    from .config import DataConfig
+    from .data import resolve_sources  # (imports torch)
+
+    source = resolve_sources([args.data], DataConfig(format=args.format or "text"), "--data")[0]
+    source.format = args.format or infer_format(source)
+    max_seq_len, train_on_prompt, origin = run_settings(args.model)
+    if args.max_seq_len is not None:
+        max_seq_len, origin = args.max_seq_len, None
+    train_on_prompt = args.train_on_prompt or train_on_prompt
+
+    state = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under `accelerate launch`: one share of the rows each
+        import torch
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+    try:
+        with tempfile.TemporaryDirectory(prefix="toolkit-eval-") as cache:  # datasets' Arrow copy of the file
+            rows, where = read_rows(source, Path(cache), args.limit)
+        parts = measure(args, state, rows, where, source.format, max_seq_len, train_on_prompt)
+    finally:
+        if state is not None:
+            state.destroy_process_group()
+    if parts is None:  # not the main process
+        return 0
+    result = results(args, parts, rows, source.format, max_seq_len, train_on_prompt)
+    text = summary(result, origin)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+        text += f"\nwrote {out}"
+    if args.json:
+        print(text, file=sys.stderr)
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(text)
+    return 0
+
+
+def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, train_on_prompt: bool) -> list | None:
+    """This process's share of the rows measured: loss sums and scored answers. The main process
+    gets every process's share (a list of dicts), the others None."""
+    from .generate import generate_texts, load_for_inference
+
+    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
+    model, tokenizer = load_for_inference(args.model, args.dtype, device=state.device if state else None,
+                                          trust_remote_code=args.trust_remote_code)
+    error, examples, questions = None, [], []
+    try:
+        examples, questions = prepare_rows(rows, range(rank, len(rows), world),  # EvalShardSampler's split
+                                           where, fmt, tokenizer, max_seq_len, train_on_prompt, args.answers != "none")
+    except ToolkitError as e:
+        error = str(e)
+    if state:  # every process stops on the first one's error, so none waits in a collective below
+        from accelerate.utils import gather_object
+
+        error = next((e for e in gather_object([error]) if e is not None), None)
+    if error is not None:
+        raise ToolkitError(error)
+
+    loss_sum, n_targets = loss_sums(model, tokenizer, examples, args.batch_size)
+    answers = generate_texts(model, tokenizer, [q["text"] for q in questions], add_bos=False,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    records = [{"row": q["row"], "prompt": q["prompt"], "reference": q["reference"], "answer": answer,
+                "correct": is_correct(answer, q["reference"], args.answers)}
+               for q, (answer, _) in zip(questions, answers)]
+    part = {"loss_sum": loss_sum, "targets": n_targets, "records": records,
+            "truncated": sum(e["full_length"] > max_seq_len for e in examples)}
+    if state is None:
+        return [part]
+    from accelerate.utils import gather_object
+
+    parts = gather_object([part])
+    return parts if state.is_main_process else None
+
+
+def results(args, parts: list[dict], rows: list, fmt: str, max_seq_len: int, train_on_prompt: bool) -> dict:
+    """The processes' shares summed into the results written as JSON."""
+    targets = sum(p["targets"] for p in parts)
+    loss = sum(p["loss_sum"] for p in parts) / targets if targets else None
+    result = {"model": args.model, "data": args.data, "format": fmt, "max_seq_len": max_seq_len,
+              "train_on_prompt": train_on_prompt, "rows": len(rows),
+              "truncated_rows": sum(p["truncated"] for p in parts),
+              "target_tokens": targets, "loss": loss, "perplexity": perplexity(loss), "processes": len(parts),
+              "answers": None}
+    if args.answers != "none":
+        records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["row"])
+        correct = sum(r["correct"] for r in records)
+        shown = [r for r in records if r["correct"]][:EXAMPLES] + [r for r in records if not r["correct"]][:EXAMPLES]
+        result["answers"] = {"mode": args.answers, "max_new_tokens": args.max_new_tokens, "scored": len(records),
+                             "correct": correct, "accuracy": correct / len(records) if records else None,
+                             "examples": sorted(shown, key=lambda r: r["row"])}
+    return result
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def infer_format(source) -> str:
+    """alpaca, messages or text, from the first row's keys (or the file's columns)."""
+    import csv
+
+    from .data import check_json_lines
+
+    if source.hub_id:
+        from .hub import load_hub_dataset
+
+        columns = load_hub_dataset(source.hub_id, source.split, source.revision, "--data").column_names
+    else:
+        first = source.files[0]
+        suffix = Path(first).suffix.lower()
+        check_json_lines(source.files[:1])  # malformed JSON named by file and line
+        columns = []
+        if suffix == ".jsonl":
+            with open(first, encoding="utf-8") as f:
+                line = next((line for line in f if line.strip()), "{}")
+            columns = list(json.loads(line))
+        elif suffix == ".json":
+            data = json.loads(Path(first).read_text(encoding="utf-8"))
+            row = data[0] if isinstance(data, list) and data else data
+            columns = list(row) if isinstance(row, dict) else []
+        elif suffix == ".csv":
+            with open(first, newline="", encoding="utf-8") as f:
+                columns = next(csv.reader(f), [])
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            columns = pq.read_schema(first).names
+    keys = set(columns)
+    if {"instruction", "output"} <= keys:
+        return "alpaca"
+    if "messages" in keys:
+        return "messages"
+    if "text" in keys:
+        return "text"
+    raise ToolkitError(f"{source.name}: cannot tell the format from the first row's keys "
+                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages or text")
+
+
+def read_rows(source, cache: Path, limit: int | None):
+    """The rows as dicts, and a function naming row i by file and line (JSON lines) or by number."""
+    from .data import load_rows
+
+    ds = load_rows(source, cache_dir=cache)
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    rows = ds.to_list()
+    lines = None
+    if len(source.files) == 1 and source.files[0].lower().endswith(".jsonl"):
+        with open(source.files[0], encoding="utf-8") as f:  # datasets skips blank lines
+            lines = [n for n, line in enumerate(f, 1) if line.strip()]
+
+    def where(i: int) -> str:
+        if lines is not None and i < len(lines):
+            return f"{source.name}: line {lines[i]}"
+        return f"{source.name}: row {i + 1}"
+
+    return rows, where
+
+
+def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_len: int,
+                 train_on_prompt: bool, answers: bool) -> tuple[list[dict], list[dict]]:
+    """This rank's rows as training examples, and the questions of those with a reference answer."""
+    from jinja2 import TemplateError
+
+    from .data import render, tokenize_example
+
+    examples, questions = [], []
+    for i in indices:
+        row = rows[i]
+        try:
+            examples.append(tokenize_example(row, fmt, tokenizer, max_seq_len, train_on_prompt))
+            question = reference_question(row, fmt, tokenizer, render) if answers else None
+        except ToolkitError as e:
+            raise ToolkitError(f"{where(i)}: {e}") from None
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError, TemplateError) as e:
+            # TemplateError: a chat template that reads a key the row lacks (jinja's UndefinedError)
+            raise ToolkitError(f"{where(i)}: the row does not fit --format={fmt} ({type(e).__name__}: {e})") from None
+        if question is not None:
+            questions.append({"row": i + 1, **question})
+    return examples, questions
+
+
+def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
+    """{text: what to generate from (specials written out, as training renders it), prompt: the
+    question in short, reference: the expected answer}, or None for a row without a reference."""
+    if fmt == "alpaca":
+        reference = row.get("output")
+        if not isinstance(reference, str) or not reference.strip():
+            return None
+        text, spans, _ = render(row, fmt, tokenizer)
+        prompt = " ".join(str(row.get(k) or "") for k in ("instruction", "input")).strip()
+        return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
+    if fmt == "messages":
+        messages = row["messages"]
+        if len(messages) < 2 or messages[-1]["role"] != "assistant" or not str(messages[-1]["content"]).strip():
+            return None
+        text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        prompt = next((m["content"] for m in reversed(messages[:-1]) if m["role"] == "user"), "")
+        return {"text": text, "prompt": prompt, "reference": messages[-1]["content"]}
+    return None
+
+
+def run_settings(model: str) -> tuple[int, bool, str | None]:
+    """(max_seq_len, train_on_prompt, where they came from): the run's recipe when MODEL_DIR is
+    the final/ of a run folder (config.yaml and manifest.json beside it), else the defaults."""
+    from .config import load_recipe
+
+    run_dir = Path(model).expanduser().resolve().parent
+    config = run_dir / "config.yaml"
+    if config.is_file() and (run_dir / "manifest.json").is_file():
+        try:
+            recipe = load_recipe(config)
+        except ToolkitError:
+            pass
+        else:
+            return recipe.data.max_seq_len, recipe.data.train_on_prompt, str(config)
+    return DEFAULT_MAX_SEQ_LEN, False, None
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[float, int]:
+    """(sum of next-token cross-entropies over target tokens, number of target tokens), in
+    training's batches (right-padded, unpacked) and training's loss function."""
+    import torch
+
+    from .data import IGNORE, Collator
+    from .train import token_loss_sum
+
+    collate = Collator(tokenizer.pad_token_id, packed=False)
+    device = next(model.parameters()).device
+    by_length = sorted(examples, key=lambda e: -len(e["input_ids"]))  # little padding per batch
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for start in range(0, len(by_length), batch_size):
+            batch = collate(by_length[start:start + batch_size])
+            count += int((batch["labels"][:, 1:] != IGNORE).sum())
+            batch = {k: v.to(device) for k, v in batch.items()}
+            total += token_loss_sum(model, batch).double().cpu()
+    return total.item(), count
+
+
+def is_correct(answer: str, reference: str, mode: str) -> bool:
+    a, r = answer.strip(), reference.strip()
+    return a == r if mode == "exact" else bool(r) and r in a
+
+
+def perplexity(loss: float | None) -> float | None:
+    if loss is None:
+        return None
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+def summary(result: dict, origin: str | None) -> str:
+    settings = f"max_seq_len {result['max_seq_len']}" + (f" (from {origin})" if origin else "")
+    lines = [f"model    {result['model']}",
+             f"data     {result['data']}: {result['rows']:,} rows, {result['format']}, {settings}"
+             + (f", {result['truncated_rows']:,} truncated" if result["truncated_rows"] else "")
+             + (f", {result['processes']} processes" if result["processes"] > 1 else "")]
+    if result["loss"] is None:
+        lines.append("loss     none: no target tokens")
+    else:
+        lines.append(f"loss     {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
+                     f"{result['target_tokens']:,} target tokens")
+    answers = result["answers"]
+    if answers is not None:
+        if not answers["scored"]:
+            lines.append("answers  none: no row has a reference answer")
+        else:
+            how = "exact match" if answers["mode"] == "exact" else "containing the reference"
+            lines.append(f"answers  {answers['correct']:,} of {answers['scored']:,} correct ({how}): "
+                         f"{answers['accuracy']:.1%}")
+            for r in answers["examples"]:
+                mark = "ok   " if r["correct"] else "wrong"
+                expected = "" if r["correct"] else f" (expected {r['reference']!r})"
+                lines.append(f"  {mark} row {r['row']}: {r['prompt'][:60]!r} -> {r['answer'][:60]!r}{expected}")
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""`toolkit eval`: the loss a run logged at its last step, reproduced from its final/ (a full model
+and a LoRA adapter); answers scored by exact match and containment; user errors as one line; two
+gloo processes give what one gives."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from conftest import ROOT, read_metrics, run_toolkit, write_jsonl
+from test_generate import (EVAL_FILE, QUICKSTART_STEPS, alpaca_prompts, answers_eval_file, answers_model,  # noqa: F401
+                           answers_run, cli, quickstart_run, refused, trained_run)  # (fixtures, shared)
+from toolkit.generate import generate_answers, load_for_inference
+
+MESSAGES_EVAL_FILE = ROOT / "examples" / "data" / "tasks_messages_eval.jsonl"
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory):
+    return trained_run(tmp_path_factory, "quickstart-lora", ROOT / "examples/recipes/quickstart_lora.yaml",
+                       QUICKSTART_STEPS)
+
+
+def evaluate(capsys, tmp_path, *args) -> dict:
+    out = tmp_path / "results.json"
+    code, stdout, err = cli(capsys, "eval", *args, "--out", out)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert f"wrote {out}" in stdout and "loss" in stdout
+    return result
+
+
+def test_reproduces_the_logged_eval_loss(quickstart_run, tmp_path, capsys):
+    """final/ on the run's eval file: the eval_loss training logged at its last step (training
+    packs its eval rows; eval pads them), the format read from the rows, max_seq_len from the run."""
+    result = evaluate(capsys, tmp_path, quickstart_run / "final", "--data", EVAL_FILE, "--answers", "none")
+    logged = read_metrics(quickstart_run)[-1]["eval_loss"]
+    assert result["loss"] == pytest.approx(logged, abs=1e-5), (result["loss"], logged)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert (result["format"], result["max_seq_len"], result["rows"]) == ("alpaca", 128, 200)
+    assert result["answers"] is None and result["target_tokens"] > 200
+    # Another batch size: the same token-weighted mean.
+    again = evaluate(capsys, tmp_path, quickstart_run / "final", "--data", EVAL_FILE, "--answers", "none",
+                     "--batch-size", 3)
+    assert again["loss"] == pytest.approx(result["loss"], abs=1e-6)
+    assert again["target_tokens"] == result["target_tokens"]
+
+
+def test_lora_adapter_folder(lora_run, tmp_path, capsys):
+    """A LoRA run's final/ (an adapter on the preset's saved base): the logged eval loss on the
+    messages file, and answers to the last assistant turn prompted with the turns before it."""
+    result = evaluate(capsys, tmp_path, lora_run / "final", "--data", MESSAGES_EVAL_FILE, "--max-new-tokens", 6,
+                      "--batch-size", 16)
+    logged = read_metrics(lora_run)[-1]["eval_loss"]
+    assert result["loss"] == pytest.approx(logged, abs=1e-5), (result["loss"], logged)
+    assert result["format"] == "messages" and result["answers"]["scored"] == 200
+    model, tokenizer = load_for_inference(str(lora_run / "final"))
+    assert type(model).__name__.startswith("Peft")
+    rows = [json.loads(line) for line in MESSAGES_EVAL_FILE.read_text().splitlines()]
+    shown = result["answers"]["examples"]
+    assert shown
+    expected = generate_answers(model, tokenizer, [rows[r["row"] - 1]["messages"][:-1] for r in shown],
+                                max_new_tokens=6)
+    assert [r["answer"] for r in shown] == expected
+    assert [r["reference"] for r in shown] == [rows[r["row"] - 1]["messages"][-1]["content"] for r in shown]
+
+
+def test_answers_scored_exact_and_contains(answers_run, answers_model, tmp_path, capsys):
+    """Rows whose reference is the model's own greedy answer (padded with spaces: exact after
+    strip), a part of it (contains only) and something else (neither)."""
+    model, tokenizer = answers_model
+    eval_file = answers_eval_file(answers_run)
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
+    answers = generate_answers(model, tokenizer, alpaca_prompts(eval_file), chat_template=False, max_new_tokens=16)
+    long = [i for i, a in enumerate(answers) if len(a.strip()) >= 2]
+    assert len(long) >= 2, answers
+    first, second = long[:2]
+    third = next(i for i in range(len(rows)) if i not in (first, second))
+    data = write_jsonl(tmp_path / "scored.jsonl", [
+        {**rows[first], "output": f"  {answers[first].strip()} "},
+        {**rows[second], "output": answers[second].strip()[1:]},
+        {**rows[third], "output": "~never said~"}])
+    final = answers_run / "final"
+    exact = evaluate(capsys, tmp_path, final, "--data", data, "--max-new-tokens", 16)["answers"]
+    assert (exact["mode"], exact["scored"], exact["correct"]) == ("exact", 3, 1)
+    assert [r["correct"] for r in exact["examples"]] == [True, False, False]
+    assert [r["answer"] for r in exact["examples"]] == [answers[first], answers[second], answers[third]]
+    contains = evaluate(capsys, tmp_path, final, "--data", data, "--max-new-tokens", 16,
+                        "--answers", "contains")["answers"]
+    assert contains["correct"] == 2 and [r["correct"] for r in contains["examples"]] == [True, True, False]
+    assert contains["accuracy"] == pytest.approx(2 / 3)
+    limited = evaluate(capsys, tmp_path, final, "--data", data, "--max-new-tokens", 16, "--limit", 1)
+    assert limited["rows"] == 1 and limited["answers"]["correct"] == 1
+    # On the run's own eval file: "Shout." rows answer exactly (measured), the others run on.
+    own = evaluate(capsys, tmp_path, final, "--data", eval_file, "--max-new-tokens", 16)["answers"]
+    shouts = sum(r["instruction"] == "Shout." for r in rows)
+    assert own["scored"] == len(rows) and own["correct"] == shouts > 0
+
+
+def test_json_output_and_text_format(answers_run, tmp_path, capsys):
+    """--json prints the results (summary on stderr); text rows are scored for loss only."""
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": "Sort the letters. abc"}, {"text": "hello world"}])
+    code, out, err = cli(capsys, "eval", answers_run / "final", "--data", data, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["format"] == "text" and result["loss"] > 0 and result["answers"]["scored"] == 0
+    assert "loss" in err and "no row has a reference answer" in err
+
+
+def test_errors_are_one_line(answers_run, tmp_path, capsys):
+    """A missing model folder or data file, a malformed JSON line and a row that does not fit its
+    format, each named by file and line: exit 2, one `error:` line."""
+    final = answers_run / "final"
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "c", "output": \n')
+    bad_row = write_jsonl(tmp_path / "rows.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "yo"}]}])
+    cases = [((tmp_path / "nowhere", "--data", EVAL_FILE), "nowhere: model folder not found"),
+             ((final, "--data", tmp_path / "missing.jsonl"), "--data: file not found"),
+             ((final, "--data", bad_json), f"{bad_json}: line 3: malformed JSON"),
+             ((final, "--data", bad_row), f"{bad_row}: line 2: the row does not fit --format=messages"),
+             ((final, "--data", bad_row, "--format", "alpaca"), "needs column(s) instruction, output"),
+             ((final, "--data", EVAL_FILE, "--limit", 0), "--limit: must be positive")]
+    for args, expected in cases:
+        assert expected in refused(capsys, "eval", *args)
+
+
+def test_two_processes_give_what_one_gives(answers_run, tmp_path, capsys):
+    """`accelerate launch` with 2 gloo processes: rows split over the ranks, sums and answers
+    gathered, one summary and one results file from the main process, equal to one process's."""
+    args = (answers_run / "final", "--data", answers_eval_file(answers_run), "--max-new-tokens", 16)
+    one = evaluate(capsys, tmp_path, *args)
+    out = tmp_path / "two.json"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m"]
+    proc = run_toolkit("eval", *args, "--out", out, launcher=launcher, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1 and "2 processes" in proc.stdout
+    two = json.loads(out.read_text())
+    assert two["processes"] == 2 and two["rows"] == one["rows"] == 12
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert two["target_tokens"] == one["target_tokens"]
+    assert two["answers"] == one["answers"] and one["answers"]["correct"] > 0
