@@ -67,6 +67,12 @@ def missing_column(tmp):
     return write_jsonl(tmp / "nocol.jsonl", [{"instruction": "a", "input": ""} for _ in range(8)])
 
 
+def message_without_content(tmp):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "user"}, {"role": "assistant", "content": "yo"}]}
+    return write_jsonl(tmp / "chat.jsonl", [good, good, bad, good])
+
+
 def empty_file(tmp):
     (tmp / "empty.jsonl").write_text("")
     return tmp / "empty.jsonl"
@@ -106,6 +112,9 @@ CASES = {
     "missing dataset file": (lambda t, r, e: (r, [f"data.train_files={t / 'missing.jsonl'}"], {}),
                              "data.train_files: file not found"),
     "malformed JSON line": (lambda t, r, e: (r, [f"data.train_files={malformed(t)}"], {}), "bad.jsonl: line 3: malformed JSON"),
+    "message without content": (lambda t, r, e: (r, [f"data.train_files={message_without_content(t)}",
+                                                      "data.format=messages"], {}),
+                                "chat.jsonl: row 3 does not fit data.format=messages (UndefinedError"),
     "empty dataset": (lambda t, r, e: (r, [f"data.train_files={empty_file(t)}"], {}), "empty.jsonl: file is empty"),
     "missing column": (lambda t, r, e: (r, [f"data.train_files={missing_column(t)}"], {}), "needs column(s) output"),
     "unsupported file type": (lambda t, r, e: (r, [f"data.train_files={t / 'run.yaml'}"], {}), "unsupported file type '.yaml'"),

@@ -230,12 +230,22 @@ def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_
     return {**ex, "input_ids": ex["input_ids"].tolist(), "labels": ex["labels"].tolist()}
 
 
-def _tokenize_batch(batch: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool, source: int) -> dict:
+def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool,
+                    source: int) -> dict:
     """`datasets.map` function: a batch of rows rendered, encoded in one call, and labelled."""
     rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
     out = []
+
+    def rendered_row(k):
+        try:
+            return render(rows[k], fmt, tokenizer)
+        except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
+            raise ToolkitError(f"row {indices[k] + 1} does not fit data.format={fmt} ({type(e).__name__}: {e})") from None
+
+    from jinja2 import TemplateError
+
     for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time
-        rendered = [render(r, fmt, tokenizer) for r in rows[start:start + ENCODE_ROWS]]
+        rendered = [rendered_row(k) for k in range(start, min(start + ENCODE_ROWS, len(rows)))]
         enc = tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
                         truncation=False)
         out += [_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt)
@@ -264,6 +274,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     target dropped (an error when they are more than EMPTY_ROWS_TOLERATED of the source)."""
 
     import datasets
+    from jinja2 import TemplateError
 
     ds = load_rows(source)
     procs = max(1, min(num_proc, math.ceil(len(ds) / ROWS_PER_PROCESS)))
@@ -272,7 +283,8 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     if procs > 1 and threads is None:  # num_proc processes of one core each, not num_proc x cores threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        tokenized = ds.map(_tokenize_batch, batched=True, batch_size=MAP_BATCH_ROWS, remove_columns=ds.column_names,
+        tokenized = ds.map(_tokenize_batch, batched=True, with_indices=True, batch_size=MAP_BATCH_ROWS,
+                           remove_columns=ds.column_names,
                            features=_features(), num_proc=procs if procs > 1 else None,
                            cache_file_name=str(cache_file), new_fingerprint=cache_file.stem,
                            fn_kwargs=dict(fmt=source.format, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
@@ -280,7 +292,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
                            desc=f"tokenizing {Path(source.name).name}")
     except ToolkitError as e:
         raise ToolkitError(f"{source.name}: {e}") from None
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, TemplateError) as e:
         raise ToolkitError(f"{source.name}: a row does not fit data.format={source.format} "
                            f"({type(e).__name__}: {e})") from None
     finally:
