@@ -1,4 +1,7 @@
-"""Write the quickstart dataset: small string and arithmetic tasks a tiny model learns in minutes.
+"""Write the quickstart dataset: small string and number tasks, most of which a tiny model learns
+in the quickstart's two minutes (first and last letter, letter count, even or odd, single-digit
+sums) and one it does not (writing a word in capitals, which needs copying every letter).
+Single-digit sums have only 100 distinct rows, all of them in the training set, so none is held out.
 
 Deterministic (fixed seed): running it again rewrites identical files. Each task appears in
 `alpaca` form (instruction, input, output) and `messages` form (chat turns). Eval rows are
@@ -15,15 +18,20 @@ from pathlib import Path
 
 
 def make_example(rng: random.Random) -> dict:
-    task = rng.choice(["reverse", "upper", "add", "sort"])
-    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
-    if task == "reverse":
-        return {"instruction": "Reverse the letters.", "input": word, "output": word[::-1]}
+    task = rng.choice(["first", "last", "count", "upper", "add", "parity"])
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7)))
+    if task == "first":
+        return {"instruction": "First letter.", "input": word, "output": word[0]}
+    if task == "last":
+        return {"instruction": "Last letter.", "input": word, "output": word[-1]}
+    if task == "count":
+        return {"instruction": "Count the letters.", "input": word, "output": str(len(word))}
     if task == "upper":
         return {"instruction": "Write in capitals.", "input": word, "output": word.upper()}
-    if task == "sort":
-        return {"instruction": "Sort the letters.", "input": word, "output": "".join(sorted(word))}
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    if task == "parity":
+        n = rng.randint(0, 999)
+        return {"instruction": "Even or odd?", "input": str(n), "output": "even" if n % 2 == 0 else "odd"}
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
     return {"instruction": "Add the numbers.", "input": f"{a}+{b}", "output": str(a + b)}
 
 

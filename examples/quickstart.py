@@ -1,69 +1,87 @@
-"""The quickstart: fine-tune the built-in tiny model, then ask it held-out questions.
+"""The quickstart: held-out accuracy of the built-in tiny model before and after fine-tuning.
 
     python examples/quickstart.py [RECIPE.yaml] [key=value ...]    (what `make train` runs)
 
-Trains with `toolkit train` (overwriting the recipe's output_dir, which belongs to the
-quickstart), prints how the eval loss fell, then reloads `final/` with plain transformers (or
-peft, for an adapter) and answers a few prompts from the eval file, which training never saw.
+1. `toolkit eval` scores the untrained model (the preset's initial weights, built with the
+   recipe's seed exactly as training builds them) on the recipe's eval file, which training
+   never sees: loss, and answers generated greedily and scored by exact match.
+2. `toolkit train` fine-tunes it (overwriting the recipe's output_dir, which belongs to the
+   quickstart).
+3. `toolkit eval` scores `final/` the same way; the script prints the eval loss and the
+   accuracy before and after, per task (a task is a prompt's words but its last, the input).
 """
 
+import contextlib
+import io
 import json
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
-
-import torch
 
 from toolkit.cli import main as toolkit_main
 from toolkit.config import load_recipe
-from toolkit.data import ALPACA_PROMPT_WITH_INPUT
 
 
-def load_final(folder: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def initial_model(recipe, folder: Path) -> None:
+    """The weights `toolkit train` starts from (same seed, same builder), as a model folder."""
+    from accelerate.utils import set_seed
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if (folder / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
+    from toolkit.model import DTYPES, build_model, build_tokenizer
 
-        return AutoPeftModelForCausalLM.from_pretrained(folder).eval(), tokenizer
-    return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer
+    set_seed(recipe.seed)
+    build_tokenizer(recipe.model).save_pretrained(folder)
+    build_model(recipe.model, DTYPES[recipe.model.dtype]).save_pretrained(folder)
 
 
-def prompt_for(row: dict, fmt: str, tokenizer) -> tuple[str, str]:
-    if fmt == "messages":
-        turns = row["messages"]
-        return (tokenizer.apply_chat_template(turns[:-1], tokenize=False, add_generation_prompt=True),
-                turns[-1]["content"])
-    return (tokenizer.bos_token + ALPACA_PROMPT_WITH_INPUT.format(**row), row["output"])
+def evaluate(model: Path, data: str, max_seq_len: int, out: Path, quiet: bool) -> dict:
+    args = ["eval", str(model), "--data", data, "--max-seq-len", str(max_seq_len), "--max-new-tokens", "12",
+            "--out", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        code = toolkit_main(args)
+    if code != 0:
+        sys.exit(code)
+    return json.loads(out.read_text())
+
+
+def per_task(result: dict) -> tuple[Counter, Counter]:
+    right, total = Counter(), Counter()
+    for r in result["answers"]["records"]:
+        task = r["prompt"].rsplit(" ", 1)[0]
+        total[task] += 1
+        right[task] += r["correct"]
+    return right, total
 
 
 def main() -> int:
     args = sys.argv[1:] or ["examples/recipes/quickstart_full.yaml"]
     recipe_path, overrides = args[0], args[1:] + ["overwrite=true"]
-    code = toolkit_main(["train", recipe_path, *overrides])
-    if code != 0:
-        return code
     recipe = load_recipe(recipe_path, overrides)
-    out = Path(recipe.output_dir)
-    evals = [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-             if r.get("eval_loss") is not None]
-    print(f"\neval loss: {evals[0]:.3f} before training -> {evals[-1]:.3f} after "
-          f"({evals[-1] / evals[0]:.0%} of the first)")
+    if recipe.model.preset is None:
+        sys.exit("examples/quickstart.py: the quickstart scores a built-in preset before training; "
+                 "use `toolkit eval` directly for model.path")
+    data, out = str(recipe.data.eval_files[0]), Path(recipe.output_dir)
+    with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
+        initial_model(recipe, Path(tmp) / "initial")
+        print("scoring the untrained model on the held-out prompts ...", flush=True)
+        before = evaluate(Path(tmp) / "initial", data, recipe.data.max_seq_len, Path(tmp) / "before.json", quiet=True)
+        code = toolkit_main(["train", recipe_path, *overrides])
+        if code != 0:
+            return code
+        print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
+        after = evaluate(out / "final", data, recipe.data.max_seq_len, out / "eval.json", quiet=False)
 
-    model, tokenizer = load_final(out / "final")
-    rows = [json.loads(line) for line in Path(recipe.data.eval_files[0]).read_text().splitlines()[:4]]
-    print(f"\nheld-out prompts, answered by {out / 'final'}:")
-    for row in rows:
-        prompt, expected = prompt_for(row, recipe.data.format, tokenizer)
-        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        question = prompt.split("Instruction:\n")[-1].split("<|user|>\n")[-1].split("\n")[0:4]
-        question = " ".join(q for q in question if q and not q.startswith("###"))
-        mark = "ok" if answer == expected else f"expected {expected}"
-        print(f"  {question!r:45} -> {answer!r}  ({mark})")
+    b, a = before["answers"], after["answers"]
+    print(f"\nheld-out eval loss: {before['loss']:.3f} before training -> {after['loss']:.3f} after")
+    print(f"held-out answers right: {b['correct']} of {b['scored']} ({b['accuracy']:.0%}) before training -> "
+          f"{a['correct']} of {a['scored']} ({a['accuracy']:.0%}) after")
+    (rb, _), (ra, total) = per_task(before), per_task(after)
+    width = max(map(len, total))
+    for task in sorted(total):
+        print(f"  {task:{width}}  {rb[task]:3} -> {ra[task]:3} of {total[task]}")
+    example = a["records"][0]["prompt"] if a["records"] else "..."
+    print(f"\nall answers: {out / 'eval.json'}; ask it yourself:\n  {Path(sys.executable).name} -m toolkit generate "
+          f"{out / 'final'} --prompt '{example}'" + ("" if recipe.data.format == "messages" else " --no-chat-template"))
     return 0
 
 

@@ -159,7 +159,7 @@ def results(args, parts: list[dict], rows: list, fmt: str, max_seq_len: int, tra
         shown = [r for r in records if r["correct"]][:EXAMPLES] + [r for r in records if not r["correct"]][:EXAMPLES]
         result["answers"] = {"mode": args.answers, "max_new_tokens": args.max_new_tokens, "scored": len(records),
                              "correct": correct, "accuracy": correct / len(records) if records else None,
-                             "examples": sorted(shown, key=lambda r: r["row"])}
+                             "examples": sorted(shown, key=lambda r: r["row"]), "records": records}
     return result
 
 
