@@ -126,6 +126,10 @@ class TrainConfig:
     eval_every_steps: int = 0
     """0: evaluate only before training and at the end."""
     eval_batch_size: Optional[int] = None
+    sample_prompts: list[str] = field(default_factory=list)
+    """Prompts answered (greedily) at every evaluation, rendered as the data format renders a
+    prompt; the answers are printed and kept in metrics.jsonl (`samples`)."""
+    sample_max_new_tokens: int = 32
     log_every_steps: int = 10
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row with a non-finite loss or gradient (each one
@@ -364,6 +368,10 @@ def validate(r: Recipe, source: str) -> None:
     need(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size",
          f"must be positive, got {t.eval_batch_size}")
     need(t.log_every_steps > 0, "train.log_every_steps", f"must be positive, got {t.log_every_steps}")
+    need(all(isinstance(p, str) and p.strip() for p in t.sample_prompts), "train.sample_prompts",
+         "must be a list of non-empty strings")
+    need(t.sample_max_new_tokens > 0, "train.sample_max_new_tokens",
+         f"must be positive, got {t.sample_max_new_tokens}")
     need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
     need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
          f"must be non-negative, got {r.checkpoint.every_steps}")

@@ -314,9 +314,10 @@ def generate_with_counts(model, tokenizer, prompts: list, *, system: str | None 
 
 def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[bool] = False, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_p: float | None = None,
-                   batch_size: int = 8) -> list[tuple[str, int]]:
+                   batch_size: int = 8, synced: bool = False) -> list[tuple[str, int]]:
     """(answer, tokens generated) for each prompt text, rendered already (specials written out).
-    `add_bos`: put the tokenizer's BOS before a text that does not start with it."""
+    `add_bos`: put the tokenizer's BOS before a text that does not start with it. `synced`: every
+    process runs this with the same texts and steps until all are done (sharded weights)."""
     import torch
 
     stops = stop_token_ids(model, tokenizer)
@@ -348,7 +349,8 @@ def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[b
             mask[row, width - len(encoded[i]):] = 1
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad, **sampling)
+                                 max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad,
+                                 synced_gpus=synced, **sampling)
         for row, i in enumerate(chunk):
             new = out[row, width:].tolist()
             end = next((k for k, t in enumerate(new) if t in stops), None)

@@ -23,6 +23,7 @@ from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, packing_is_isolated
 from .model import DTYPES, apply_lora, isolation_probe, build_model, build_tokenizer, count_parameters
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
+from .samples import Samples
 from .summary import run_summary
 
 
@@ -45,6 +46,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
+    samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     model = build_model(recipe.model, DTYPES[recipe.model.dtype])
     packing = recipe.data.packing
     if packing and not packing_is_isolated(isolation_probe(model)):
@@ -118,7 +120,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     try:
         preemption.arm()  # from here a signal finishes the step and saves a checkpoint
         last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe, state,
-                   total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, run_dir=out, preemption=preemption)
+                   total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, run_dir=out, preemption=preemption,
+                   samples=samples)
     except TrainingStopped:
         backend.teardown(accelerator)  # every rank agreed to stop at the same step
         raise
@@ -132,7 +135,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
 
 def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
         state: checkpoint.TrainerState, *, total_steps: int, steps_per_epoch: int, run_dir: Path,
-        preemption: Preemption) -> dict:
+        preemption: Preemption, samples: Samples) -> dict:
     t = recipe.train
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
     batches = global_batches(train_loader, steps_per_epoch, t.gradient_accumulation_steps, start_step=state.step)
@@ -140,9 +143,12 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
     faults = injected_nonfinite_steps()
     row = {}
     if state.step == 0:
-        row = metrics.write({"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader)})
+        row = {"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader)}
         if row["eval_loss"] is not None:
             say(accelerator, f"step 0 | eval_loss {row['eval_loss']:.4f}")
+        if samples:
+            row["samples"] = show_samples(accelerator, samples(model), "step 0")
+        metrics.write(row)
     progress = tqdm(total=total_steps, initial=state.step, disable=not accelerator.is_main_process,
                     dynamic_ncols=True, desc="training",
                     mininterval=0.5 if sys.stderr.isatty() else 30)  # logs that are files get few updates
@@ -213,6 +219,8 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                 row["eval_loss"] = evaluate(accelerator, model, eval_loader)
                 if row["eval_loss"] is not None:
                     say(accelerator, f"step {step}/{total_steps} | eval_loss {row['eval_loss']:.4f}")
+                if samples:
+                    row["samples"] = show_samples(accelerator, samples(model), f"step {step}/{total_steps}")
             metrics.write(row)
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
             progress.update(1)
@@ -270,6 +278,12 @@ def count_input_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "attention_mask" in batch:
         return batch["attention_mask"].sum()
     return torch.tensor(batch["input_ids"].numel())
+
+
+def show_samples(accelerator, answered: list[dict], where: str) -> list[dict]:
+    for s in answered:
+        say(accelerator, f"{where} | sample {s['prompt']!r} -> {s['answer']!r}")
+    return answered
 
 
 def say(accelerator, line: str) -> None:
@@ -369,7 +383,8 @@ def never_checkpointed(out: Path, recipe: Recipe) -> bool:
 
 
 # Recipe fields that may change between a run and its resumption (they do not change what is learned).
-RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps"}
+RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
+                     "train.sample_max_new_tokens"}
 
 
 def learning_relevant(recipe: Recipe) -> dict:
