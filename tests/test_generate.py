@@ -46,8 +46,11 @@ def trained_run(tmp_path_factory, name: str, recipe: Path, steps: int, *override
 
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory) -> Path:
+    """The quickstart recipe on the alpaca copy of its data (the recipe itself trains on `messages`;
+    the LoRA fixture covers that format)."""
     return trained_run(tmp_path_factory, "quickstart-full", ROOT / "examples/recipes/quickstart_full.yaml",
-                       QUICKSTART_STEPS)
+                       QUICKSTART_STEPS, "data.format=alpaca", f"data.train_files=[{ROOT / 'examples/data/tasks_train.jsonl'}]",
+                       f"data.eval_files=[{EVAL_FILE}]")
 
 
 def answer_rows(n: int, seed: int) -> list[dict]:

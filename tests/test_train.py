@@ -33,7 +33,7 @@ def test_accumulation_is_exact(tmp_path, data_files):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len: int = 96) -> float:
+def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len: int = 96, fmt: str = "alpaca") -> float:
     """Recompute the eval loss from the saved folder, outside the toolkit's training code."""
     from transformers import AutoTokenizer
 
@@ -41,7 +41,7 @@ def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len:
     from toolkit.data import IGNORE, Collator, build_datasets
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    data = build_datasets(DataConfig(train_files=[str(eval_file)], max_seq_len=max_seq_len), tok, 0, False)
+    data = build_datasets(DataConfig(train_files=[str(eval_file)], max_seq_len=max_seq_len, format=fmt), tok, 0, False)
     batch = Collator(tok.pad_token_id)(data.train)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -184,7 +184,7 @@ def test_quickstart_script_scores_before_and_after(tmp_path):
     assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(final).eval()
     reloaded = eval_loss_with_plain_libraries(model, ROOT / config["data"]["eval_files"][0], final,
-                                              max_seq_len=config["data"]["max_seq_len"])
+                                              max_seq_len=config["data"]["max_seq_len"], fmt=config["data"]["format"])
     assert reloaded == pytest.approx(after, rel=1e-5)  # measured 1.2e-8 (the run packs its eval rows)
 
 
