@@ -6,7 +6,7 @@ rank in each forward pass: no rank waits alone."""
 from __future__ import annotations
 
 from .config import Recipe
-from .data import ALPACA_PROMPT
+from .data import render
 
 
 class Samples:
@@ -20,7 +20,10 @@ class Samples:
         if fmt == "messages":
             rendered = [prompt_text(tokenizer, p) for p in self.prompts]
         elif fmt == "alpaca":  # as training renders an alpaca row without input, up to the response
-            rendered = [((tokenizer.bos_token or "") + ALPACA_PROMPT.format(instruction=p), False) for p in self.prompts]
+            rendered = []
+            for p in self.prompts:
+                text, spans, _ = render({"instruction": p, "input": "", "output": ""}, fmt, tokenizer)
+                rendered.append((text[:spans[0][0]], False))
         else:
             rendered = [(p, True) for p in self.prompts]
         self.texts, self.add_bos = [t for t, _ in rendered], [b for _, b in rendered]
