@@ -233,6 +233,8 @@ def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_
 def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool,
                     source: int) -> dict:
     """`datasets.map` function: a batch of rows rendered, encoded in one call, and labelled."""
+    from jinja2 import TemplateError
+
     rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
     out = []
 
@@ -241,8 +243,6 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
             return render(rows[k], fmt, tokenizer)
         except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
             raise ToolkitError(f"row {indices[k] + 1} does not fit data.format={fmt} ({type(e).__name__}: {e})") from None
-
-    from jinja2 import TemplateError
 
     for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time
         rendered = [rendered_row(k) for k in range(start, min(start + ENCODE_ROWS, len(rows)))]
