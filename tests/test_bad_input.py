@@ -91,6 +91,17 @@ def incomplete_checkpoint(tmp):
     return str(ck)
 
 
+def tiny_model_folder(tmp):
+    """A real local Hugging Face folder (config, weights, tokenizer) of the tiny preset."""
+    from toolkit.config import ModelConfig
+    from toolkit.model import build_byte_tokenizer, build_model
+
+    folder = tmp / "tiny-model"
+    build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
 # id: (function(tmp, recipe_dict, existing) -> (recipe_dict, overrides, env), expected fragment of the one line)
 CASES = {
     "unknown key": (lambda t, r, e: ({**r, "trian": {}}, [], {}), "run.yaml: trian: unknown key"),
@@ -144,6 +155,11 @@ CASES = {
                                                        "learning_rate": 0.5}}, [], {}),
                                      "resume: train.learning_rate was 0.001 when"),
     "resume with overwrite": (lambda t, r, e: (r, ["resume=auto", "overwrite=true"], {}), "resume and overwrite=true"),
+    "QLoRA without LoRA": (lambda t, r, e: (r, ["model.load_in_4bit=true", "train.precision=bf16"], {}),
+                           "model.load_in_4bit: a 4-bit base cannot be trained itself: QLoRA needs lora.enabled=true"),
+    "QLoRA on a CPU-only host": (lambda t, r, e: ({**r, "model": {"path": tiny_model_folder(t), "load_in_4bit": True}},
+                                                  ["lora.enabled=true", "train.precision=bf16"], {}),
+                                 "model.load_in_4bit: QLoRA's 4-bit layers (bitsandbytes) need a CUDA GPU"),
     "keep_last zero": (lambda t, r, e: (r, ["checkpoint.keep_last=0"], {}), "checkpoint.keep_last: must be positive"),
 }
 

@@ -123,3 +123,23 @@ def test_deepspeed_fp16_at_its_minimum_loss_scale_stops_with_exit_3(workdir):  #
     ours = proc.stderr[:proc.stderr.find("Traceback (most recent call last)")]  # the launcher's report follows
     assert "stopped: train: fp16 gradients still overflow with the loss scale at its minimum" in ours, proc.stderr[-3000:]
     assert "Traceback" not in ours and "exitcode  : 3 " in proc.stderr, proc.stderr[-3000:]
+
+
+def test_qlora_trains_over_a_4bit_base(workdir, tmp_path):  # noqa: F811
+    """QLoRA (model.load_in_4bit) over a local HF folder of the tiny preset: the base's linear layers
+    load as bitsandbytes 4-bit, the adapter trains (its eval loss falls) and final/ holds only the
+    adapter, verified like every save.
+    Needs bitsandbytes on the GPU host (skipped without it)."""
+    pytest.importorskip("bitsandbytes")
+    from test_bad_input import tiny_model_folder
+
+    recipe = recipe_for(workdir, "lora", "qlora", micro=4)
+    recipe["model"] = {"path": tiny_model_folder(tmp_path), "load_in_4bit": True}
+    recipe["train"]["precision"] = "bf16"
+    shutil.rmtree(workdir / "qlora", ignore_errors=True)
+    proc = run_toolkit("train", write_recipe(workdir / "qlora.yaml", **recipe))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    evals = [row["eval_loss"] for row in read_metrics(workdir / "qlora") if row.get("eval_loss") is not None]
+    assert evals[-1] < evals[0], evals
+    assert (workdir / "qlora" / "final" / "adapter_model.safetensors").is_file()
+    record(test="qlora", eval_loss_first=evals[0], eval_loss_last=evals[-1])

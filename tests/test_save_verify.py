@@ -12,7 +12,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
-from toolkit.verify import first_mismatch
+from toolkit import checkpoint
+from toolkit.verify import first_mismatch, tree_mismatch
 
 CORRUPT = {"TOOLKIT_FAULT_CORRUPT_SAVE": "1"}
 
@@ -100,3 +101,56 @@ def test_zero3_lora_save_is_verified_on_two_ranks(tmp_path, deepspeed_ops):
     assert "exitcode  : 4" in proc.stderr or "exit code: 4" in proc.stderr, proc.stderr[-3000:]
     assert sum(line.startswith("stopped:") for line in proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "final").exists()
+
+
+CHECKPOINT_CASES = {  # launch config (None: one process), LoRA
+    "single-full": (None, False),
+    "fsdp-full": ("fsdp", False),
+    "zero2-full": ("zero2", False),
+    "zero3-lora": ("zero3", True),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_a_checkpoint_that_does_not_read_back_is_never_marked_complete(case, tmp_path, data_files):
+    """Every rank reads its share of each checkpoint back (weights or adapter, ZeRO's fp32
+    partitions, frozen fragments, optimizer state) and compares it with the live state. Here
+    step 4's checkpoint is changed on disk after it is written: the run stops in one line with
+    exit 4, step 4 is never marked complete, and step 2 (clean, so verified) is what resume uses."""
+    from test_backends import accelerate_launch, launch_config_for
+
+    backend, lora = CHECKPOINT_CASES[case]
+    recipe = base_recipe(tmp_path, *data_files, lora={"enabled": lora}, train__max_steps=6,
+                         train__micro_batch_size=2, checkpoint={"every_steps": 2})
+    path = write_recipe(tmp_path / "r.yaml", **recipe)
+    launcher = accelerate_launch(launch_config_for(backend, tmp_path)) if backend else None
+    proc = run_toolkit("train", path, launcher=launcher, env={"TOOLKIT_FAULT_CORRUPT_CHECKPOINT": "4"})
+    if backend is None:
+        assert proc.returncode == 4, proc.stderr[-3000:]
+    else:  # the launcher reports the workers' code
+        assert proc.returncode != 0 and "exitcode  : 4" in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("stopped:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "checkpoint step-000004 did not read back as saved" in lines[0], lines[0]
+    assert "differs" in lines[0] or "could not be read back" in lines[0], lines[0]
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000002"]
+    assert not (run / "checkpoints" / "step-000004").exists() and not (run / "final").exists()
+    if backend is None:
+        proc = run_toolkit("train", path, "resume=auto")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"resumed from {run / 'checkpoints' / 'step-000002'} at step 2" in proc.stderr + proc.stdout
+        assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-000004", "step-000006"]
+
+
+def test_the_read_back_names_the_first_state_that_differs():
+    live = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.0, float("nan")])}},
+            "param_groups": [{"lr": 1e-3, "params": [0]}]}
+    same = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.0, float("nan")])}},
+            "param_groups": [{"lr": 5.0, "params": [0]}]}  # only tensors are compared
+    assert tree_mismatch(same, live, "optimizer.bin") is None
+    changed = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.5, float("nan")])}}}
+    assert tree_mismatch(changed, live, "f") == "f.state.0.exp_avg: differs from the trained state (max abs difference 0.5)"
+    assert "f.state.0.exp_avg: saved as (1,)" in tree_mismatch({"state": {0: {"step": torch.tensor(3.0),
+                                                                             "exp_avg": torch.ones(1)}}}, live, "f")
+    assert tree_mismatch({"state": {}}, live, "f") == "f.state.0: missing from the saved file"

@@ -324,6 +324,81 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
                               f"written (checkpoints are intact)", EXIT_SAVE_MISMATCH)
 
 
+def checkpoint_problem(accelerator, model, optimizer, folder: Path) -> str | None:
+    """Read back this rank's share of a checkpoint that `accelerator.save_state` just wrote and
+    compare it with the live state it came from: the weights (or adapter, and for ZeRO the fp32
+    partitions) and the optimizer state. None when equal; else one line naming the file and the
+    first tensor that differs. Every rank calls it (the sharded FSDP read is a collective)."""
+    from .verify import first_mismatch, read_back, tree_mismatch
+
+    rank = accelerator.process_index
+    try:
+        if hasattr(model, "zero_optimization_stage"):  # DeepSpeed engine
+            problems = []
+            states = folder / "pytorch_model"
+            own = states / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            module_file = own if own.is_file() else states / "mp_rank_00_model_states.pt" if rank == 0 else None
+            if module_file is not None:
+                saved = read_back(module_file)
+                problems.append(tree_mismatch(saved["module"], model.module_state_dict(), module_file.name))
+                if saved.get("frozen_param_fragments"):  # frozen (LoRA base) weights: this rank's part
+                    frozen = {n: p.ds_tensor if hasattr(p, "ds_id") else p
+                              for n, p in model.module.named_parameters() if not p.requires_grad}
+                    problems.append(tree_mismatch(saved["frozen_param_fragments"], frozen, module_file.name))
+                if saved.get("optimizer") is not None:
+                    problems.append(tree_mismatch(saved["optimizer"], model.optimizer.state_dict(), module_file.name))
+            for f in states.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"):
+                saved = read_back(f)["optimizer_state_dict"]
+                problems.append(tree_mismatch(saved, model.optimizer.state_dict(), f.name))
+            return next((p for p in problems if p), None)
+        if launch_kind() == "fsdp":
+            return _fsdp_checkpoint_problem(accelerator, accelerator.state.fsdp_plugin, model, optimizer, folder)
+        if rank != 0:
+            return None
+        weights = accelerator.unwrap_model(model).state_dict()
+        return (first_mismatch(folder, weights) if any(folder.glob("*.safetensors"))
+                else tree_mismatch(read_back(folder / "pytorch_model.bin"), weights, "pytorch_model.bin")) \
+            or tree_mismatch(read_back(folder / "optimizer.bin"), optimizer.state_dict(), "optimizer.bin")
+    except Exception as e:  # a file that cannot be read back is a failed save, said in one line
+        return f"{folder}: could not be read back ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+def _fsdp_checkpoint_problem(accelerator, plugin, model, optimizer, folder: Path) -> str | None:
+    """FSDP: the state dicts accelerate saved, rebuilt from the live model the way it built them;
+    a sharded checkpoint is loaded (torch.distributed.checkpoint) into empty copies of this
+    rank's shards, a full one compared on the main process."""
+    from contextlib import nullcontext
+
+    import torch.distributed.checkpoint as dcp
+    from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options  # what save_state uses
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1, StateDictType
+
+    from .verify import blank_like, read_back, tree_mismatch
+
+    options = _prepare_sd_options(plugin)
+    ctx = (FSDP1.state_dict_type(model, plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config)
+           if plugin.fsdp_version == 1 else nullcontext())
+    with ctx:
+        weights = _get_model_state_dict(model, sd_options=options)
+        if plugin.fsdp_version == 2:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            optim = get_optimizer_state_dict(model, optimizer, options=options)
+        else:
+            optim = FSDP1.optim_state_dict(model, optimizer)
+    if plugin.state_dict_type == StateDictType.FULL_STATE_DICT:
+        if accelerator.process_index != 0:
+            return None
+        return (tree_mismatch(read_back(folder / "pytorch_model_fsdp.bin"), weights, "pytorch_model_fsdp.bin")
+                or tree_mismatch(read_back(folder / "optimizer.bin"), optim, "optimizer.bin"))
+    problems = []
+    for key, live, sub in (("model", weights, "pytorch_model_fsdp_0"), ("optimizer", optim, "optimizer_0")):
+        scratch = {key: blank_like(live)}
+        dcp.load(scratch, checkpoint_id=str(folder / sub))
+        problems.append(tree_mismatch(scratch[key], live, sub))
+    return next((p for p in problems if p), None)
+
+
 def deepspeed_fp32_masters(model) -> dict:
     """Under DeepSpeed bf16/fp16 the module holds low-precision weights and the optimizer their
     fp32 master copies (partitioned across ranks). The masters are what was learned: gather them

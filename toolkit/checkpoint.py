@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .config import ToolkitError
+from .verify import corrupt_checkpoint
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.json"
@@ -118,8 +119,10 @@ def read_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((Path(path) / STATE).read_text()))
 
 
-def save(accelerator, path_final: Path, state: TrainerState, keep_last: int) -> None:
-    """Write a checkpoint from every rank; visible under its final name only once complete."""
+def save(accelerator, path_final: Path, state: TrainerState, keep_last: int, check=None) -> None:
+    """Write a checkpoint from every rank; visible under its final name only once complete.
+    `check(folder)` reads each rank's share back (None: as saved; else one line): a checkpoint
+    any rank cannot read back as it was saved is never marked complete, and the run stops."""
     tmp = path_final.with_name(".tmp-" + path_final.name)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
@@ -132,6 +135,11 @@ def save(accelerator, path_final: Path, state: TrainerState, keep_last: int) -> 
     if pause:
         time.sleep(pause)
     accelerator.wait_for_everyone()
+    if check is not None:
+        if accelerator.is_main_process:
+            corrupt_checkpoint(tmp)  # test seam, off unless asked
+        accelerator.wait_for_everyone()
+        _stop_unless_read_back(accelerator, check(tmp), path_final)
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
         (tmp / MARKER).write_text(f"step {state.step}\n")
@@ -143,6 +151,21 @@ def save(accelerator, path_final: Path, state: TrainerState, keep_last: int) -> 
             os.rename(old, doomed)
             shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
+
+
+def _stop_unless_read_back(accelerator, problem: str | None, path_final: Path) -> None:
+    """Every rank learns every rank's verdict; any problem stops them all, in one line."""
+    from accelerate.utils import gather_object
+
+    from .stops import TrainingStopped
+    from .verify import EXIT_SAVE_MISMATCH
+
+    verdicts = gather_object([problem]) if accelerator.num_processes > 1 else [problem]
+    bad = [(rank, p) for rank, p in enumerate(verdicts) if p]
+    if bad:
+        rank, p = bad[0]
+        raise TrainingStopped(f"checkpoint {path_final.name} did not read back as saved (rank {rank}: {p}); it was "
+                              "not marked complete, so resume=auto uses the previous one", EXIT_SAVE_MISMATCH)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

@@ -44,6 +44,10 @@ class ModelConfig:
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
     train.precision). Trainable parameters and optimizer states are always fp32."""
+    load_in_4bit: bool = False
+    """QLoRA: load the frozen base's linear layers in 4-bit NF4 (bitsandbytes, double quantization,
+    computing in train.precision) under a LoRA adapter. Needs a CUDA GPU and `pip install
+    bitsandbytes`, a model.path base and lora.enabled; refused in one line otherwise."""
 
 
 @dataclass
@@ -331,6 +335,12 @@ def validate(r: Recipe, source: str) -> None:
              "(set train.precision for mixed precision)")
         need(r.train.precision == r.model.dtype, "model.dtype",
              f"{r.model.dtype} base weights need train.precision={r.model.dtype}, got {r.train.precision}")
+    if r.model.load_in_4bit:
+        need(r.lora.enabled, "model.load_in_4bit", "a 4-bit base cannot be trained itself: QLoRA needs lora.enabled=true")
+        need(r.model.path is not None, "model.load_in_4bit",
+             "QLoRA quantizes a model.path base while loading it; a preset is built in full precision")
+        need(r.train.precision in ("bf16", "fp16"), "model.load_in_4bit",
+             f"4-bit layers compute in bf16 or fp16: set train.precision, got {r.train.precision}")
     need(bool(r.data.train_files), "data.train_files", "required: at least one training file")
     for name in ("train_files", "eval_files"):
         for i, e in enumerate(getattr(r.data, name)):

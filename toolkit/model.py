@@ -64,9 +64,11 @@ def build_tokenizer(cfg: ModelConfig):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """Load a local causal LM or build a preset. Weights stay in `dtype` (fp32 master weights by
-    default; mixed precision is applied by autocast, not by casting the parameters)."""
+    default; mixed precision is applied by autocast, not by casting the parameters); under
+    model.load_in_4bit the linear layers are NF4 and compute in `compute_dtype`."""
     if cfg.preset is not None:
         preset = PRESETS / f"{cfg.preset}.json"
         if not preset.is_file():
@@ -78,16 +80,34 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.n
         model = LlamaForCausalLM(config).to(dtype)
     else:
         folder = resolve_model(cfg.path, cfg.revision)
+        quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                trust_remote_code=cfg.trust_remote_code)
+                trust_remote_code=cfg.trust_remote_code, **quantized)
         except (OSError, ValueError) as e:
             raise _load_error(cfg, folder, "a causal LM", e) from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def four_bit(compute_dtype: torch.dtype) -> dict:
+    """from_pretrained arguments for a QLoRA base (NF4, double quantization, on this rank's GPU),
+    or one line saying why this host cannot have one."""
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        raise ToolkitError("model.load_in_4bit: QLoRA's 4-bit layers (bitsandbytes) need a CUDA GPU and this host "
+                           "has none; train the LoRA over a bf16 base instead (model.dtype=bf16)")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ToolkitError("model.load_in_4bit: QLoRA needs bitsandbytes: pip install bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)
+    return {"quantization_config": config, "device_map": {"": torch.cuda.current_device()}}
 
 
 def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> ToolkitError:
@@ -140,6 +160,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     peft_config = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
         use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none")
+    if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms in fp32, input grads for checkpointing
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model.is_gradient_checkpointing)
     model = get_peft_model(model, peft_config)
     for p in model.parameters():  # adapters train in fp32 even over a half-precision base
         if p.requires_grad and p.dtype != torch.float32:

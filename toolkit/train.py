@@ -47,7 +47,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
-    model = build_model(recipe.model, DTYPES[recipe.model.dtype])
+    model = build_model(recipe.model, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     packing = recipe.data.packing
     if packing and not packing_is_isolated(isolation_probe(model)):
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
@@ -227,7 +227,8 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             every = recipe.checkpoint.every_steps
             if (every and (step % every == 0 or step == total_steps)) or stop_requested:
                 path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
-                checkpoint.save(accelerator, path, state, recipe.checkpoint.keep_last)
+                checkpoint.save(accelerator, path, state, recipe.checkpoint.keep_last,
+                                check=lambda folder: backend.checkpoint_problem(accelerator, model, optimizer, folder))
                 if stop_requested:
                     raise TrainingStopped(f"preempted: checkpoint {path} saved at step {step}; "
                                           "run again with resume=auto to continue", EXIT_PREEMPTED)

@@ -58,10 +58,10 @@ def first_mismatch(folder: Path, expected: dict[str, torch.Tensor]) -> str | Non
     return None
 
 
-def inject_corruption(folder: Path) -> None:
+def inject_corruption(folder: Path, force: bool = False) -> None:
     """Test seam: TOOLKIT_FAULT_CORRUPT_SAVE=1 changes one saved tensor after it is written (as a
     bad disk or a broken gather would), so the check above runs on a real bad file."""
-    if os.environ.get("TOOLKIT_FAULT_CORRUPT_SAVE") != "1":
+    if os.environ.get("TOOLKIT_FAULT_CORRUPT_SAVE") != "1" and not force:
         return
     from safetensors.torch import load_file, save_file
 
@@ -70,3 +70,92 @@ def inject_corruption(folder: Path) -> None:
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] + 1
     save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def tree_mismatch(saved, live, where: str) -> str | None:
+    """None when every tensor of `live` (a state dict: nested dicts, lists, tuples) is at the same
+    place in `saved` with its shape, dtype and values; else one line naming the first that is not.
+    Sharded tensors (DTensor) are compared by this rank's local part."""
+    if isinstance(live, dict):
+        if not isinstance(saved, dict):
+            return f"{where}: expected a mapping, read back {type(saved).__name__}"
+        for k, v in live.items():
+            if k not in saved:
+                return f"{where}.{k}: missing from the saved file"
+            problem = tree_mismatch(saved[k], v, f"{where}.{k}")
+            if problem:
+                return problem
+        return None
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            return f"{where}: expected {len(live)} entries, read back {saved!r:.80}"
+        for i, (s, v) in enumerate(zip(saved, live)):
+            problem = tree_mismatch(s, v, f"{where}.{i}")
+            if problem:
+                return problem
+        return None
+    if not isinstance(live, torch.Tensor):
+        return None
+    if not isinstance(saved, torch.Tensor):
+        return f"{where}: expected a tensor, read back {type(saved).__name__}"
+    saved, live = (t.to_local() if hasattr(t, "to_local") else t for t in (saved, live))
+    if saved.shape != live.shape or saved.dtype != live.dtype:
+        return f"{where}: saved as {tuple(saved.shape)} {saved.dtype}, trained as {tuple(live.shape)} {live.dtype}"
+    live = live.detach().to(saved.device)
+    both_nan = saved.isnan() & live.isnan() if saved.is_floating_point() else torch.zeros_like(saved, dtype=torch.bool)
+    same = (saved == live) | both_nan
+    if not bool(same.all()):
+        diff = (saved.double() - live.double()).abs().masked_fill(both_nan, 0).nan_to_num(float("inf")).max().item()
+        return f"{where}: differs from the trained state (max abs difference {diff:.3g})"
+    return None
+
+
+def blank_like(tree):
+    """An empty copy of a (possibly sharded) state dict to load a checkpoint into, so reading it
+    back never writes into the live tensors."""
+    if isinstance(tree, dict):
+        return {k: blank_like(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(blank_like(v) for v in tree)
+    return torch.empty_like(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def read_back(path: Path):
+    """torch.load of a file this run just wrote (trusted: it holds optimizer objects, not only
+    tensors), memory-mapped so a large optimizer state is not held twice in host RAM."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def corrupt_checkpoint(folder: Path) -> None:
+    """Test seam: TOOLKIT_FAULT_CORRUPT_CHECKPOINT=N changes the first tensor of step N's largest
+    checkpoint file (weights or optimizer state) after it is written (the main process; before
+    the read-back)."""
+    step = os.environ.get("TOOLKIT_FAULT_CORRUPT_CHECKPOINT")
+    if not step or not folder.name.endswith(f"step-{int(step):06d}"):
+        return
+    files = [f for f in folder.rglob("*") if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".distcp")]
+    f = max(files, key=lambda f: f.stat().st_size)
+    if f.suffix == ".safetensors":
+        return inject_corruption(f.parent, force=True)
+    if f.suffix == ".distcp":  # raw tensor bytes: change some in the middle
+        with open(f, "r+b") as fh:
+            fh.seek(f.stat().st_size // 2)
+            chunk = fh.read(64)
+            fh.seek(f.stat().st_size // 2)
+            fh.write(bytes(b ^ 0x55 for b in chunk))
+        return
+    obj = torch.load(f, map_location="cpu", weights_only=False)
+
+    def bump(tree) -> bool:
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+        for k, v in items:
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+                tree[k] = v + 1
+                return True
+            if bump(v):
+                return True
+        return False
+
+    if not bump(obj):
+        raise RuntimeError(f"test seam: {f} holds no tensor to change")
+    torch.save(obj, f)
