@@ -80,7 +80,8 @@ def test_estimate_matches_bytes_each_rank_holds(backend, matrix_dir, tmp_path):
     held = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(h["world_size"] == 2 for h in held)
 
-    out = run_toolkit("estimate", "--recipe", recipe, "--config_file", launch, "--json")
+    # --gpus 2: the launch ran with --num_processes 2 (the shipped YAMLs say 8)
+    out = run_toolkit("estimate", "--recipe", recipe, "--config_file", launch, "--gpus", "2", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     row = next(r for r in report["strategies"] if r["strategy"] == report["launched"])

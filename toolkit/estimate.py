@@ -15,8 +15,10 @@ toolkit holds something else, and the estimate follows the toolkit:
 - DDP and FSDP keep the model as `model.build_model` made it (fp32; autocast computes in bf16/fp16):
   4 (params) + 4 (grads) + 8 (AdamW moments) = 16 bytes per trainable parameter, with no separate
   master copy, in every precision. FSDP divides all three by N.
-- DeepSpeed in fp32: params and grads are 4 bytes; ZeRO-1/2 still clone an fp32 master partition
-  (4T/N), ZeRO-3 uses its fp32 parameter partition as the master (0).
+- DeepSpeed in fp32: params and grads are 4 bytes, and every stage still clones an fp32 master
+  partition (4T/N): ZeRO-1/2 always do; ZeRO-3 (DeepSpeed 0.19.8) means to reuse its fp32 parameter
+  partition but compares the partition's torch.device with a device name string, which never
+  matches, so it clones too (measured by tests/test_estimate.py).
 - LoRA: frozen base weights are stored in `model.dtype` (DeepSpeed casts them to the compute
   dtype), adapters in fp32; gradients and optimizer states exist for the adapters only. ZeRO-1/2 do
   not partition frozen weights; ZeRO-3 and FSDP do.
@@ -278,8 +280,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     if strategy.deepspeed:
         params = e * (T + F) * per["parameters"]
         grads = e * T * per["gradients"]
-        masters = 0 if (sharded == 3 and not half) else 4 * T / n
-        optimizer = masters + 8 * T / n
+        optimizer = 4 * T / n + 8 * T / n  # fp32 master partition, AdamW moments
         buffers = 4 * T / n if half else 0  # the fp32 gradient partition of the step
         if strategy.shards == "parameters":
             buffers += 2 * m.layer * e
