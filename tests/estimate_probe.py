@@ -75,7 +75,8 @@ def main(recipe_path: str, out_dir: str) -> None:
     backend.check_prepared(accelerator, model)
 
     t = recipe.train
-    ids = torch.randint(3, 200, (t.micro_batch_size, recipe.data.max_seq_len), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 200, (t.micro_batch_size, recipe.data.max_seq_len),
+                        generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids.to(accelerator.device), "labels": ids.to(accelerator.device)}
     engine = model if hasattr(model, "zero_optimization_stage") else None  # DeepSpeed
     ledger = Ledger()
@@ -91,7 +92,7 @@ def main(recipe_path: str, out_dir: str) -> None:
                    getattr(zero, "grad_partitions_flat_buffer", None)]
         held["gradients"] = ledger.bytes_of([p.grad for p in params] + list(flat(buffers)))
         engine.step()
-        masters = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat")
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
         held["optimizer"] = ledger.bytes_of(list(masters) + list(flat(list(zero.optimizer.state.values()))))
     else:
         accelerator.backward(loss)

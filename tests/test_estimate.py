@@ -85,7 +85,8 @@ def test_estimate_matches_bytes_each_rank_holds(backend, matrix_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     row = next(r for r in report["strategies"] if r["strategy"] == report["launched"])
-    assert report["launched"] == {"ddp": "DDP", "fsdp": "FSDP full-shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[backend]
+    names = {"ddp": "DDP", "fsdp": "FSDP full-shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+    assert report["launched"] == names[backend]
     assert report["setup"]["gpus"] == 2 and report["setup"]["precision"] == "fp32"
     for rank, h in enumerate(held):
         for key in ("params", "gradients", "optimizer"):
@@ -152,7 +153,8 @@ def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
         assert any(line[1:].startswith(name + " ") for line in lines), name
     assert "recommendation: DDP (accelerate_configs/ddp.yaml)" in table.stdout
     # 1e6 tokens at 1000 tokens/s on each of 2 GPUs: 500 s, 0.28 GPU-hours at 2.5 = 0.69
-    assert "epoch: 1e+06 tokens at 1,000 tokens/s per GPU on 2 GPUs: 0.14 h (0.3 GPU-hours), 0.69 at 2.5" in table.stdout
+    assert ("epoch: 1e+06 tokens at 1,000 tokens/s per GPU on 2 GPUs: 0.14 h (0.3 GPU-hours), 0.69 at 2.5"
+            in table.stdout)
 
     out = run_toolkit("estimate", "--model", llama_7b_config, "--gpus", "8", "--seq-len", "4096", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -170,7 +172,8 @@ def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
     (["--model", "tiny-llama", "--gpus", "0"], "error: --gpus: must be at least 1, got 0"),
     (["--model", "tiny-llama", "--gpu-memory", "-8"], "error: --gpu-memory: must be positive, got -8.0"),
     (["--recipe", "/no/such/recipe.yaml"], "error: /no/such/recipe.yaml: recipe file not found"),
-    (["--model", "tiny-llama", "--config_file", "accelerate_configs/zero3.yaml"], "error: --config_file: only with --recipe"),
+    (["--model", "tiny-llama", "--config_file", "accelerate_configs/zero3.yaml"],
+     "error: --config_file: only with --recipe"),
 ])
 def test_mistakes_are_one_line(args, message):
     from conftest import user_error_line
@@ -192,9 +195,11 @@ def test_a_run_logs_its_estimate(tmp_path, data_files):
     per-process bytes, no memory limit to judge against)."""
     from conftest import base_recipe
 
-    recipe = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, *data_files, train__max_steps=1))
+    recipe = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, *data_files, train__max_steps=2))
     proc = run_toolkit("train", recipe)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stderr.splitlines() if line.startswith("run: estimate"))
-    assert line.startswith("run: estimate per process (one process, toolkit estimate): params 0.0")
+    # tiny-llama-mini: 126,016 fp32 parameters (0.48 MiB), gradients as many, AdamW twice that
+    assert line.startswith("run: estimate per process (one process, toolkit estimate): params 0.5 MiB, gradients "
+                           "0.5 MiB, optimizer 1.0 MiB, buffers 0.0 MiB, activations "), line
     assert line.endswith("; no memory limit known on cpu"), line

@@ -73,10 +73,8 @@ fragmentation is not modelled.
 from __future__ import annotations
 
 import json
-import math
 import os
-import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .config import ToolkitError
@@ -440,18 +438,18 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     row = estimate(launched_strategy(os.environ, ds_config), setup)
     g = row.gpu
     name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name
-    line = (f"estimate per process ({name}, toolkit estimate): params {_gib(g['params'])}, gradients "
-            f"{_gib(g['gradients'])}, optimizer {_gib(g['optimizer'])}, buffers {_gib(g['buffers'])}, activations "
-            f"{_gib(g['activations'] + g['logits'])} GiB (micro-batch {setup.micro_batch} x {setup.seq_len} tokens) "
-            f"= {_gib(g['total'])} GiB")
+    line = (f"estimate per process ({name}, toolkit estimate): params {_size(g['params'])}, gradients "
+            f"{_size(g['gradients'])}, optimizer {_size(g['optimizer'])}, buffers {_size(g['buffers'])}, activations "
+            f"{_size(g['activations'] + g['logits'])} (micro-batch {setup.micro_batch} x {setup.seq_len} tokens) "
+            f"= {_size(g['total'])}")
     if row.host_per_node:
-        line += f"; host RAM {_gib(row.host_per_node)} GiB per node"
+        line += f"; host RAM {_size(row.host_per_node)} per node"
     if memory is None:
         return line + f"; no memory limit known on {device.type}", None
     line += f" of {memory:.1f} GiB on {device.type}"
     if row.fits:
         return line, None
-    return line, (f"the estimate ({_gib(g['total'])} GiB per process) exceeds {USABLE_FRACTION:.0%} of this GPU's "
+    return line, (f"the estimate ({_size(g['total'])} per process) exceeds {USABLE_FRACTION:.0%} of this GPU's "
                   f"{memory:.1f} GiB: this run will likely run out of memory; `toolkit estimate --recipe ...` lists "
                   f"what fits: {recommend(setup)}")
 
@@ -469,11 +467,13 @@ def add_arguments(p) -> None:
                         "used unless --gpus is given")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (processes) per node (default 1, or the launch's)")
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory of one GPU in GiB (default 80)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB",
+                   help="memory of one GPU in GiB (default 80)")
     p.add_argument("--precision", choices=sorted(BYTES), default=None, help="default bf16 (or the recipe's)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward pass (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
-    p.add_argument("--lora", action="store_true", default=None, help="LoRA on every linear layer instead of full fine-tuning")
+    p.add_argument("--lora", action="store_true", default=None,
+                   help="LoRA on every linear layer instead of full fine-tuning")
     p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 8)")
     p.add_argument("--gradient-checkpointing", action="store_true", default=None)
     p.add_argument("--throughput", type=float, default=None, metavar="TOKENS_PER_S_PER_GPU")
@@ -556,6 +556,10 @@ def epoch_cost(setup: Setup, tokens: float | None, throughput: float | None, pri
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _size(b: float) -> str:
+    return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
 
 
 def _gib(b: float) -> str:
