@@ -1,11 +1,13 @@
 """The start-of-run summary: which backend, precision, batch arithmetic, optimizer and schedule are
-in force, and which of them a DeepSpeed JSON decided rather than the recipe. Printed as `run:`
-lines by the main process and kept in the manifest."""
+in force, which of them a DeepSpeed JSON decided rather than the recipe, and the memory estimate of
+`toolkit estimate` for this launch. Printed as `run:` lines by the main process and kept in the
+manifest; a line starting with `warning: ` (the estimate does not fit the GPU) is printed as it is."""
 
 from __future__ import annotations
 
 from . import backend, deepspeed_config
 from .config import Recipe
+from .estimate import estimate_for_run
 
 
 def run_summary(recipe: Recipe, accelerator, ds_config: dict | None, *, rows: int, eval_rows: int,
@@ -42,6 +44,11 @@ def run_summary(recipe: Recipe, accelerator, ds_config: dict | None, *, rows: in
                      f"{t.min_lr_ratio:g} x learning_rate at step {total_steps} (recipe)")
     lines.append(f"gradient clipping at global norm {t.max_grad_norm:g} (train.max_grad_norm)" if t.max_grad_norm > 0
                  else "gradient clipping off (train.max_grad_norm 0); the norm is still logged")
+    try:  # advice only: an architecture the arithmetic does not know must not stop a run
+        line, warning = estimate_for_run(recipe, accelerator, ds_config)
+    except Exception as e:
+        line, warning = f"estimate unavailable: {(str(e).splitlines() or [type(e).__name__])[0]}", None
+    lines += [line] + ([f"warning: {warning}"] if warning else [])
     return lines
 
 

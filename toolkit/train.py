@@ -109,7 +109,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
                           steps_per_epoch=sampler.steps_per_epoch, total_steps=total_steps)
     if accelerator.is_main_process:
         for line in summary:
-            print(f"run: {line}", file=sys.stderr)
+            print(line if line.startswith("warning: ") else f"run: {line}", file=sys.stderr)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_recipe(recipe))
         write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resume_from, summary=summary)

@@ -1,0 +1,205 @@
+"""`toolkit estimate`: the arithmetic against the ZeRO paper, against the bytes each rank really holds
+after prepare() and a step (2 gloo processes), against the RSS that one forward and backward of a
+real model takes, and the command line."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, run_command, run_toolkit, write_recipe
+from test_backends import accelerate_launch, launch_config_for
+
+LLAMA_7B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 11008,
+            "vocab_size": 32000}
+
+
+@pytest.fixture(scope="module")
+def llama_7b_config(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama7b") / "config.json"
+    LlamaConfig(**LLAMA_7B).to_json_file(path)
+    return path
+
+
+def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
+    """Mixed-precision AdamW, full fine-tuning, 8 GPUs: 16 bytes per parameter, and ZeRO-1/2/3
+    partition them as in Rajbhandari et al. (2 + 2 + 12/N, 2 + 14/N, 16/N)."""
+    from toolkit.estimate import BY_NAME, Setup, count_model, estimate, read_config
+
+    h, layers, i, vocab = (LLAMA_7B[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    # Embeddings and an untied head, then per layer q, k, v, o (h x h: as many KV heads as heads),
+    # gate, up, down (h x i) and two RMSNorm weights, then the final norm.
+    psi = 2 * vocab * h + layers * (4 * h * h + 3 * h * i + 2 * h) + h
+    assert psi == pytest.approx(6.74e9, rel=1e-3)
+    n = 8
+    paper = {"ZeRO-1": (2 + 2 + 12 / n) * psi, "ZeRO-2": (2 + (2 + 12) / n) * psi, "ZeRO-3": 16 / n * psi,
+             # DDP and FSDP here: fp32 weights under autocast, 4 + 4 + 8, also 16 bytes per parameter
+             "DDP": 16 * psi, "FSDP full-shard": 16 / n * psi}
+    setup = Setup(model=count_model(read_config(str(llama_7b_config)), "llama-7b"), gpus_per_node=n, precision="bf16")
+    assert setup.model.params == setup.model.trainable == psi
+    for name, want in paper.items():
+        gpu = estimate(BY_NAME[name], setup).gpu
+        got = gpu["params"] + gpu["gradients"] + gpu["optimizer"]
+        assert got == pytest.approx(want, rel=0.02), (name, got / psi, want / psi)
+    # The ZeRO-3 split itself: 2/N parameters, 2/N gradients, 12/N optimizer.
+    gpu = estimate(BY_NAME["ZeRO-3"], setup).gpu
+    assert [gpu[k] / psi for k in ("params", "gradients", "optimizer")] == pytest.approx([2 / n, 2 / n, 12 / n])
+
+
+def test_lora_trainable_parameters_match_peft():
+    """The adapters are counted by arithmetic on the meta model; peft on the real preset agrees."""
+    from toolkit.config import LoraConfig, ModelConfig
+    from toolkit.estimate import count_model, read_config
+    from toolkit.model import apply_lora, build_model, count_parameters
+
+    for lora in (LoraConfig(enabled=True, r=4), LoraConfig(enabled=True, r=8, target_modules=["q_proj", "v_proj"]),
+                 LoraConfig(enabled=True, r=2, use_dora=True)):
+        counts = count_model(read_config("tiny-llama"), "tiny-llama", lora)
+        trainable, total = count_parameters(apply_lora(build_model(ModelConfig(preset="tiny-llama")), lora))
+        assert (counts.trainable, counts.params) == (trainable, total), lora
+
+
+# ------------------------------------------------------------------ estimate vs bytes held per rank
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2", "zero3"])
+def test_estimate_matches_bytes_each_rank_holds(backend, matrix_dir, tmp_path):
+    """2 gloo processes, fp32 (what runs on a CPU host), full fine-tuning: the parameters, gradients
+    and optimizer states each rank holds after prepare(), a backward and a step (measured by
+    tests/estimate_probe.py) are what `toolkit estimate --recipe --config_file` says, within 5%."""
+    recipe = write_recipe(tmp_path / "recipe.yaml", output_dir=str(tmp_path / "run"), seed=3,
+                          model={"preset": "tiny-llama"},
+                          data={"train_files": [str(matrix_dir / "train.jsonl")], "max_seq_len": 64},
+                          train={"micro_batch_size": 2, "precision": "fp32"})
+    launch = launch_config_for(backend, matrix_dir)  # ZeRO-3: every tensor partitioned (threshold 0)
+    proc = run_command(accelerate_launch(launch)[:-1] + [str(ROOT / "tests" / "estimate_probe.py"), str(recipe),
+                                                          str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    held = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(h["world_size"] == 2 for h in held)
+
+    # --gpus 2: the launch ran with --num_processes 2 (the shipped YAMLs say 8)
+    out = run_toolkit("estimate", "--recipe", recipe, "--config_file", launch, "--gpus", "2", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    row = next(r for r in report["strategies"] if r["strategy"] == report["launched"])
+    names = {"ddp": "DDP", "fsdp": "FSDP full-shard", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+    assert report["launched"] == names[backend]
+    assert report["setup"]["gpus"] == 2 and report["setup"]["precision"] == "fp32"
+    for rank, h in enumerate(held):
+        for key in ("params", "gradients", "optimizer"):
+            want = row["gpu_bytes"][key]
+            print(f"{backend} rank {rank} {key}: held {h[key]:,} estimated {want:,}")
+            assert h[key] == pytest.approx(want, rel=0.05), (backend, rank, key, h[key], want)
+
+
+# ------------------------------------------------------------------ activations vs RSS
+
+
+RSS_SCRIPT = """
+import json, resource, sys, torch
+from toolkit.config import ModelConfig
+from toolkit.model import build_model
+from toolkit.train import token_loss_sum
+
+model = build_model(ModelConfig(path=sys.argv[1]))  # fp32, sdpa, as training builds it
+model.train()
+torch.manual_seed(0)
+
+def forward_backward(seq_len):
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len))
+    token_loss_sum(model, {"input_ids": ids, "labels": ids}).backward()
+
+forward_backward(8)  # the gradients exist from here on; the measured pass accumulates into them
+before = int(open("/proc/self/statm").read().split()[1]) * 4096
+forward_backward(int(sys.argv[2]))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"growth": peak - before}))
+"""
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("seq_len", [512, 1024])
+def test_activation_estimate_matches_rss_of_a_real_model(seq_len, real_model_dir):
+    """SmolLM2-135M in fp32 on the CPU: the peak RSS growth of one forward and backward (a fresh
+    process; every freed tensor goes back to the system) is the estimate's activations + logits,
+    within 25%. Gradients are allocated by a small pass first, so the growth is what autograd keeps."""
+    proc = run_command([sys.executable, "-c", RSS_SCRIPT, str(real_model_dir), str(seq_len)], timeout=600,
+                       env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
+    out = run_toolkit("estimate", "--model", real_model_dir, "--precision", "fp32", "--seq-len", seq_len, "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    gpu = next(r for r in json.loads(out.stdout)["strategies"] if r["strategy"] == "DDP")["gpu_bytes"]
+    estimated = gpu["activations"] + gpu["logits"]
+    print(f"\nseq {seq_len}: RSS growth {growth / 2**20:.0f} MiB, estimated {estimated / 2**20:.0f} MiB "
+          f"(activations {gpu['activations'] / 2**20:.0f} + logits {gpu['logits'] / 2**20:.0f})")
+    assert growth == pytest.approx(estimated, rel=0.25)
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
+    table = run_toolkit("estimate", "--model", "tiny-llama", "--gpus", "2", "--throughput", "1000", "--tokens", "1e6",
+                        "--price", "2.5")
+    assert table.returncode == 0, table.stderr[-3000:]
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith("model: tiny-llama: 0.81M parameters (full fine-tuning)")
+    for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full-shard", "FSDP shard-grad-op", "ZeRO-2 + CPU optimizer",
+                 "ZeRO-3 + CPU optimizer", "ZeRO-3 + CPU params+optimizer", "ZeRO-3 + NVMe params+optimizer"):
+        assert any(line[1:].startswith(name + " ") for line in lines), name
+    assert "recommendation: DDP (accelerate_configs/ddp.yaml)" in table.stdout
+    # 1e6 tokens at 1000 tokens/s on each of 2 GPUs: 500 s, 0.28 GPU-hours at 2.5 = 0.69
+    assert ("epoch: 1e+06 tokens at 1,000 tokens/s per GPU on 2 GPUs: 0.14 h (0.3 GPU-hours), 0.69 at 2.5"
+            in table.stdout)
+
+    out = run_toolkit("estimate", "--model", llama_7b_config, "--gpus", "8", "--seq-len", "4096", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["model"]["params"] == 6738415616 and report["setup"]["gpus"] == 8
+    rows = {r["strategy"]: r for r in report["strategies"]}
+    assert not rows["DDP"]["fits"] and rows["ZeRO-3"]["fits"]
+    assert rows["ZeRO-3 + CPU params+optimizer"]["host_bytes_per_node"] > 0
+    assert rows["DDP"]["comm_bytes_per_step"] == pytest.approx(2 * 7 / 8 * 4 * 6738415616)
+    assert report["recommendation"].startswith("FSDP shard-grad-op") and report["epoch"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model"], "error: --model: not found: /no/such/model"),
+    (["--model", "tiny-llama", "--gpus", "0"], "error: --gpus: must be at least 1, got 0"),
+    (["--model", "tiny-llama", "--gpu-memory", "-8"], "error: --gpu-memory: must be positive, got -8.0"),
+    (["--recipe", "/no/such/recipe.yaml"], "error: /no/such/recipe.yaml: recipe file not found"),
+    (["--model", "tiny-llama", "--config_file", "accelerate_configs/zero3.yaml"],
+     "error: --config_file: only with --recipe"),
+])
+def test_mistakes_are_one_line(args, message):
+    from conftest import user_error_line
+
+    assert user_error_line(run_toolkit("estimate", *args)).startswith(message)
+
+
+def test_bad_launch_config_is_one_line(tmp_path, matrix_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
+                          data={"train_files": [str(matrix_dir / "train.jsonl")]})
+    from conftest import user_error_line
+
+    line = user_error_line(run_toolkit("estimate", "--recipe", recipe, "--config_file", tmp_path / "missing.yaml"))
+    assert line == f"error: accelerate config not found: {tmp_path / 'missing.yaml'}"
+
+
+def test_a_run_logs_its_estimate(tmp_path, data_files):
+    """The start of every run prints the same estimate for its launch (here one CPU process: the
+    per-process bytes, no memory limit to judge against)."""
+    from conftest import base_recipe
+
+    recipe = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, *data_files, train__max_steps=2))
+    proc = run_toolkit("train", recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("run: estimate"))
+    # tiny-llama-mini: 126,016 fp32 parameters (0.48 MiB), gradients as many, AdamW twice that
+    assert line.startswith("run: estimate per process (one process, toolkit estimate): params 0.5 MiB, gradients "
+                           "0.5 MiB, optimizer 1.0 MiB, buffers 0.0 MiB, activations "), line
+    assert line.endswith("; no memory limit known on cpu"), line
