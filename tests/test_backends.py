@@ -100,6 +100,26 @@ def test_backend_matches_single_process(backend, mode, workdir, reference, reque
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
 
 
+@pytest.mark.parametrize("backend,mode", [("ddp", "full"), ("fsdp", "full"), ("zero3", "full"), ("zero3", "lora")])
+def test_chunked_loss_with_unequal_chunk_counts_across_ranks(backend, mode, workdir, reference):
+    """train.loss_chunk_tokens=5: each rank's micro-batch has its own number of target tokens, so
+    its own number of chunks. ZeRO-3 gathers the output layer at every call, a collective, so the
+    ranks must agree on one count or wait on each other forever. The losses and weights are those
+    of the single-process reference (chunks of 1,024: one per micro-batch)."""
+    out = f"chunks5_{backend}_{mode}"
+    shutil.rmtree(workdir / out, ignore_errors=True)
+    recipe = recipe_for(workdir, mode, out, micro=2)
+    recipe["train"]["loss_chunk_tokens"] = 5
+    proc = run_toolkit("train", write_recipe(workdir / f"{out}.yaml", **recipe), timeout=600,
+                       launcher=accelerate_launch(launch_config_for(backend, workdir)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_losses(reference[mode], workdir / out, f"{backend} {mode}, chunks of 5")
+    want, have = load_weights(reference[mode] / "final"), load_weights(workdir / out / "final")
+    assert want.keys() == have.keys() and want
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
 def grad_norms(run_dir) -> list[float]:
     return [r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r]
 

@@ -426,3 +426,20 @@ def teardown(accelerator) -> None:
     accelerator.free_memory()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def same_call_count(module: torch.nn.Module, n: int, device) -> int:
+    """How often to call `module` in this forward when this rank needs `n` calls. Where a call is
+    a collective (ZeRO-3 gathers a partitioned layer's parameters in its forward hooks; FSDP
+    unshards a module it wraps on its own), every rank must call it equally often: the most any
+    rank needs. Elsewhere `n`."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    collective = any(hasattr(p, "ds_id") for p in module.parameters()) or any(
+        isinstance(m, (FSDPModule, FSDP1)) for m in module.modules())
+    if not collective:
+        return n
+    most = torch.tensor(n, device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most)

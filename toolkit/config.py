@@ -125,6 +125,13 @@ class TrainConfig:
     """fp16 only: the dynamic loss scale's starting value, a power of two (accelerate's GradScaler
     init_scale; DeepSpeed's fp16.initial_scale_power is filled from it). A step whose gradients
     overflow is skipped and the scale halved."""
+    loss: Literal["chunked", "full"] = "chunked"
+    """How the loss is computed (the same value either way). `chunked`: the output layer runs on
+    loss_chunk_tokens target positions at a time and their logits are recomputed in backward, so
+    the micro-batch's full-vocabulary logits are never held at once; `full`: all positions' logits
+    at once, as the model's own forward gives them."""
+    loss_chunk_tokens: int = 1024
+    """train.loss=chunked: target positions per chunk (one chunk's logits are this x vocabulary floats)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
     eval_every_steps: int = 0
@@ -373,6 +380,7 @@ def validate(r: Recipe, source: str) -> None:
     need(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     need(t.initial_loss_scale >= 1 and math.log2(t.initial_loss_scale).is_integer(), "train.initial_loss_scale",
          f"must be a power of two >= 1 (e.g. 65536), got {t.initial_loss_scale}")
+    need(t.loss_chunk_tokens > 0, "train.loss_chunk_tokens", f"must be positive, got {t.loss_chunk_tokens}")
     need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be non-negative, got {t.max_grad_norm}")
     need(t.eval_every_steps >= 0, "train.eval_every_steps", f"must be non-negative, got {t.eval_every_steps}")
     need(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size",

@@ -2,7 +2,7 @@
 
 The loss is training's eval loss: rows rendered and labelled by `toolkit.data.tokenize_example`
 (same formats, chat template and response-only labels), batched by `Collator`, and the
-token-weighted mean of next-token cross-entropy over target tokens (`toolkit.train.token_loss_sum`
+token-weighted mean of next-token cross-entropy over target tokens (`toolkit.loss.token_loss_sum`
 summed, divided by the count). So a run's final/ on its eval file gives the eval_loss the run
 logged at its last step. Answers: for rows with a reference (alpaca `output`; messages: the last
 assistant turn, prompted with the turns before it), a greedy answer scored by exact match after
@@ -297,8 +297,12 @@ def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[
     import torch
 
     from .data import IGNORE, Collator
-    from .train import token_loss_sum
+    from .loss import token_loss_sum, use_token_loss
 
+    try:
+        use_token_loss(model)  # training's default, train.loss=chunked
+    except ToolkitError:  # a model the chunked loss does not know: its own logits, as train.loss=full
+        use_token_loss(model, "full")
     collate = Collator(tokenizer.pad_token_id, packed=False)
     device = next(model.parameters()).device
     by_length = sorted(examples, key=lambda e: -len(e["input_ids"]))  # little padding per batch

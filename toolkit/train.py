@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import backend, checkpoint
 from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, packing_is_isolated
+from .loss import token_loss_sum, use_token_loss
 from .model import DTYPES, apply_lora, isolation_probe, build_model, build_tokenizer, count_parameters
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -48,6 +48,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     model = build_model(recipe.model, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    use_token_loss(model, t.loss, t.loss_chunk_tokens)  # inside the model's forward, where every backend has whole weights
     packing = recipe.data.packing
     if packing and not packing_is_isolated(isolation_probe(model)):
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
@@ -237,15 +238,6 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
     return row
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the batch's target tokens."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
-                           reduction="sum")
-
-
 @torch.no_grad()
 def evaluate(accelerator, model, eval_loader) -> float | None:
     """Token-weighted mean loss over the whole eval set (each rank holds a disjoint share)."""
@@ -383,9 +375,10 @@ def never_checkpointed(out: Path, recipe: Recipe) -> bool:
     return learning_relevant(earlier) == learning_relevant(recipe)
 
 
-# Recipe fields that may change between a run and its resumption (they do not change what is learned).
+# Recipe fields that may change between a run and its resumption (they do not change what is learned;
+# train.loss and its chunk size change only the order of a sum's additions).
 RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
-                     "train.sample_max_new_tokens"}
+                     "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens"}
 
 
 def learning_relevant(recipe: Recipe) -> dict:

@@ -1,0 +1,121 @@
+"""The loss: the sum of next-token cross-entropies over a batch's target tokens, computed one of two ways.
+
+`full` runs the model as it is and takes the cross-entropy of its logits, so the micro-batch's
+full-vocabulary logits are held in fp32, with their gradient (8 x 2,048 tokens x a 49,152-word
+vocabulary is 3.2 GB per copy). `chunked` runs the model's backbone to hidden states, keeps the
+positions that carry a target, and applies the output layer to `chunk_tokens` of them at a time,
+each chunk under activation checkpointing: its logits are recomputed in backward, so only one
+chunk's are ever held. The value is the same; only the order of the additions differs.
+
+Both run inside the model's own forward (`use_token_loss` replaces it on the instance; the state
+dict does not change), because that is where every backend makes the weights whole: ZeRO-3 gathers
+a layer's parameters in its forward hooks, FSDP unshards them inside the root module's forward. So
+the output layer is called as a module (LoRA-adapted or tied to the embeddings, as it is), never
+through its weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from . import backend
+from .config import ToolkitError
+from .data import IGNORE
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the batch's target tokens (labels != IGNORE), the
+    way `use_token_loss` set up; `model` as prepared (DDP, FSDP, DeepSpeed) or not."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, token_loss_labels=batch["labels"])
+
+
+def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024) -> None:
+    """Make `model(..., token_loss_labels=labels)` return the loss sum (`kind`: "chunked" or
+    "full", as train.loss); without that argument the model does what it did (generation, the
+    packing check). Call it before `accelerator.prepare`. A model whose forward does more after
+    its output layer than the chunked loss knows (a logit scale, say) is refused."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the HF model inside
+    original = type(model).forward.__get__(model)
+    if kind == "chunked":
+        check_chunked_loss(model)
+
+    @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
+    def forward(self, *args, token_loss_labels=None, **kwargs):
+        if token_loss_labels is None:
+            return original(*args, **kwargs)
+        if kind == "full":
+            return full_loss_sum(original(*args, **{**kwargs, "use_cache": False}).logits, token_loss_labels)
+        return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, **kwargs) -> torch.Tensor:
+    """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
+    positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
+    hidden = model.get_decoder()(*args, **{**kwargs, "use_cache": False}).last_hidden_state
+    targets = labels[:, 1:] != IGNORE
+    hidden, labels = hidden[:, :-1][targets], labels[:, 1:][targets]  # before the output layer: (targets, hidden)
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and others
+
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(h)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return F.cross_entropy(logits.float(), y, reduction="sum")
+
+    # At least one call, so that the output layer takes part in every backward (DDP expects a
+    # gradient for every parameter, zero or not); where each call is a collective (ZeRO-3
+    # gathers the layer), as many calls on every rank.
+    chunks = backend.same_call_count(head, max(1, math.ceil(len(labels) / chunk_tokens)), hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(chunks):
+        h, y = hidden[i * chunk_tokens:(i + 1) * chunk_tokens], labels[i * chunk_tokens:(i + 1) * chunk_tokens]
+        total = total + (checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
+                         else chunk_loss(h, y))
+    return total
+
+
+def check_chunked_loss(model) -> None:
+    """The chunked loss must equal the model's own forward's on a short sequence (on a small copy
+    of the architecture where the weights are partitioned: `isolation_probe`). Models that scale
+    or cut their logits after the output layer differently from what `chunked_loss_sum` does
+    fail here, not silently."""
+    from .model import isolation_probe
+
+    probe = isolation_probe(model)
+    vocab = probe.get_input_embeddings().num_embeddings
+    device = next(probe.parameters()).device
+    # No random numbers drawn (the run's stream stays as it was); eval mode: no dropout either.
+    ids = (torch.arange(16, device=device) * 7 + 3).remainder(vocab)[None]
+    labels = ids.clone()
+    labels[:, :5] = IGNORE
+    was_training = probe.training
+    probe.eval()
+    try:
+        with torch.no_grad():
+            full = full_loss_sum(type(probe).forward(probe, input_ids=ids, use_cache=False).logits, labels).item()
+            chunked = chunked_loss_sum(probe, labels, 4, input_ids=ids).item()
+    except Exception as e:  # a model built unlike a causal LM with a backbone and an output layer
+        raise ToolkitError(f"train.loss: chunked cannot run on this model ({type(e).__name__}: {e}); "
+                           "set train.loss=full") from None
+    finally:
+        probe.train(was_training)
+    rtol = 1e-4 if next(probe.parameters()).dtype == torch.float32 else 2e-2  # a half-precision base: its rounding
+    if not abs(chunked - full) <= rtol * abs(full):
+        raise ToolkitError(f"train.loss: chunked gives {chunked:.6g} where this model's own forward gives {full:.6g} "
+                           "(it does more after its output layer than the chunked loss knows); set train.loss=full")
