@@ -48,7 +48,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     model = build_model(recipe.model, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
-    use_token_loss(model, t.loss, t.loss_chunk_tokens)  # inside the model's forward, where every backend has whole weights
+    use_token_loss(model, t.loss, t.loss_chunk_tokens)  # in the forward, where every backend has whole weights
     packing = recipe.data.packing
     if packing and not packing_is_isolated(isolation_probe(model)):
         log("warning: this model lets packed documents attend to each other; padding instead of packing")
