@@ -24,7 +24,8 @@ import torch
 from toolkit import backend
 from toolkit.config import load_recipe
 from toolkit.model import DTYPES, apply_lora, build_model
-from toolkit.train import param_groups, token_loss_sum
+from toolkit.loss import token_loss_sum, use_token_loss
+from toolkit.train import param_groups
 
 
 class Ledger:
@@ -69,6 +70,7 @@ def main(recipe_path: str, out_dir: str) -> None:
     model = build_model(recipe.model, DTYPES[recipe.model.dtype])
     if recipe.lora.enabled:
         model = apply_lora(model, recipe.lora)
+    use_token_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens)
     optimizer = backend.make_optimizer(accelerator, param_groups(model, recipe.train.weight_decay), recipe)
     backend.finalize_config(accelerator, model, recipe, total_steps=1)
     model, optimizer = accelerator.prepare(model, optimizer)

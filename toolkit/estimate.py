@@ -52,8 +52,11 @@ and repeated k/v: the SDPA part e * (2h + 2kv) + 4a becomes e * 4h + a * s * (4 
 Korthikanti et al.'s ("Reducing Activation Recomputation", 2022) 34sbh + 5as^2b per layer, redone
 for this layer. With gradient checkpointing each layer keeps only its input (h in the stream
 dtype) and one layer is recomputed at a time. Logits are a separate term, `logits`: the fp32
-log-probabilities, their gradient and the logits' gradient are alive together when backward
-starts, 3 * b * s * vocab * 4 bytes (a chunked loss would shrink it).
+log-probabilities, their gradient and the logits' gradient are alive together, 3 * t * vocab * 4
+bytes, where t is b * s with train.loss=full (at the start of backward) and at most
+train.loss_chunk_tokens with the chunked loss (one chunk recomputed at a time); over several
+chunks a trainable output layer's weight gradient is summed across them, two such tensors alive
+(2 * vocab * h * gradient bytes; found measuring, not in the first version of this model).
 
 **Communication** per optimizer step, bytes each process sends over ring collectives (an
 all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N), once per
@@ -99,6 +102,7 @@ class ModelCounts:
     kv: int  # key/value heads x head dim
     intermediate: int
     vocab: int
+    head: int = 0  # trainable weights of the output layer (full fine-tuning: vocab x hidden)
 
 
 @dataclass
@@ -113,6 +117,8 @@ class Setup:
     seq_len: int = 2048
     gradient_checkpointing: bool = False
     attention: str = "sdpa"
+    loss: str = "chunked"  # train.loss
+    loss_chunk_tokens: int = 1024
 
     @property
     def gpus(self) -> int:
@@ -225,6 +231,7 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
         trainable = sum(lora.r * (m.in_features + m.out_features) + (m.out_features if lora.use_dora else 0)
                         for m in adapted)
         total += trainable
+    head = output.weight.numel() if trainable == total else 0
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -232,7 +239,7 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
                        layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
                        kv=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
                        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-                       vocab=text.vocab_size)
+                       vocab=text.vocab_size, head=head)
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -262,9 +269,15 @@ def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
     return tokens * (m.layers * per_token_layer + head)
 
 
-def logits_bytes(m: ModelCounts, setup: Setup) -> float:
-    """fp32 log-probabilities, their gradient and the logits' gradient, alive together at the start of backward."""
-    return 3 * setup.micro_batch * setup.seq_len * m.vocab * 4
+def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
+    """fp32 log-probabilities, their gradient and the logits' gradient, alive together: for the
+    whole micro-batch at the start of backward (train.loss=full), or for one chunk (chunked).
+    Over several chunks autograd sums a trainable output layer's weight gradient: the running sum
+    and the new chunk's (`grad_bytes` each) are alive too."""
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.loss == "full" or tokens <= setup.loss_chunk_tokens:
+        return 3 * tokens * m.vocab * 4
+    return 3 * setup.loss_chunk_tokens * m.vocab * 4 + 2 * m.head * grad_bytes
 
 
 def estimate(strategy: Strategy, setup: Setup) -> Row:
@@ -310,7 +323,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
             nvme = host - 4 * T / n - e * T / n
             host = e * T / n + 16 * min(T / n, NVME_SUB_GROUP)
     activations = activation_bytes(m, setup, regime)
-    logits = logits_bytes(m, setup)
+    logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
     gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
            "activations": activations, "logits": logits}
     gpu["total"] = sum(gpu.values())
@@ -422,7 +435,8 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
                  micro_batch=recipe.train.micro_batch_size, seq_len=recipe.data.max_seq_len,
                  gradient_checkpointing=recipe.model.gradient_checkpointing,
-                 attention=recipe.model.attn_implementation, **kwargs)
+                 attention=recipe.model.attn_implementation, loss=recipe.train.loss,
+                 loss_chunk_tokens=recipe.train.loss_chunk_tokens, **kwargs)
 
 
 def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, str | None]:
@@ -476,6 +490,9 @@ def add_arguments(p) -> None:
                    help="LoRA on every linear layer instead of full fine-tuning")
     p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 8)")
     p.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    p.add_argument("--loss", choices=["chunked", "full"], default=None,
+                   help="train.loss: chunked keeps one chunk's logits, full the micro-batch's (default chunked)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="train.loss_chunk_tokens (default 1024)")
     p.add_argument("--throughput", type=float, default=None, metavar="TOKENS_PER_S_PER_GPU")
     p.add_argument("--price", type=float, default=None, metavar="PER_GPU_HOUR")
     p.add_argument("--tokens", type=float, default=None, help="dataset tokens per epoch (for time and cost)")
@@ -483,7 +500,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    for name in ("gpus", "nodes", "micro_batch", "seq_len", "lora_r"):
+    for name in ("gpus", "nodes", "micro_batch", "seq_len", "lora_r", "loss_chunk_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ToolkitError(f"--{name.replace('_', '-')}: must be at least 1, got {value}")
@@ -503,7 +520,8 @@ def run(args) -> int:
         setup = Setup(model=count_model(read_config(args.model), args.model, lora),
                       gpus_per_node=args.gpus or 1, nodes=args.nodes)
     overrides = {"precision": args.precision, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                 "gradient_checkpointing": args.gradient_checkpointing}
+                 "gradient_checkpointing": args.gradient_checkpointing, "loss": args.loss,
+                 "loss_chunk_tokens": args.loss_chunk_tokens}
     setup = replace(setup, gpu_memory_gib=args.gpu_memory, **{k: v for k, v in overrides.items() if v is not None})
     if setup.precision == "fp32" and setup.base_dtype != "fp32":
         setup = replace(setup, base_dtype="fp32")
@@ -574,7 +592,8 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
              f"setup: {setup.gpus} GPU{'s' if setup.gpus > 1 else ''} ({setup.gpus_per_node} per node x {setup.nodes} "
              f"node{'s' if setup.nodes > 1 else ''}) of {setup.gpu_memory_gib:g} GiB; {setup.precision}; micro-batch "
              f"{setup.micro_batch} x {setup.seq_len} tokens; gradient checkpointing "
-             f"{'on' if setup.gradient_checkpointing else 'off'}; attention {setup.attention}",
+             f"{'on' if setup.gradient_checkpointing else 'off'}; attention {setup.attention}; loss {setup.loss}"
+             + (f" ({setup.loss_chunk_tokens} tokens a chunk)" if setup.loss == "chunked" else ""),
              "", "GiB per GPU                       params  grads  optim  buffers  activ.  logits   total  fits  "
              "host/node  comm/step"]
     for r in rows:
