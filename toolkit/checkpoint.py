@@ -16,8 +16,9 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,34 +120,38 @@ def read_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((Path(path) / STATE).read_text()))
 
 
-def save(accelerator, path_final: Path, state: TrainerState, keep_last: int, check=None) -> None:
-    """Write a checkpoint from every rank; visible under its final name only once complete.
-    `check(folder)` reads each rank's share back (None: as saved; else one line): a checkpoint
-    any rank cannot read back as it was saved is never marked complete, and the run stops."""
+def save(accelerator, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> None:
+    """Write a checkpoint from every rank; visible under its final name only once complete: the
+    backend's own state, the portable state (`config.portable`) and every rank's RNG. Each rank's
+    share is read back (`backend.checkpoint_problem`): a checkpoint any rank cannot read back as it
+    was saved is never marked complete, and the run stops."""
+    from . import backend, portable
+
     tmp = path_final.with_name(".tmp-" + path_final.name)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if config.portable:
+        portable.save(accelerator, model, optimizer, scheduler, tmp, backend.loss_scale(accelerator, model))
     with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
         pickle.dump(rng_states(), f)
     pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
     if pause:
         time.sleep(pause)
     accelerator.wait_for_everyone()
-    if check is not None:
-        if accelerator.is_main_process:
-            corrupt_checkpoint(tmp)  # test seam, off unless asked
-        accelerator.wait_for_everyone()
-        _stop_unless_read_back(accelerator, check(tmp), path_final)
+    if accelerator.is_main_process:
+        corrupt_checkpoint(tmp)  # test seam, off unless asked
+    accelerator.wait_for_everyone()
+    _stop_unless_read_back(accelerator, backend.checkpoint_problem(accelerator, model, optimizer, tmp), path_final)
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
         (tmp / MARKER).write_text(f"step {state.step}\n")
         _fsync_dir(tmp)
         replace_dir(tmp, path_final)  # the same step may be saved again (a resumed run that had nothing left)
         _fsync_dir(path_final.parent)
-        for old in complete_checkpoints(path_final.parent.parent)[:-keep_last]:
+        for old in complete_checkpoints(path_final.parent.parent)[:-config.keep_last]:
             doomed = old.with_name(".del-" + old.name)  # out of sight first, so never half-deleted
             os.rename(old, doomed)
             shutil.rmtree(doomed)
@@ -168,6 +173,20 @@ def _stop_unless_read_back(accelerator, problem: str | None, path_final: Path) -
                               "not marked complete, so resume=auto uses the previous one", EXIT_SAVE_MISMATCH)
 
 
+def _stop_unless_loaded(accelerator, problem: str | None, path: Path) -> None:
+    from accelerate.utils import broadcast_object_list
+
+    verdict = [problem]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(verdict)  # the main process compared; every rank stops, or none does
+    if verdict[0]:
+        raise ToolkitError(f"resume: the portable state of {path} did not load as saved into this launch "
+                           f"({verdict[0]})")
+    if accelerator.is_main_process:
+        print(f"resume: the portable state of {path.name} loaded and read back as saved (weights, AdamW moments "
+              "and step, learning rates, scheduler)", file=sys.stderr)
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a completely written folder into place; one already there is moved aside first and
     deleted only after, so `final` is always either the old or the new folder, never partial."""
@@ -181,15 +200,29 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
 
 
-def load(accelerator, path: Path) -> TrainerState:
-    """Restore what `save` wrote, on every rank, including this rank's RNG states."""
-    accelerator.load_state(str(path))
+def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimizer, scheduler) -> TrainerState:
+    """Restore what `save` wrote, on every rank, including this rank's RNG states; returns its
+    counters with this launch's facts (`now`: process count, layout, recipe). `moved`: the
+    checkpoint was written under another layout (backend or process count): the portable state
+    is loaded, and a rank that did not exist then takes rank 0's RNG states (as every rank of a
+    fresh run starts from the same seed)."""
+    if moved:
+        from . import portable
+
+        portable.load(accelerator, model, optimizer, scheduler, path)
+        _stop_unless_loaded(accelerator, portable.read_back(accelerator, model, optimizer, scheduler, path), path)
+    else:
+        accelerator.load_state(str(path))
     rng = Path(path) / f"rng_rank{accelerator.process_index}.pkl"
+    if moved and not rng.is_file():
+        rng = Path(path) / "rng_rank0.pkl"
     if not rng.is_file():
         raise ToolkitError(f"resume: {path} has no RNG state for rank {accelerator.process_index}")
     with open(rng, "rb") as f:
         set_rng_states(pickle.load(f))
-    return read_state(path)
+    saved = read_state(path)
+    return replace(now, step=saved.step, tokens_seen=saved.tokens_seen, skipped_steps=saved.skipped_steps,
+                   nonfinite_in_a_row=saved.nonfinite_in_a_row)
 
 
 def rng_states() -> dict:

@@ -155,6 +155,10 @@ class CheckpointConfig:
     except one on preemption)."""
     keep_last: int = 2
     """Keep the newest N complete checkpoints."""
+    portable: bool = True
+    """Also write the training state any backend and process count can resume from (`portable/`:
+    fp32 trainable weights and AdamW moments by name); off saves that space and time, and a resume
+    must then use the launch that wrote the checkpoint."""
 
 
 @dataclass

@@ -82,8 +82,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.launch_kind(),
                                     data_fingerprint=data.fingerprint, recipe=learning_relevant(recipe),
                                     layout=backend.checkpoint_layout(accelerator))
-    if resume_from is not None:
-        check_resumable(checkpoint.read_state(resume_from), state, resume_from)
+    moved = resume_from is not None and check_resumable(checkpoint.read_state(resume_from), state, resume_from)
     collate = Collator(tokenizer.pad_token_id, packed=packing)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
@@ -103,9 +102,12 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     backend.check_prepared(accelerator, model)
 
     if resume_from is not None:
-        state = checkpoint.load(accelerator, resume_from)
+        saved = checkpoint.read_state(resume_from)
+        state = checkpoint.load(accelerator, resume_from, state, moved, model, optimizer, scheduler)
         sampler.resume_at(state.step)
-        log(f"resumed from {resume_from} at step {state.step}")
+        log(f"resumed from {resume_from} at step {state.step}" + (
+            f" (written by {saved.world_size} process(es) under {saved.layout or saved.launch}: its portable state)"
+            if moved else ""))
     summary = run_summary(recipe, accelerator, ds_config, rows=len(data.train), eval_rows=len(data.eval),
                           steps_per_epoch=sampler.steps_per_epoch, total_steps=total_steps)
     if accelerator.is_main_process:
@@ -228,8 +230,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             every = recipe.checkpoint.every_steps
             if (every and (step % every == 0 or step == total_steps)) or stop_requested:
                 path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
-                checkpoint.save(accelerator, path, state, recipe.checkpoint.keep_last,
-                                check=lambda folder: backend.checkpoint_problem(accelerator, model, optimizer, folder))
+                checkpoint.save(accelerator, path, state, recipe.checkpoint, model, optimizer, scheduler)
                 if stop_requested:
                     raise TrainingStopped(f"preempted: checkpoint {path} saved at step {step}; "
                                           "run again with resume=auto to continue", EXIT_PREEMPTED)
@@ -377,8 +378,11 @@ def never_checkpointed(out: Path, recipe: Recipe) -> bool:
 
 # Recipe fields that may change between a run and its resumption (they do not change what is learned;
 # train.loss and its chunk size change only the order of a sum's additions).
+# The global batch is compared on its own: micro_batch_size x gradient_accumulation_steps may be split
+# differently when the process count changes.
 RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
-                     "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens"}
+                     "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
+                     "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size"}
 
 
 def learning_relevant(recipe: Recipe) -> dict:
@@ -399,18 +403,22 @@ def learning_relevant(recipe: Recipe) -> dict:
     return flat
 
 
-def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> None:
-    """Resuming must continue the same run: same launch layout, same data, same recipe."""
-    if saved.layout and saved.layout != now.layout:
+def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> bool:
+    """Resuming must continue the same run: same data, same recipe, same global batch. Returns
+    whether the checkpoint was written under another layout (another backend, sharding or process
+    count): then its portable state is loaded instead of the backend's own."""
+    moved = (saved.layout or now.layout) != now.layout or saved.world_size != now.world_size \
+        or saved.launch != now.launch
+    if moved and saved.global_batch != now.global_batch:
         raise ToolkitError(
-            f"resume: {path} holds a {saved.layout} training state and this launch is {now.layout}, which cannot "
-            "load it; resume with the launch config that wrote it (continuing under another layout is not "
-            "supported yet)")
-    if saved.world_size != now.world_size or saved.launch != now.launch:
+            f"resume: {path} was trained with a global batch of {saved.global_batch} sequences and this launch makes "
+            f"{now.global_batch} (micro_batch_size x gradient_accumulation_steps x {now.world_size} processes); "
+            f"keep the global batch at {saved.global_batch}, splitting it differently if need be")
+    if moved and not (path / "portable").is_dir():
         raise ToolkitError(
-            f"resume: {path} was written by {saved.world_size} process(es) under {saved.launch}; this launch has "
-            f"{now.world_size} under {now.launch}. Resume with the same launch config and process count "
-            "(sharded optimizer states and the data order depend on them)")
+            f"resume: {path} was written by {saved.world_size} process(es) under {saved.layout or saved.launch} "
+            f"without its portable state (checkpoint.portable=false, or an older toolkit); this launch is "
+            f"{now.world_size} under {now.layout}. Resume with the launch config and process count that wrote it")
     if saved.data_fingerprint != now.data_fingerprint:
         raise ToolkitError(f"resume: the training data changed since {path} was written "
                            f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
@@ -419,6 +427,10 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
         if before != after:
             raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
                                "a resumed run must keep its recipe")
+    if saved.global_batch != now.global_batch:  # same layout: the sampler's batches would shift
+        raise ToolkitError(f"resume: {path} was trained with a global batch of {saved.global_batch} sequences and "
+                           f"this launch makes {now.global_batch}; keep it at {saved.global_batch}")
+    return moved
 
 
 def keep_metrics_until(path: Path, step: int) -> None:

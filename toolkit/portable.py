@@ -1,0 +1,243 @@
+"""The portable training state: what a run needs to continue under any backend and process count.
+
+Every checkpoint holds, beside the backend's own sharded state (the fast path for a resume with
+the same launch), `portable/`: the full fp32 weights of the trainable parameters
+(`weights.safetensors`), their AdamW moments (`moments.safetensors`: `exp_avg/NAME`,
+`exp_avg_sq/NAME`) and `state.json` (the AdamW step, the learning rate and hyperparameters of each
+parameter group by parameter name, the scheduler's state, the loss scale). Names are the model's
+own parameter names (peft's for an adapter), the same under every backend.
+
+Gathered and set with the libraries' own full-state tools: torch.distributed.checkpoint's
+state-dict API for one process, DDP and FSDP; DeepSpeed's `safe_get/set_full_fp32_param` and
+`safe_get/set_full_optimizer_state` for ZeRO (then its 16-bit working copies are refreshed from
+the fp32 masters the way its universal-checkpoint loader does). Frozen weights are not in it: a
+resumed run builds them again from the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FOLDER = "portable"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _engine(model):
+    return model if hasattr(model, "zero_optimization_stage") else None  # a DeepSpeed engine
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def gather(accelerator, model, optimizer) -> tuple[dict, dict, dict]:
+    """(weights, moments, state) of the trainable parameters, complete on the main process (a
+    collective: every rank calls it)."""
+    engine = _engine(model)
+    if engine is not None:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        weights, moments = {}, {}
+        for name, p in _trainable(engine.module):  # same order on every rank: ZeRO-3 gathers each
+            weights[name] = safe_get_full_fp32_param(p).detach().float().cpu()
+            for key in MOMENTS:
+                m = safe_get_full_optimizer_state(p, key)
+                moments[f"{key}/{name}"] = (torch.zeros_like(weights[name]) if m is None else m.detach().float().cpu())
+        base = engine.optimizer.optimizer  # the torch optimizer over ZeRO's fp32 partitions
+        step = _adam_step(base.state.values(), base.param_groups)
+        groups = _groups(engine.module, base.param_groups)
+    else:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        names = dict(_trainable(accelerator.unwrap_model(model)))
+        full = get_model_state_dict(model, options=_full_options())
+        weights = {k: v.detach().float().cpu().contiguous() for k, v in full.items() if k in names}
+        osd = get_optimizer_state_dict(model, optimizer, options=_full_options())
+        moments = {}
+        for name in names if accelerator.is_main_process else ():  # cpu_offload: the full state on rank 0 only
+            st = osd.get("state", {}).get(name, {})
+            for key in MOMENTS:
+                m = st.get(key)
+                moments[f"{key}/{name}"] = (torch.zeros_like(weights[name]) if m is None
+                                            else m.detach().float().cpu().contiguous())
+        step = _adam_step(osd.get("state", {}).values(), osd.get("param_groups", []))
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "names": list(g["params"])}
+                  for g in osd.get("param_groups", [])]
+    return weights, moments, {"adam_step": step, "param_groups": _jsonable(groups)}
+
+
+def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: float | None) -> None:
+    """Write `folder/portable/` (main process; every rank takes part in the gather)."""
+    from safetensors.torch import save_file
+
+    weights, moments, state = gather(accelerator, model, optimizer)
+    if not accelerator.is_main_process:
+        return
+    target = Path(folder) / FOLDER
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(target / "weights.safetensors"))
+    save_file(moments, str(target / "moments.safetensors"))
+    state.update(scheduler={"class": type(_inner(scheduler)).__name__, "state": _jsonable(scheduler.state_dict())},
+                 loss_scale=loss_scale)
+    (target / "state.json").write_text(json.dumps(state, indent=1))
+
+
+def load(accelerator, model, optimizer, scheduler, folder: Path) -> None:
+    """Set the prepared model, optimizer and scheduler from `folder/portable/`, whatever backend and
+    process count wrote it. Every rank reads the files (each holds them whole for a moment)."""
+    from safetensors.torch import load_file
+
+    from .config import ToolkitError
+
+    source = Path(folder) / FOLDER
+    weights = load_file(str(source / "weights.safetensors"))
+    moments = load_file(str(source / "moments.safetensors"))
+    state = json.loads((source / "state.json").read_text())
+    engine = _engine(model)
+    module = engine.module if engine is not None else accelerator.unwrap_model(model)
+    names = [n for n, _ in _trainable(module)]
+    if sorted(names) != sorted(weights):
+        missing, extra = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
+        raise ToolkitError(f"resume: {source} holds other trainable parameters than this model "
+                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    saved_class, now_class = state["scheduler"]["class"], type(_inner(scheduler)).__name__
+    if saved_class != now_class:
+        raise ToolkitError(f"resume: {folder} was scheduled by {saved_class} and this launch by {now_class} (a "
+                           "DeepSpeed JSON's scheduler block decides it); resume with the same scheduler")
+    step = state["adam_step"]
+    by_name = {n: g for g in state["param_groups"] for n in g["names"]}
+    if engine is not None:
+        _load_deepspeed(engine, weights, moments, step, by_name)
+    else:
+        _load_torch(model, optimizer, weights, moments, step, by_name)
+    scheduler.load_state_dict(state["scheduler"]["state"])
+    if state.get("loss_scale") is not None and getattr(accelerator, "scaler", None) is not None:
+        accelerator.scaler.update(state["loss_scale"])
+
+
+def read_back(accelerator, model, optimizer, scheduler, folder: Path) -> str | None:
+    """After `load`: the state gathered again from this launch equals `folder/portable/` bit for
+    bit (weights, moments, AdamW step, learning rates, scheduler), or the first difference in one
+    line. A collective."""
+    from safetensors.torch import load_file
+
+    from .verify import tree_mismatch
+
+    weights, moments, state = gather(accelerator, model, optimizer)
+    if not accelerator.is_main_process:
+        return None
+    source = Path(folder) / FOLDER
+    saved = json.loads((source / "state.json").read_text())
+    for name, want, have in (("weights", load_file(str(source / "weights.safetensors")), weights),
+                             ("moments", load_file(str(source / "moments.safetensors")), moments)):
+        if want.keys() != have.keys():
+            return f"{name}: this launch has {len(have)} tensors where {len(want)} were saved"
+        problem = tree_mismatch(want, have, name)
+        if problem:
+            return problem
+    if state["adam_step"] != saved["adam_step"]:
+        return f"AdamW step {state['adam_step']} where {saved['adam_step']} was saved"
+    lrs = {n: g.get("lr") for g in state["param_groups"] for n in g["names"]}
+    for group in saved["param_groups"]:
+        for n in group["names"]:
+            if lrs.get(n) != group.get("lr"):
+                return f"learning rate of {n}: {lrs.get(n)} where {group.get('lr')} was saved"
+    if _jsonable(scheduler.state_dict()) != saved["scheduler"]["state"]:
+        return f"scheduler state {_jsonable(scheduler.state_dict())} where {saved['scheduler']['state']} was saved"
+    return None
+
+
+def _load_torch(model, optimizer, weights, moments, step, by_name) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    current = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    for group in current["param_groups"]:
+        saved = by_name[group["params"][0]]
+        group.update({k: v for k, v in saved.items() if k not in ("names", "params")})
+    current["state"] = {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in MOMENTS}}
+                        for name in weights} if step else {}
+    set_optimizer_state_dict(model, optimizer, current, options=StateDictOptions(full_state_dict=True))
+
+
+def _load_deepspeed(engine, weights, moments, step, by_name) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    for name, p in _trainable(engine.module):
+        safe_set_full_fp32_param(p, weights[name])
+        for key in MOMENTS:
+            safe_set_full_optimizer_state(p, moments[f"{key}/{name}"], key)
+    zero = engine.optimizer
+    base = zero.optimizer
+    for st in base.state.values():
+        if "step" in st:
+            st["step"] = torch.tensor(float(step)) if torch.is_tensor(st["step"]) else step
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for group in base.param_groups:
+        if "step" in group:
+            group["step"] = step
+    # Hyperparameters by group: ZeRO keeps the torch optimizer's groups in the order it was given them.
+    for group, ours in zip(base.param_groups, _groups(engine.module, base.param_groups)):
+        saved = by_name[ours["names"][0]] if ours["names"] else None
+        if saved:
+            group.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr", "betas", "eps", "weight_decay")})
+    del names
+    if hasattr(zero, "update_lp_params") and not hasattr(zero, "fp16_partitioned_groups_flat"):
+        zero.update_lp_params()  # ZeRO-1/2: the working weights from the fp32 masters
+    else:  # ZeRO-3: each sub-group's partition from its fp32 master, as DeepSpeed's own loader does
+        for i, flat in enumerate(zero.fp16_partitioned_groups_flat):
+            if flat is not None and zero.fp32_partitioned_groups_flat[i].numel():
+                flat.data.copy_(zero.fp32_partitioned_groups_flat[i].data)
+                zero._unflatten_partitioned_parameters(i)
+
+
+def _trainable(module) -> list[tuple[str, torch.nn.Parameter]]:
+    seen, out = set(), []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _groups(module, param_groups) -> list[dict]:
+    """The optimizer's groups with parameter names in place of tensors (DeepSpeed's base optimizer
+    holds flat partitions: its groups follow the order of the groups it was built from)."""
+    from .train import param_groups as build_groups
+
+    built = build_groups(module, 0.0)
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [{**{k: v for k, v in g.items() if k != "params"}, "names": [names[id(p)] for p in b["params"]]}
+            for g, b in zip(param_groups, built)]
+
+
+def _adam_step(states, param_groups) -> int:
+    for st in states:
+        if "step" in st:
+            return int(float(st["step"]))
+    for g in param_groups:
+        if "step" in g:
+            return int(g["step"])
+    return 0
+
+
+def _inner(scheduler):
+    return getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if torch.is_tensor(x):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    return repr(x)
