@@ -14,7 +14,7 @@ from toolkit.config import ConfigError, LoraConfig, ModelConfig, ToolkitError, l
 from toolkit.data import IGNORE
 from toolkit.loss import token_loss_sum, use_token_loss
 from toolkit.model import PRESETS, apply_lora, build_model
-from toolkit.train import learning_relevant
+from toolkit.run_folder import learning_relevant
 
 TOL = 1e-5
 

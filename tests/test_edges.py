@@ -71,7 +71,7 @@ def ds_launch(tmp_path, name: str, ds: dict, recipe: dict):
                                                 str(tmp_path / f"{name}.yaml"), "--main_process_port", "0", "-m"])
 
 
-def test_zero2_run_says_its_schedule_came_from_the_json_and_refuses_to_resume_under_zero3(tmp_path):
+def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))
     evaluation = write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(9, seed=2))  # rank 1's last eval batch: padding only
     recipe = base_recipe(tmp_path, train, evaluation, train__max_steps=2, train__micro_batch_size=2,
@@ -90,11 +90,19 @@ def test_zero2_run_says_its_schedule_came_from_the_json_and_refuses_to_resume_un
     assert manifest["launches"][0]["summary"] == run_lines and manifest["launches"][0]["layout"] == "DeepSpeed ZeRO-2"
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "eval_loss" in r] == [0, 2]
 
+    # Under ZeRO-3 with another split of the global batch: refused in one line naming both, nothing touched.
     zero3 = dict(TRAINER_STYLE, zero_optimization={"stage": 3})
     before = snapshot(tmp_path / "run")
-    error = user_error_line(ds_launch(tmp_path, "zero3", zero3, {**recipe, "resume": "auto"}), launched=True)
-    assert "holds a DeepSpeed ZeRO-2 training state and this launch is DeepSpeed ZeRO-3" in error, error
+    smaller = {**recipe, "resume": "auto", "train": {**recipe["train"], "micro_batch_size": 1}}
+    error = user_error_line(ds_launch(tmp_path, "zero3", zero3, smaller), launched=True)
+    assert "global batch of 8 sequences and this launch makes 4" in error, error
     assert snapshot(tmp_path / "run") == before
+    # The same global batch continues under ZeRO-3 from the portable state, DeepSpeed's own optimizer
+    # and WarmupDecayLR included (the run had finished: it loads, checks and saves final/ again).
+    proc = ds_launch(tmp_path, "zero3", zero3, {**recipe, "resume": "auto"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(written by 2 process(es) under DeepSpeed ZeRO-2: its portable state)" in proc.stdout + proc.stderr
+    assert "loaded and read back as saved" in proc.stderr
 
 
 # ----------------------------------------------------------------------------- resume by path

@@ -125,7 +125,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     backend's own state, the portable state (`config.portable`) and every rank's RNG. Each rank's
     share is read back (`backend.checkpoint_problem`): a checkpoint any rank cannot read back as it
     was saved is never marked complete, and the run stops."""
-    from . import backend, portable
+    from . import portable
 
     tmp = path_final.with_name(".tmp-" + path_final.name)
     if accelerator.is_main_process:
@@ -134,7 +134,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     if config.portable:
-        portable.save(accelerator, model, optimizer, scheduler, tmp, backend.loss_scale(accelerator, model))
+        portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
     with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
         pickle.dump(rng_states(), f)
     pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
@@ -144,7 +144,9 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     if accelerator.is_main_process:
         corrupt_checkpoint(tmp)  # test seam, off unless asked
     accelerator.wait_for_everyone()
-    _stop_unless_read_back(accelerator, backend.checkpoint_problem(accelerator, model, optimizer, tmp), path_final)
+    from .backend import checkpoint_problem
+
+    _stop_unless_read_back(accelerator, checkpoint_problem(accelerator, model, optimizer, tmp), path_final)
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
         (tmp / MARKER).write_text(f"step {state.step}\n")
@@ -211,6 +213,9 @@ def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimiz
 
         portable.load(accelerator, model, optimizer, scheduler, path)
         _stop_unless_loaded(accelerator, portable.read_back(accelerator, model, optimizer, scheduler, path), path)
+        seen = os.environ.get("TOOLKIT_FAULT_PORTABLE_AFTER_LOAD")  # test seam: what this launch holds now
+        if seen:
+            portable.save(accelerator, model, optimizer, scheduler, Path(seen), _loss_scale(accelerator, model))
     else:
         accelerator.load_state(str(path))
     rng = Path(path) / f"rng_rank{accelerator.process_index}.pkl"
@@ -223,6 +228,12 @@ def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimiz
     saved = read_state(path)
     return replace(now, step=saved.step, tokens_seen=saved.tokens_seen, skipped_steps=saved.skipped_steps,
                    nonfinite_in_a_row=saved.nonfinite_in_a_row)
+
+
+def _loss_scale(accelerator, model):
+    from .backend import loss_scale
+
+    return loss_scale(accelerator, model)
 
 
 def rng_states() -> dict:

@@ -1,6 +1,7 @@
 """Command line: `toolkit train RECIPE.yaml [key=value ...]`, `toolkit config show RECIPE.yaml`, and
 the other verbs, each a module of its own with `add_arguments(parser)` and `run(args)`:
-`toolkit estimate` (before launch), `toolkit merge`, `toolkit generate`, `toolkit eval` (after training).
+`toolkit estimate` (before launch), `toolkit merge`, `toolkit generate`, `toolkit eval`,
+`toolkit checkpoint convert` (after training).
 
 User mistakes (ToolkitError) end with one line on stderr and exit code 2, never a traceback.
 """
@@ -18,7 +19,8 @@ EXIT_USER_ERROR = 2
 VERBS = {"estimate": ("estimate", "which strategy (DDP, FSDP, ZeRO, offload) fits a model on your GPUs, before launch"),
          "merge": ("merge", "merge a LoRA adapter into its base: a plain Hugging Face folder"),
          "generate": ("generate", "answer prompts with a model, merged model or adapter folder"),
-         "eval": ("evaluate", "loss, perplexity and answer accuracy of a model on a data file")}
+         "eval": ("evaluate", "loss, perplexity and answer accuracy of a model on a data file"),
+         "checkpoint": ("convert", "a training checkpoint's weights as a plain Hugging Face folder (or adapter)")}
 
 
 def verb_module(name: str):

@@ -42,6 +42,7 @@ def gather(accelerator, model, optimizer) -> tuple[dict, dict, dict]:
     if engine is not None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        _link_zero12_states(engine.optimizer)
         weights, moments = {}, {}
         for name, p in _trainable(engine.module):  # same order on every rank: ZeRO-3 gathers each
             weights[name] = safe_get_full_fp32_param(p).detach().float().cpu()
@@ -156,29 +157,43 @@ def _load_torch(model, optimizer, weights, moments, step, by_name) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    # Copies: the state-dict API renames keys of the dicts it is given in place (DDP's `module.`).
+    set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True, strict=False))
     current = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     for group in current["param_groups"]:
         saved = by_name[group["params"][0]]
         group.update({k: v for k, v in saved.items() if k not in ("names", "params")})
     current["state"] = {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in MOMENTS}}
                         for name in weights} if step else {}
-    set_optimizer_state_dict(model, optimizer, current, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, dict(current), options=StateDictOptions(full_state_dict=True))
 
 
 def _load_deepspeed(engine, weights, moments, step, by_name) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+    from .config import ToolkitError
+
+    zero = engine.optimizer
+    # Before its first step ZeRO holds no optimizer state: make it, zeros, for the load to fill.
+    flats = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", ())
+    for i, flat in enumerate(flats):
+        state = zero.optimizer.state[flat]
+        if "exp_avg" not in state:
+            if getattr(zero, "_swappable_optimizer_subgroup", lambda i: False)(i):
+                raise ToolkitError("resume: this launch offloads the optimizer state to NVMe, which a checkpoint "
+                                   "of another layout cannot be loaded into; resume under CPU offload or none")
+            adam = isinstance(zero.optimizer, (torch.optim.Adam, torch.optim.AdamW))  # torch's: a tensor step
+            state.update(step=torch.tensor(float(step)) if adam else step,
+                         **{key: torch.zeros_like(flat) for key in MOMENTS})
+    _link_zero12_states(zero)
     for name, p in _trainable(engine.module):
         safe_set_full_fp32_param(p, weights[name])
         for key in MOMENTS:
             safe_set_full_optimizer_state(p, moments[f"{key}/{name}"], key)
-    zero = engine.optimizer
     base = zero.optimizer
     for st in base.state.values():
         if "step" in st:
             st["step"] = torch.tensor(float(step)) if torch.is_tensor(st["step"]) else step
-    names = {id(p): n for n, p in engine.module.named_parameters()}
     for group in base.param_groups:
         if "step" in group:
             group["step"] = step
@@ -187,7 +202,6 @@ def _load_deepspeed(engine, weights, moments, step, by_name) -> None:
         saved = by_name[ours["names"][0]] if ours["names"] else None
         if saved:
             group.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr", "betas", "eps", "weight_decay")})
-    del names
     if hasattr(zero, "update_lp_params") and not hasattr(zero, "fp16_partitioned_groups_flat"):
         zero.update_lp_params()  # ZeRO-1/2: the working weights from the fp32 masters
     else:  # ZeRO-3: each sub-group's partition from its fp32 master, as DeepSpeed's own loader does
@@ -195,6 +209,17 @@ def _load_deepspeed(engine, weights, moments, step, by_name) -> None:
             if flat is not None and zero.fp32_partitioned_groups_flat[i].numel():
                 flat.data.copy_(zero.fp32_partitioned_groups_flat[i].data)
                 zero._unflatten_partitioned_parameters(i)
+
+
+def _link_zero12_states(zero) -> None:
+    """ZeRO-1/2 links each parameter to its optimizer-state fragments once, right after the first
+    group's first step, so the parameters of every later group are left without (DeepSpeed 0.19:
+    `safe_get_full_optimizer_state` then fails with "exp_avg not found"). Link again, now that
+    every group has its state."""
+    if hasattr(zero, "_hp_optimizer_states_linked") and all(zero.optimizer.state[f] for f in
+                                                            zero.single_partition_of_fp32_groups):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
 
 
 def _trainable(module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -212,6 +237,11 @@ def _groups(module, param_groups) -> list[dict]:
     from .train import param_groups as build_groups
 
     built = build_groups(module, 0.0)
+    if len(built) != len(param_groups):
+        from .config import ToolkitError
+
+        raise ToolkitError(f"checkpoint: the optimizer holds {len(param_groups)} parameter groups where the toolkit "
+                           f"builds {len(built)}; its portable state cannot name them")
     names = {id(p): n for n, p in module.named_parameters()}
     return [{**{k: v for k, v in g.items() if k != "params"}, "names": [names[id(p)] for p in b["params"]]}
             for g, b in zip(param_groups, built)]

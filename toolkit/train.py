@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, checkpoint
-from .config import Recipe, ToolkitError, dump_recipe, load_recipe
+from . import backend, checkpoint, run_folder
+from .config import Recipe, ToolkitError
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, packing_is_isolated
 from .loss import token_loss_sum, use_token_loss
 from .model import DTYPES, apply_lora, isolation_probe, build_model, build_tokenizer, count_parameters
@@ -37,12 +36,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     accelerator = backend.make_accelerator(recipe, source)
     log = accelerator.print
     t = recipe.train
-    if accelerator.is_main_process and out.is_dir() and recipe.resume is not None:
-        for line in checkpoint.tidy(out):
-            log(f"checkpoints: {line}")
-    accelerator.wait_for_everyone()  # every rank then finds the same checkpoint
-    resume_from = checkpoint.find_resume(recipe.resume, out)
-    check_output_dir(out, recipe, resume_from)
+    resume_from = run_folder.open_run(accelerator, recipe)
 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
@@ -80,9 +74,10 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {world} processes)")
     state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.launch_kind(),
-                                    data_fingerprint=data.fingerprint, recipe=learning_relevant(recipe),
+                                    data_fingerprint=data.fingerprint, recipe=run_folder.learning_relevant(recipe),
                                     layout=backend.checkpoint_layout(accelerator))
-    moved = resume_from is not None and check_resumable(checkpoint.read_state(resume_from), state, resume_from)
+    if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
+        run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from)
     collate = Collator(tokenizer.pad_token_id, packed=packing)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
@@ -102,23 +97,16 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     backend.check_prepared(accelerator, model)
 
     if resume_from is not None:
-        saved = checkpoint.read_state(resume_from)
-        state = checkpoint.load(accelerator, resume_from, state, moved, model, optimizer, scheduler)
+        state = run_folder.resume(accelerator, resume_from, state, model, optimizer, scheduler)
         sampler.resume_at(state.step)
-        log(f"resumed from {resume_from} at step {state.step}" + (
-            f" (written by {saved.world_size} process(es) under {saved.layout or saved.launch}: its portable state)"
-            if moved else ""))
     summary = run_summary(recipe, accelerator, ds_config, rows=len(data.train), eval_rows=len(data.eval),
                           steps_per_epoch=sampler.steps_per_epoch, total_steps=total_steps)
     if accelerator.is_main_process:
         for line in summary:
             print(line if line.startswith("warning: ") else f"run: {line}", file=sys.stderr)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(dump_recipe(recipe))
-        write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resume_from, summary=summary)
-        keep_metrics_until(out / "metrics.jsonl", state.step if resume_from is not None else -1)
-        if base_weights is not None and not (out / "base-model").exists():
-            save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
+        run_folder.record_launch(recipe, state, ds_config, resume_from, summary)
+        if base_weights is not None:
+            run_folder.save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
     accelerator.wait_for_everyone()
     try:
         preemption.arm()  # from here a signal finishes the step and saves a checkpoint
@@ -299,10 +287,11 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only, never norms or biases."""
+    """Decay matrices only, never norms or biases (by the full shape: ZeRO-3 leaves each rank a flat part)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]  # DeepSpeed fails on an empty group (LoRA has no 1-D params)
 
 
@@ -329,165 +318,6 @@ def as_float(x) -> float:
     if hasattr(x, "full_tensor"):  # a DTensor from a sharded model
         x = x.full_tensor()
     return float(x)
-
-
-def check_output_dir(out: Path, recipe: Recipe, resume_from: Path | None = None) -> None:
-    """Refuse to write into earlier results unless resuming them or asked; with overwrite, clear
-    them first. A resume continues the run that wrote the checkpoint, from its newest checkpoint,
-    or starts a new run (an empty output_dir) from another run's checkpoint."""
-    if out.exists() and not out.is_dir():
-        raise ToolkitError(f"output_dir: {out} exists and is not a folder")
-    if resume_from is not None:
-        if resume_from.resolve().parent == checkpoint.checkpoint_dir(out).resolve():
-            newest = checkpoint.complete_checkpoints(out)[-1]
-            if newest.resolve() != resume_from.resolve():
-                raise ToolkitError(f"resume: {resume_from} is not the newest checkpoint of {out} ({newest.name} is); "
-                                   "continuing from it would replace the later ones. Resume from it into a new, "
-                                   "empty output_dir instead")
-        elif out.is_dir() and any(out.iterdir()):
-            raise ToolkitError(f"output_dir: {out} is not empty and resume={recipe.resume} is a checkpoint of "
-                               "another run; resume from it into an empty output_dir (a new run that continues "
-                               f"from that checkpoint), or use resume=auto to continue {out} itself")
-        return
-    if out.is_dir() and any(out.iterdir()):
-        if recipe.resume == "auto":
-            if never_checkpointed(out, recipe):
-                return  # killed before its first checkpoint: start again from step 0
-            raise ToolkitError(f"output_dir: {out} is not empty and has no complete checkpoint to resume from")
-        if not recipe.overwrite:
-            raise ToolkitError(f"output_dir: {out} is not empty; choose another folder, resume=auto to continue "
-                               "it, or overwrite=true")
-        if backend.is_main_rank():
-            shutil.rmtree(out)
-
-
-RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model"}
-
-
-def never_checkpointed(out: Path, recipe: Recipe) -> bool:
-    """A run of this same recipe that was killed before its first checkpoint was complete (no
-    final/, nothing but its own files): starting it again from step 0 loses nothing."""
-    if not {p.name for p in out.iterdir()} <= RUN_FILES or not (out / "config.yaml").is_file():
-        return False
-    try:
-        earlier = load_recipe(out / "config.yaml")
-    except ToolkitError:
-        return False
-    return learning_relevant(earlier) == learning_relevant(recipe)
-
-
-# Recipe fields that may change between a run and its resumption (they do not change what is learned;
-# train.loss and its chunk size change only the order of a sum's additions).
-# The global batch is compared on its own: micro_batch_size x gradient_accumulation_steps may be split
-# differently when the process count changes.
-RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
-                     "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
-                     "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size"}
-
-
-def learning_relevant(recipe: Recipe) -> dict:
-    """The recipe as a flat dict of dotted keys, without the fields a resumed run may change."""
-    flat = {}
-
-    def walk(node, prefix):
-        for k, v in node.items():
-            key = prefix + k
-            if key in RESUMABLE_CHANGES:
-                continue
-            if isinstance(v, dict):
-                walk(v, key + ".")
-            else:
-                flat[key] = v
-
-    walk(recipe.to_dict(), "")
-    return flat
-
-
-def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> bool:
-    """Resuming must continue the same run: same data, same recipe, same global batch. Returns
-    whether the checkpoint was written under another layout (another backend, sharding or process
-    count): then its portable state is loaded instead of the backend's own."""
-    moved = (saved.layout or now.layout) != now.layout or saved.world_size != now.world_size \
-        or saved.launch != now.launch
-    if moved and saved.global_batch != now.global_batch:
-        raise ToolkitError(
-            f"resume: {path} was trained with a global batch of {saved.global_batch} sequences and this launch makes "
-            f"{now.global_batch} (micro_batch_size x gradient_accumulation_steps x {now.world_size} processes); "
-            f"keep the global batch at {saved.global_batch}, splitting it differently if need be")
-    if moved and not (path / "portable").is_dir():
-        raise ToolkitError(
-            f"resume: {path} was written by {saved.world_size} process(es) under {saved.layout or saved.launch} "
-            f"without its portable state (checkpoint.portable=false, or an older toolkit); this launch is "
-            f"{now.world_size} under {now.layout}. Resume with the launch config and process count that wrote it")
-    if saved.data_fingerprint != now.data_fingerprint:
-        raise ToolkitError(f"resume: the training data changed since {path} was written "
-                           f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
-    for key in sorted(set(saved.recipe or {}) | set(now.recipe or {})):
-        before, after = (saved.recipe or {}).get(key), (now.recipe or {}).get(key)
-        if before != after:
-            raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
-                               "a resumed run must keep its recipe")
-    if saved.global_batch != now.global_batch:  # same layout: the sampler's batches would shift
-        raise ToolkitError(f"resume: {path} was trained with a global batch of {saved.global_batch} sequences and "
-                           f"this launch makes {now.global_batch}; keep it at {saved.global_batch}")
-    return moved
-
-
-def keep_metrics_until(path: Path, step: int) -> None:
-    """On resume, drop metric rows a killed run logged after its last checkpoint."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in rows))
-    tmp.replace(path)
-
-
-def write_manifest(path: Path, recipe: Recipe, state: checkpoint.TrainerState, ds_config: dict | None,
-                   resumed_from: Path | None, summary: list[str] = ()) -> None:
-    """What this run was: resolved configs, versions, commit, launch; one entry per launch."""
-    import importlib.metadata as md
-    import os
-    import platform
-    import subprocess
-
-    manifest = json.loads(path.read_text()) if path.exists() else {"launches": []}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    versions = {}
-    for name in ("toolkit", "torch", "accelerate", "deepspeed", "transformers", "peft", "datasets"):
-        try:
-            versions[name] = md.version(name)
-        except md.PackageNotFoundError:
-            versions[name] = None
-    manifest.update(recipe=recipe.to_dict(), global_batch_size=state.global_batch, world_size=state.world_size,
-                    dataset_fingerprint=state.data_fingerprint)
-    manifest["launches"].append({
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "launch": state.launch,
-        "world_size": state.world_size, "layout": state.layout, "summary": list(summary),
-        "resumed_from": str(resumed_from) if resumed_from else None,
-        "accelerate_env": {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))},
-        "deepspeed_config": ds_config, "versions": versions, "git_commit": commit, "python": platform.python_version(),
-        "host": platform.node()})
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, default=str))
-    tmp.replace(path)
-
-
-def save_preset_base(config, weights: dict, tokenizer, path: Path) -> None:
-    """The preset's initial weights as a Hugging Face folder (the base a LoRA adapter loads onto)."""
-    from transformers import LlamaForCausalLM
-
-    base = LlamaForCausalLM(config).to(next(iter(weights.values())).dtype)  # as loaded (model.dtype)
-    base.load_state_dict(weights)
-    tmp = path.with_name(path.name + ".tmp")  # complete or absent: a killed write is never taken for the base
-    shutil.rmtree(tmp, ignore_errors=True)
-    base.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(path)
 
 
 def injected_nonfinite_steps() -> set[int]:

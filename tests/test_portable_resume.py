@@ -1,0 +1,185 @@
+"""Resume anywhere: a checkpoint written under one backend and process count continues under
+another, through its portable state (`checkpoint/portable/`).
+
+Each case trains 8 steps under layout A with checkpoints every 2 steps, then starts a new run
+under layout B from A's step-4 checkpoint (same global batch: 8 sequences, split as micro 2 x
+accumulation 2 x 2 processes or micro 4 x 2 x 1). Right after the load, the test seam writes
+what B now holds, gathered again: weights and AdamW moments must be bitwise what A saved, and the
+AdamW step, learning rates and scheduler equal. Then B's losses from step 5 on must be those of an
+uninterrupted run under B within 1e-5 relative (the two differ only in the order of float sums).
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import (alpaca_rows, finish, load_weights, read_metrics, run_command, start, write_jsonl,
+                      write_recipe)
+from test_backends import launch_config_for
+from test_bad_input import snapshot
+
+STEPS, RESUME_AT = 8, 4
+LAYOUTS = {"single": None, "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3"}
+MOVES = [("ddp", "single", False), ("single", "ddp", False), ("single", "ddp", True), ("zero2", "zero3", False),
+         ("zero3", "fsdp", False), ("zero3", "fsdp", True), ("fsdp", "single", False),
+         ("single", "zero2", False)]  # ZeRO-2 holds no optimizer state before its first step: the load makes it
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("portable")
+    write_jsonl(d / "train.jsonl", alpaca_rows(48, seed=5))  # 6 steps per epoch: the resumed run crosses an epoch
+    write_jsonl(d / "eval.jsonl", alpaca_rows(6, seed=6))
+    return d
+
+
+def recipe(workdir, name, layout, lora, **train):
+    micro = 4 if layout == "single" else 2  # global batch 8 on one process and on two
+    return write_recipe(
+        workdir / f"{name}.yaml", output_dir=str(workdir / name), seed=3, model={"preset": "tiny-llama-mini"},
+        lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0} if lora else {"enabled": False},
+        data={"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+              "format": "alpaca", "max_seq_len": 96},
+        train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": STEPS, "learning_rate": 3e-3,
+               "warmup_steps": 2, "eval_every_steps": 3, "log_every_steps": 1, **train},
+        checkpoint={"every_steps": 2, "keep_last": 10})
+
+
+def command(workdir, layout, path, *overrides):
+    backend = LAYOUTS[layout]
+    if backend is None:
+        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_config_for(backend, workdir)),
+            "--num_processes", "2", "--main_process_port", "0", "-m", "toolkit", "train", str(path), *overrides]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir):
+    done = {}
+
+    def get(layout, lora):
+        name = f"ref_{layout}_{'lora' if lora else 'full'}"
+        if name not in done:
+            rc, _, err = finish(start(command(workdir, layout, recipe(workdir, name, layout, lora))))
+            assert rc == 0, err[-3000:]
+            done[name] = workdir / name
+        return done[name]
+
+    return get
+
+
+def losses(run):
+    return {r["step"]: (r.get("loss"), r.get("eval_loss")) for r in read_metrics(run)}
+
+
+@pytest.mark.parametrize("source,target,lora", MOVES,
+                         ids=[f"{a}-to-{b}-{'lora' if lora else 'full'}" for a, b, lora in MOVES])
+def test_resume_under_another_layout(source, target, lora, workdir, uninterrupted):
+    written = uninterrupted(source, lora)
+    saved = written / "checkpoints" / f"step-{RESUME_AT:06d}" / "portable"
+    name = f"{source}_to_{target}_{'lora' if lora else 'full'}"
+    seen = workdir / f"{name}_after_load"
+    rc, out, err = finish(start(command(workdir, target, recipe(workdir, name, target, lora), f"resume={saved.parent}"),
+                                env={"TOOLKIT_FAULT_PORTABLE_AFTER_LOAD": str(seen)}))
+    assert rc == 0, err[-3000:]
+    assert f"resumed from {saved.parent} at step {RESUME_AT} (written by" in out + err, (out + err)[-3000:]
+
+    # Right after the load: bitwise what was saved.
+    for part in ("weights", "moments"):
+        want, have = load_file(saved / f"{part}.safetensors"), load_file(seen / "portable" / f"{part}.safetensors")
+        assert want.keys() == have.keys() and want, part
+        assert all(torch.equal(want[k], have[k]) for k in want), [k for k in want if not torch.equal(want[k], have[k])]
+        assert any(v.abs().sum() > 0 for v in have.values())  # not a state that is zero everywhere
+    want, have = (json.loads((d / "state.json").read_text()) for d in (saved, seen / "portable"))
+    assert want["adam_step"] == have["adam_step"] == RESUME_AT
+    assert want["scheduler"]["state"] == have["scheduler"]["state"]
+    lrs = [{n: g["lr"] for g in s["param_groups"] for n in g["names"]} for s in (want, have)]
+    assert lrs[0] == lrs[1] and lrs[0]
+
+    # Then the run continues as one that was never moved.
+    reference = losses(uninterrupted(target, lora))
+    resumed = losses(workdir / name)
+    assert sorted(resumed) == list(range(RESUME_AT + 1, STEPS + 1))
+    for step, (loss, eval_loss) in resumed.items():
+        assert loss == pytest.approx(reference[step][0], rel=1e-5), (step, loss, reference[step])
+        if eval_loss is not None:
+            assert eval_loss == pytest.approx(reference[step][1], rel=1e-5), (step, eval_loss, reference[step])
+    a, b = load_weights(workdir / name / "final"), load_weights(uninterrupted(target, lora) / "final")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=k)  # as the backend matrix
+
+
+def test_another_global_batch_is_refused_in_one_line(workdir, uninterrupted):
+    written = uninterrupted("ddp", False) / "checkpoints" / f"step-{RESUME_AT:06d}"
+    before = snapshot(written.parent.parent)
+    path = recipe(workdir, "other_batch", "single", False, micro_batch_size=2)
+    rc, _, err = finish(start(command(workdir, "single", path, f"resume={written}")))
+    assert rc == 2, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: resume:") and "global batch of 8" in line and " 4 " in line, line
+    assert "Traceback" not in err and not (workdir / "other_batch").exists()
+    assert snapshot(written.parent.parent) == before
+
+
+# ----------------------------------------------------------------------------- toolkit checkpoint convert
+
+
+def convert(*args):
+    return run_command([sys.executable, "-m", "toolkit", "checkpoint", "convert", *map(str, args)])
+
+
+def test_convert_a_zero3_checkpoint_to_a_plain_folder(workdir, uninterrupted):
+    """The last checkpoint of a 2-process ZeRO-3 run, converted by one process: the weights of its
+    final/ bit for bit, in a folder transformers loads alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = uninterrupted("zero3", False)
+    out = workdir / "zero3_converted"
+    proc = convert(run / "checkpoints" / f"step-{STEPS:06d}", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, have = load_weights(run / "final"), load_weights(out)
+    assert want.keys() == have.keys() and want
+    assert all(torch.equal(want[k], have[k]) for k in want), [k for k in want if not torch.equal(want[k], have[k])]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(run / "final").chat_template
+    assert torch.equal(model.state_dict()["model.norm.weight"], want["model.norm.weight"])
+
+    again = convert(run / "checkpoints" / f"step-{STEPS:06d}", "--out", out)  # never over earlier results
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith("error: checkpoint convert: --out")
+    assert load_weights(out).keys() == want.keys()
+
+
+def test_convert_a_lora_checkpoint_to_its_adapter_and_to_a_merged_model(workdir, uninterrupted):
+    run = uninterrupted("fsdp", True)
+    step = run / "checkpoints" / f"step-{STEPS:06d}"
+    proc = convert(step, "--out", workdir / "fsdp_adapter", "--adapter")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, have = load_weights(run / "final"), load_weights(workdir / "fsdp_adapter")
+    assert want.keys() == have.keys() and want and all(torch.equal(want[k], have[k]) for k in want)
+    proc = convert(step, "--out", workdir / "fsdp_merged")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max |logit difference|" in proc.stdout and (workdir / "fsdp_merged" / "config.json").is_file(), proc.stdout
+    assert not (workdir / "fsdp_merged.tmp").exists()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(workdir / "fsdp_merged")
+
+
+def test_a_checkpoint_without_its_portable_state_is_refused_in_one_line(workdir):
+    path = recipe(workdir, "not_portable", "single", False, max_steps=2)
+    rc, _, err = finish(start(command(workdir, "single", path, "checkpoint.portable=false")))
+    assert rc == 0, err[-3000:]
+    step = workdir / "not_portable" / "checkpoints" / "step-000002"
+    assert not (step / "portable").exists()
+    proc = convert(step, "--out", workdir / "not_portable_out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: checkpoint convert:") and "portable" in proc.stderr
+    assert not (workdir / "not_portable_out").exists()
+    # ... and so is a resume of it under another layout.
+    moved = recipe(workdir, "not_portable_moved", "ddp", False, max_steps=2)
+    rc, _, err = finish(start(command(workdir, "ddp", moved, f"resume={step}")))
+    assert rc != 0 and "without its portable state" in err, err[-3000:]

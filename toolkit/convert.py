@@ -1,0 +1,125 @@
+"""`toolkit checkpoint convert CHECKPOINT --out DIR`: the weights of a training checkpoint at its
+step, for use outside the toolkit, whatever backend and process count wrote it.
+
+It reads the checkpoint's portable state (`portable/weights.safetensors`: the full fp32 trainable
+weights by name) and the run's recipe (`RUN/config.yaml`), builds the model the recipe builds
+(its frozen weights from the base, as a resumed run does) and writes:
+- full fine-tuning: a plain Hugging Face folder (safetensors, config, generation config, tokenizer);
+- LoRA: the adapter merged into its base (through `toolkit merge`, logits checked), or with
+  `--adapter` the adapter folder itself, as `final/` holds it.
+What is written is read back and compared with the checkpoint's tensors before DIR appears; DIR is
+complete or absent, and a non-empty DIR is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from .config import ToolkitError
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("action", choices=["convert"], help="convert: the checkpoint's weights as a Hugging Face folder")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a complete checkpoint folder (RUN/checkpoints/step-N)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write; must not exist or be empty")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="dtype of the written weights (default: the recipe's model.dtype)")
+    p.add_argument("--adapter", action="store_true",
+                   help="LoRA runs: write the adapter folder instead of merging it into its base")
+
+
+def run(args) -> int:
+    from . import checkpoint
+    from .config import load_recipe
+
+    source, out = Path(args.checkpoint), Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ToolkitError(f"checkpoint convert: --out {out} exists and is not empty; choose another folder "
+                           "(earlier results are never overwritten)")
+    if not source.is_dir():
+        raise ToolkitError(f"checkpoint convert: {source}: folder not found")
+    if not checkpoint.is_complete(source):
+        raise ToolkitError(f"checkpoint convert: {source} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
+    portable = source / "portable" / "weights.safetensors"
+    if not portable.is_file():
+        raise ToolkitError(f"checkpoint convert: {source} has no portable state (written with "
+                           "checkpoint.portable=false or by an older toolkit); resume it with the launch that wrote it "
+                           "and let it checkpoint again, or use its final/")
+    run_dir = source.resolve().parent.parent
+    recipe = load_recipe(run_dir / "config.yaml")
+    dtype = args.dtype or recipe.model.dtype
+    if args.adapter and not recipe.lora.enabled:
+        raise ToolkitError(f"checkpoint convert: --adapter is for LoRA runs; {run_dir} fine-tunes the full model")
+    tmp = out.with_name(out.name + ".tmp")  # a convert killed midway left it: ours to replace
+    shutil.rmtree(tmp, ignore_errors=True)
+    step = checkpoint.read_state(source).step
+    print(f"checkpoint convert: step {step} of {run_dir} ({'LoRA' if recipe.lora.enabled else 'full'}), "
+          f"from {portable.relative_to(source)}")
+    if recipe.lora.enabled and not args.adapter:
+        from . import merge
+
+        adapter = out.with_name(out.name + ".adapter.tmp")  # merge writes DIR.tmp itself
+        shutil.rmtree(adapter, ignore_errors=True)
+        write(recipe, run_dir, portable, adapter, dtype)
+        try:
+            merge.run(argparse.Namespace(adapter=str(adapter), out=str(out), dtype=args.dtype, base=None,
+                                         skip_check=False))
+        finally:
+            shutil.rmtree(adapter, ignore_errors=True)
+        return 0
+    write(recipe, run_dir, portable, tmp, dtype)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    tmp.rename(out)
+    print(f"converted: {out}")
+    return 0
+
+
+def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> None:
+    """The recipe's model with the checkpoint's trainable weights, saved to `folder` and read back."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .model import DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer
+    from .verify import first_mismatch
+
+    weights = load_file(str(portable))
+    tokenizer = build_tokenizer(recipe.model)
+    model = build_model(recipe.model, TORCH_DTYPES[recipe.model.dtype], TORCH_DTYPES[recipe.train.precision])
+    if recipe.lora.enabled:
+        model = apply_lora(model, recipe.lora)
+        base = run_dir / "base-model" if recipe.model.preset is not None else None
+        if base is not None:
+            if not (base / "config.json").is_file():
+                raise ToolkitError(f"checkpoint convert: {base} is missing; a preset LoRA run keeps its base there")
+            model.peft_config["default"].base_model_name_or_path = str(base)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if sorted(trainable) != sorted(weights):
+        missing, extra = sorted(set(trainable) - set(weights)), sorted(set(weights) - set(trainable))
+        raise ToolkitError(f"checkpoint convert: {portable} holds other weights than {run_dir / 'config.yaml'} builds "
+                           f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, value in weights.items():
+            params[name].copy_(value)
+    model.config.use_cache = True  # gradient checkpointing turned it off for training only
+    try:
+        if recipe.lora.enabled:
+            from peft.utils import get_peft_model_state_dict
+
+            model.save_pretrained(folder, safe_serialization=True)
+            expected = get_peft_model_state_dict(model)
+        else:
+            model = model.to(TORCH_DTYPES[dtype])
+            model.save_pretrained(folder, safe_serialization=True)
+            expected = {k: v.to(TORCH_DTYPES[dtype]) for k, v in weights.items()}
+        tokenizer.save_pretrained(folder)
+    except OSError as e:
+        raise ToolkitError(f"checkpoint convert: cannot write {folder}: {e.strerror or e}") from None
+    problem = first_mismatch(folder, expected)
+    if problem:
+        raise ToolkitError(f"checkpoint convert: {problem}; {folder} was not moved into place")

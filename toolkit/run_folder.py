@@ -1,0 +1,216 @@
+"""The run folder: when a run may write into `output_dir`, which checkpoint it continues from,
+whether that checkpoint fits this launch, and the files that record each launch.
+
+`output_dir/` holds `config.yaml` (the resolved recipe), `manifest.json` (one entry per launch),
+`metrics.jsonl`, `checkpoints/step-N/` (see checkpoint.py), `base-model/` (a preset's weights,
+for a LoRA run) and `final/`. Every resume decision is made here, before anything is written:
+
+- `resume=auto` continues `output_dir` from its newest complete checkpoint (or starts again when a
+  run of the same recipe was killed before its first one); a checkpoint path continues into an
+  empty `output_dir`; anything else that would write over earlier results is refused.
+- A checkpoint written by the same launch layout loads the backend's own sharded state (bitwise
+  resume). One written under another backend or process count loads its portable state, as long
+  as the global batch is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import checkpoint
+from .backend import is_main_rank
+from .config import Recipe, ToolkitError, dump_recipe, load_recipe
+
+RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model"}
+# Recipe fields that may change between a run and its resumption (they do not change what is learned;
+# train.loss and its chunk size change only the order of a sum's additions). The global batch is
+# compared on its own: micro_batch_size x gradient_accumulation_steps x processes may be split differently.
+RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
+                     "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
+                     "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size"}
+
+
+def open_run(accelerator, recipe: Recipe) -> Path | None:
+    """Tidy what a killed save left, find the checkpoint to resume from (None: a fresh start) and
+    check that `output_dir` may be written (cleared first under overwrite=true). Every rank."""
+    out = Path(recipe.output_dir)
+    if accelerator.is_main_process and out.is_dir() and recipe.resume is not None:
+        for line in checkpoint.tidy(out):
+            accelerator.print(f"checkpoints: {line}")
+    accelerator.wait_for_everyone()  # every rank then finds the same checkpoint
+    resume_from = checkpoint.find_resume(recipe.resume, out)
+    check_output_dir(out, recipe, resume_from)
+    return resume_from
+
+
+def check_output_dir(out: Path, recipe: Recipe, resume_from: Path | None = None) -> None:
+    """Refuse to write into earlier results unless resuming them or asked; with overwrite, clear
+    them first. A resume continues the run that wrote the checkpoint, from its newest checkpoint,
+    or starts a new run (an empty output_dir) from another run's checkpoint."""
+    if out.exists() and not out.is_dir():
+        raise ToolkitError(f"output_dir: {out} exists and is not a folder")
+    if resume_from is not None:
+        if resume_from.resolve().parent == checkpoint.checkpoint_dir(out).resolve():
+            newest = checkpoint.complete_checkpoints(out)[-1]
+            if newest.resolve() != resume_from.resolve():
+                raise ToolkitError(f"resume: {resume_from} is not the newest checkpoint of {out} ({newest.name} is); "
+                                   "continuing from it would replace the later ones. Resume from it into a new, "
+                                   "empty output_dir instead")
+        elif out.is_dir() and any(out.iterdir()):
+            raise ToolkitError(f"output_dir: {out} is not empty and resume={recipe.resume} is a checkpoint of "
+                               "another run; resume from it into an empty output_dir (a new run that continues "
+                               f"from that checkpoint), or use resume=auto to continue {out} itself")
+        return
+    if out.is_dir() and any(out.iterdir()):
+        if recipe.resume == "auto":
+            if never_checkpointed(out, recipe):
+                return  # killed before its first checkpoint: start again from step 0
+            raise ToolkitError(f"output_dir: {out} is not empty and has no complete checkpoint to resume from")
+        if not recipe.overwrite:
+            raise ToolkitError(f"output_dir: {out} is not empty; choose another folder, resume=auto to continue "
+                               "it, or overwrite=true")
+        if is_main_rank():
+            shutil.rmtree(out)
+
+
+def never_checkpointed(out: Path, recipe: Recipe) -> bool:
+    """A run of this same recipe that was killed before its first checkpoint was complete (no
+    final/, nothing but its own files): starting it again from step 0 loses nothing."""
+    if not {p.name for p in out.iterdir()} <= RUN_FILES or not (out / "config.yaml").is_file():
+        return False
+    try:
+        earlier = load_recipe(out / "config.yaml")
+    except ToolkitError:
+        return False
+    return learning_relevant(earlier) == learning_relevant(recipe)
+
+
+def learning_relevant(recipe: Recipe) -> dict:
+    """The recipe as a flat dict of dotted keys, without the fields a resumed run may change."""
+    flat = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            key = prefix + k
+            if key in RESUMABLE_CHANGES:
+                continue
+            if isinstance(v, dict):
+                walk(v, key + ".")
+            else:
+                flat[key] = v
+
+    walk(recipe.to_dict(), "")
+    return flat
+
+
+def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> bool:
+    """Resuming must continue the same run: same data, same recipe, same global batch. Returns
+    whether the checkpoint was written under another layout (another backend, sharding or process
+    count): then its portable state is loaded instead of the backend's own."""
+    moved = (saved.layout or now.layout) != now.layout or saved.world_size != now.world_size \
+        or saved.launch != now.launch
+    if saved.global_batch != now.global_batch:  # the sampler's batches would shift
+        raise ToolkitError(
+            f"resume: {path} was trained with a global batch of {saved.global_batch} sequences and this launch makes "
+            f"{now.global_batch} (micro_batch_size x gradient_accumulation_steps x {now.world_size} process"
+            f"{'es' if now.world_size > 1 else ''}); keep it at {saved.global_batch}, split differently if need be")
+    if moved and not (path / "portable").is_dir():
+        raise ToolkitError(
+            f"resume: {path} was written by {saved.world_size} process(es) under {saved.layout or saved.launch} "
+            f"without its portable state (checkpoint.portable=false, or an older toolkit); this launch is "
+            f"{now.world_size} under {now.layout}. Resume with the launch config and process count that wrote it")
+    if saved.data_fingerprint != now.data_fingerprint:
+        raise ToolkitError(f"resume: the training data changed since {path} was written "
+                           f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
+    for key in sorted(set(saved.recipe or {}) | set(now.recipe or {})):
+        before, after = (saved.recipe or {}).get(key), (now.recipe or {}).get(key)
+        if before != after:
+            raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
+                               "a resumed run must keep its recipe")
+    return moved
+
+
+def resume(accelerator, path: Path, now: checkpoint.TrainerState, model, optimizer, scheduler) -> checkpoint.TrainerState:
+    """Load checkpoint `path` into the prepared objects (its own layout's state, or the portable
+    state when it was written under another) and return the counters to continue from."""
+    saved = checkpoint.read_state(path)
+    moved = check_resumable(saved, now, path)
+    state = checkpoint.load(accelerator, path, now, moved, model, optimizer, scheduler)
+    accelerator.print(f"resumed from {path} at step {state.step}" + (
+        f" (written by {saved.world_size} process(es) under {saved.layout or saved.launch}: its portable state)"
+        if moved else ""))
+    return state
+
+
+def record_launch(recipe: Recipe, state: checkpoint.TrainerState, ds_config: dict | None, resumed_from: Path | None,
+                  summary: list[str]) -> None:
+    """Main process, before the first step: the resolved recipe, this launch's manifest entry, and
+    on resume the metrics a killed run logged after its checkpoint dropped."""
+    out = Path(recipe.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_recipe(recipe))
+    write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resumed_from, summary=summary)
+    keep_metrics_until(out / "metrics.jsonl", state.step if resumed_from is not None else -1)
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On resume, drop metric rows a killed run logged after its last checkpoint."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in rows))
+    tmp.replace(path)
+
+
+def write_manifest(path: Path, recipe: Recipe, state: checkpoint.TrainerState, ds_config: dict | None,
+                   resumed_from: Path | None, summary: list[str] = ()) -> None:
+    """What this run was: resolved configs, versions, commit, launch; one entry per launch."""
+    import importlib.metadata as md
+    import os
+    import platform
+    import subprocess
+
+    manifest = json.loads(path.read_text()) if path.exists() else {"launches": []}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {}
+    for name in ("toolkit", "torch", "accelerate", "deepspeed", "transformers", "peft", "datasets"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    manifest.update(recipe=recipe.to_dict(), global_batch_size=state.global_batch, world_size=state.world_size,
+                    dataset_fingerprint=state.data_fingerprint)
+    manifest["launches"].append({
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "launch": state.launch,
+        "world_size": state.world_size, "layout": state.layout, "summary": list(summary),
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "accelerate_env": {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))},
+        "deepspeed_config": ds_config, "versions": versions, "git_commit": commit, "python": platform.python_version(),
+        "host": platform.node()})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, default=str))
+    tmp.replace(path)
+
+
+def save_preset_base(config, weights: dict, tokenizer, path: Path) -> None:
+    """The preset's initial weights as a Hugging Face folder (the base a LoRA adapter loads onto)."""
+    from transformers import LlamaForCausalLM
+
+    if path.exists():
+        return
+    base = LlamaForCausalLM(config).to(next(iter(weights.values())).dtype)  # as loaded (model.dtype)
+    base.load_state_dict(weights)
+    tmp = path.with_name(path.name + ".tmp")  # complete or absent: a killed write is never taken for the base
+    shutil.rmtree(tmp, ignore_errors=True)
+    base.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
