@@ -183,3 +183,41 @@ def test_a_checkpoint_without_its_portable_state_is_refused_in_one_line(workdir)
     moved = recipe(workdir, "not_portable_moved", "ddp", False, max_steps=2)
     rc, _, err = finish(start(command(workdir, "ddp", moved, f"resume={step}")))
     assert rc != 0 and "without its portable state" in err, err[-3000:]
+
+
+# ----------------------------------------------------------------------------- resume_new_global_batch
+
+
+def test_a_new_global_batch_continues_at_the_samples_seen():
+    """The sampler of a launch with another global batch, resumed at a checkpoint's data position,
+    yields exactly the samples the old one had not yet given, in the same order."""
+    from toolkit.data import EpochSampler
+
+    old = EpochSampler(48, 8, seed=3)
+    order = []
+    for epoch in range(2):
+        old.set_epoch(epoch)
+        order += list(old)
+    for global_batch, offset, first_epoch in ((4, 32, order[32:48]), (5, 32, order[32:42]), (16, 40, [])):
+        new = EpochSampler(48, global_batch, seed=3)
+        new.resume_at(0, offset)  # 4 steps of 8 seen (5 of 8 for the last case)
+        new.set_epoch(0)
+        assert list(new) == first_epoch and new.steps_in(0) * global_batch == len(first_epoch)
+        new.set_epoch(1)
+        assert list(new) == order[48:48 + 48 // global_batch * global_batch]
+
+
+def test_resume_new_global_batch_continues_by_samples_and_optimizer_steps(workdir, uninterrupted):
+    written = uninterrupted("single", False) / "checkpoints" / f"step-{RESUME_AT:06d}"
+    path = recipe(workdir, "new_batch", "single", False, micro_batch_size=2)  # global batch 4 instead of 8
+    rc, out, err = finish(start(command(workdir, "single", path, f"resume={written}", "resume_new_global_batch=true")))
+    assert rc == 0, err[-3000:]
+    assert "resume: global batch 8 -> 4 (resume_new_global_batch): the data continues at sample 32 of epoch 0, " \
+           "the schedule at optimizer step 4" in out + err, (out + err)[-3000:]
+    rows = {r["step"]: r for r in read_metrics(workdir / "new_batch")}
+    assert sorted(rows) == [5, 6, 7, 8]  # the schedule's length is this recipe's: max_steps 8
+    assert [rows[s]["epoch"] for s in (5, 6, 7, 8)] == [0.75, 0.8333, 0.9167, 1.0]  # 4 samples a step from 32 of 48
+    reference = {r["step"]: r for r in read_metrics(uninterrupted("single", False))}
+    assert [rows[s]["lr"] for s in (5, 6, 7, 8)] == [reference[s]["lr"] for s in (5, 6, 7, 8)]
+    state = json.loads((workdir / "new_batch" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["data_position"] == [0, 40] and state["global_batch"] == 4

@@ -18,7 +18,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,8 @@ class TrainerState:
     recipe: dict | None = None
     layout: str = ""
     """How the training state is sharded on disk (backend.checkpoint_layout); empty in old checkpoints."""
+    data_position: list[int] = field(default_factory=lambda: [0, 0])
+    """[epoch, samples of its permutation seen]; older checkpoints lack it (then: from step x global batch)."""
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -116,8 +118,14 @@ def tidy(output_dir: Path) -> list[str]:
     return done
 
 
-def read_state(path: Path) -> TrainerState:
-    return TrainerState(**json.loads((Path(path) / STATE).read_text()))
+def read_state(path: Path, rows: int | None = None) -> TrainerState:
+    """A checkpoint's counters; `rows` (the training set's size) places an older checkpoint, which
+    did not record its data position, in its epoch."""
+    fields = json.loads((Path(path) / STATE).read_text())
+    if "data_position" not in fields and rows:
+        per_epoch = rows // fields["global_batch"]
+        fields["data_position"] = [fields["step"] // per_epoch, fields["step"] % per_epoch * fields["global_batch"]]
+    return TrainerState(**fields)
 
 
 def save(accelerator, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> None:
@@ -202,7 +210,8 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
 
 
-def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimizer, scheduler) -> TrainerState:
+def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimizer, scheduler,
+         rows: int | None = None) -> TrainerState:
     """Restore what `save` wrote, on every rank, including this rank's RNG states; returns its
     counters with this launch's facts (`now`: process count, layout, recipe). `moved`: the
     checkpoint was written under another layout (backend or process count): the portable state
@@ -225,9 +234,9 @@ def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimiz
         raise ToolkitError(f"resume: {path} has no RNG state for rank {accelerator.process_index}")
     with open(rng, "rb") as f:
         set_rng_states(pickle.load(f))
-    saved = read_state(path)
+    saved = read_state(path, rows)
     return replace(now, step=saved.step, tokens_seen=saved.tokens_seen, skipped_steps=saved.skipped_steps,
-                   nonfinite_in_a_row=saved.nonfinite_in_a_row)
+                   nonfinite_in_a_row=saved.nonfinite_in_a_row, data_position=saved.data_position)
 
 
 def _loss_scale(accelerator, model):

@@ -170,6 +170,10 @@ class Recipe:
     resume: Optional[str] = None
     """`auto`: continue from the latest complete checkpoint in output_dir (start fresh if none);
     or the path of a checkpoint (or of a run folder) to continue from."""
+    resume_new_global_batch: bool = False
+    """Let a resume change the global batch (micro_batch_size x gradient_accumulation_steps x
+    processes): the data continues at the samples the checkpoint had seen, the schedule at its
+    optimizer step (its length from this recipe). Off: another global batch is refused."""
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)

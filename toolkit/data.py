@@ -611,23 +611,28 @@ class EpochSampler(Sampler[int]):
     def __init__(self, n: int, global_batch: int, seed: int):
         self.n, self.global_batch, self.seed, self.epoch = n, global_batch, seed, 0
         self.steps_per_epoch = n // global_batch
-        self.resume_step = 0
+        self.resume_epoch, self.resume_offset = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def resume_at(self, step: int) -> None:
-        """Continue after `step` optimizer steps: the first epoch iterated from here on starts
-        with that step's position in its permutation (no batch repeated or skipped)."""
-        self.resume_step = step
+    def resume_at(self, epoch: int, offset: int) -> None:
+        """Continue from sample `offset` of `epoch`'s permutation (the samples a checkpoint had
+        seen): the first epoch iterated from here on starts there, no sample repeated or skipped.
+        An offset that is not a whole number of this launch's global batches (the global batch
+        was changed on resume) ends that epoch at the last whole global batch."""
+        self.resume_epoch, self.resume_offset = epoch, offset
+
+    def steps_in(self, epoch: int) -> int:
+        """Optimizer steps (whole global batches) this sampler yields in `epoch`."""
+        start = self.resume_offset if epoch == self.resume_epoch else 0
+        return max(0, self.steps_per_epoch * self.global_batch - start) // self.global_batch
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(self.n, generator=g)[: self.steps_per_epoch * self.global_batch]
-        start = 0
-        if self.steps_per_epoch and self.epoch == self.resume_step // self.steps_per_epoch:
-            start = (self.resume_step % self.steps_per_epoch) * self.global_batch
-        return iter(perm[start:].tolist())
+        start = self.resume_offset if self.epoch == self.resume_epoch else 0
+        return iter(perm[start: start + self.steps_in(self.epoch) * self.global_batch].tolist())
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.global_batch

@@ -29,7 +29,7 @@ RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "ba
 # Recipe fields that may change between a run and its resumption (they do not change what is learned;
 # train.loss and its chunk size change only the order of a sum's additions). The global batch is
 # compared on its own: micro_batch_size x gradient_accumulation_steps x processes may be split differently.
-RESUMABLE_CHANGES = {"output_dir", "resume", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
+RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
                      "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
                      "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size"}
 
@@ -107,17 +107,20 @@ def learning_relevant(recipe: Recipe) -> dict:
     return flat
 
 
-def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path) -> bool:
-    """Resuming must continue the same run: same data, same recipe, same global batch. Returns
-    whether the checkpoint was written under another layout (another backend, sharding or process
-    count): then its portable state is loaded instead of the backend's own."""
+def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path,
+                    new_global_batch: bool = False) -> bool:
+    """Resuming must continue the same run: same data, same recipe, same global batch (unless
+    `new_global_batch`: resume_new_global_batch=true). Returns whether the checkpoint was written
+    under another layout (another backend, sharding or process count): then its portable state is
+    loaded instead of the backend's own."""
     moved = (saved.layout or now.layout) != now.layout or saved.world_size != now.world_size \
         or saved.launch != now.launch
-    if saved.global_batch != now.global_batch:  # the sampler's batches would shift
+    if saved.global_batch != now.global_batch and not new_global_batch:  # the sampler's batches would shift
         raise ToolkitError(
             f"resume: {path} was trained with a global batch of {saved.global_batch} sequences and this launch makes "
             f"{now.global_batch} (micro_batch_size x gradient_accumulation_steps x {now.world_size} process"
-            f"{'es' if now.world_size > 1 else ''}); keep it at {saved.global_batch}, split differently if need be")
+            f"{'es' if now.world_size > 1 else ''}); keep it at {saved.global_batch}, split differently if need be, "
+            "or set resume_new_global_batch=true to continue at the samples seen with the new one")
     if moved and not (path / "portable").is_dir():
         raise ToolkitError(
             f"resume: {path} was written by {saved.world_size} process(es) under {saved.layout or saved.launch} "
@@ -134,15 +137,21 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
     return moved
 
 
-def resume(accelerator, path: Path, now: checkpoint.TrainerState, model, optimizer, scheduler) -> checkpoint.TrainerState:
+def resume(accelerator, path: Path, now: checkpoint.TrainerState, model, optimizer, scheduler, recipe: Recipe,
+           rows: int) -> checkpoint.TrainerState:
     """Load checkpoint `path` into the prepared objects (its own layout's state, or the portable
     state when it was written under another) and return the counters to continue from."""
-    saved = checkpoint.read_state(path)
-    moved = check_resumable(saved, now, path)
-    state = checkpoint.load(accelerator, path, now, moved, model, optimizer, scheduler)
+    saved = checkpoint.read_state(path, rows)
+    moved = check_resumable(saved, now, path, recipe.resume_new_global_batch)
+    state = checkpoint.load(accelerator, path, now, moved, model, optimizer, scheduler, rows)
     accelerator.print(f"resumed from {path} at step {state.step}" + (
         f" (written by {saved.world_size} process(es) under {saved.layout or saved.launch}: its portable state)"
         if moved else ""))
+    if saved.global_batch != now.global_batch:
+        epoch, seen = state.data_position
+        accelerator.print(f"resume: global batch {saved.global_batch} -> {now.global_batch} "
+                          f"(resume_new_global_batch): the data continues at sample {seen} of epoch {epoch}, "
+                          f"the schedule at optimizer step {state.step}")
     return state
 
 

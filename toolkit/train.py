@@ -77,7 +77,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
                                     data_fingerprint=data.fingerprint, recipe=run_folder.learning_relevant(recipe),
                                     layout=backend.checkpoint_layout(accelerator))
     if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
-        run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from)
+        run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
     collate = Collator(tokenizer.pad_token_id, packed=packing)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
@@ -97,8 +97,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     backend.check_prepared(accelerator, model)
 
     if resume_from is not None:
-        state = run_folder.resume(accelerator, resume_from, state, model, optimizer, scheduler)
-        sampler.resume_at(state.step)
+        state = run_folder.resume(accelerator, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
+        sampler.resume_at(*state.data_position)
     summary = run_summary(recipe, accelerator, ds_config, rows=len(data.train), eval_rows=len(data.eval),
                           steps_per_epoch=sampler.steps_per_epoch, total_steps=total_steps)
     if accelerator.is_main_process:
@@ -111,7 +111,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     try:
         preemption.arm()  # from here a signal finishes the step and saves a checkpoint
         last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe, state,
-                   total_steps=total_steps, steps_per_epoch=sampler.steps_per_epoch, run_dir=out, preemption=preemption,
+                   total_steps=total_steps, sampler=sampler, run_dir=out, preemption=preemption,
                    samples=samples)
     except TrainingStopped:
         backend.teardown(accelerator)  # every rank agreed to stop at the same step
@@ -125,11 +125,12 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
 
 
 def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
-        state: checkpoint.TrainerState, *, total_steps: int, steps_per_epoch: int, run_dir: Path,
+        state: checkpoint.TrainerState, *, total_steps: int, sampler, run_dir: Path,
         preemption: Preemption, samples: Samples) -> dict:
     t = recipe.train
     metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
-    batches = global_batches(train_loader, steps_per_epoch, t.gradient_accumulation_steps, start_step=state.step)
+    batches = global_batches(train_loader, sampler, t.gradient_accumulation_steps)
+    per_epoch = sampler.steps_per_epoch * sampler.global_batch  # samples an epoch trains on
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
     faults = injected_nonfinite_steps()
     row = {}
@@ -148,7 +149,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
     try:
         for step in range(state.step + 1, total_steps + 1):
             started = time.perf_counter()
-            epoch, micro_batches = next(batches)
+            epoch, seen, micro_batches = next(batches)
             micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
             # Exact accumulation: every target token of the global batch (all micro-batches, all ranks)
             # weighs the same, so the loss is a sum divided by the global count of target tokens.
@@ -187,12 +188,12 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                                                      device=accelerator.device)]), reduction="sum").tolist()
             loss, stop_requested = totals[0] / n_targets, totals[1] > 0
             scale_now = backend.loss_scale(accelerator, model)
-            state.step, state.tokens_seen = step, state.tokens_seen + n_tokens
+            state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
             state.skipped_steps += not applied
             diverging = counts_toward_stop(loss, grad_norm, scale_now, applied)
             state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if diverging else 0
             elapsed = time.perf_counter() - started
-            row = {"step": step, "epoch": round(epoch + ((step - 1) % steps_per_epoch + 1) / steps_per_epoch, 4),
+            row = {"step": step, "epoch": round(epoch + seen / per_epoch, 4),
                    "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
                    "tokens_per_second": n_tokens / elapsed, "skipped_steps": state.skipped_steps,
                    "loss_scale": scale_now, "time": round(time.time(), 3)}
@@ -243,16 +244,17 @@ def evaluate(accelerator, model, eval_loader) -> float | None:
     return (totals[0] / totals[1]).item()
 
 
-def global_batches(loader, steps_per_epoch: int, accumulation: int, start_step: int = 0):
-    """Yield (epoch, the micro-batches of one optimizer step), epoch after epoch, from the
-    optimizer step after `start_step` (the sampler starts its epoch at the same place)."""
-    epoch, skip = divmod(start_step, steps_per_epoch)
+def global_batches(loader, sampler, accumulation: int):
+    """Yield (epoch, samples of that epoch seen after this step, the micro-batches of one optimizer
+    step), epoch after epoch, from the sampler's resume position."""
+    epoch = sampler.resume_epoch
     while True:
         loader.set_epoch(epoch)
         it = iter(loader)
-        for _ in range(steps_per_epoch - skip):
-            yield epoch, [next(it) for _ in range(accumulation)]
-        epoch, skip = epoch + 1, 0
+        start = sampler.resume_offset if epoch == sampler.resume_epoch else 0
+        for i in range(sampler.steps_in(epoch)):
+            yield epoch, start + (i + 1) * sampler.global_batch, [next(it) for _ in range(accumulation)]
+        epoch += 1
 
 
 def count_input_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
