@@ -188,16 +188,18 @@ def test_manifest_records_recipe_versions_launch(main_run, by_path, preempted):
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_resume_under_another_process_count_is_refused(work, main_run):
-    """A 1-process checkpoint resumed by 2 DDP processes: the toolkit's one line (worker exit
-    code 2, as torchrun reports it), no traceback of the toolkit's, the run folder untouched."""
+def test_resume_under_another_process_count_and_global_batch_is_refused(work, main_run):
+    """A 1-process checkpoint resumed by 2 DDP processes with the same micro-batch, so twice the
+    global batch: the toolkit's one line naming both values (worker exit code 2, as torchrun
+    reports it), no traceback of the toolkit's, the run folder untouched. (With the same global
+    batch it continues: tests/test_portable_resume.py.)"""
     before = snapshot(main_run)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m"]
     proc = run_toolkit("train", work / "main.yaml", "resume=auto", launcher=launcher, timeout=600)
     error = user_error_line(proc, launched=True)
-    assert error.startswith(f"error: resume: {main_run / 'checkpoints' / 'step-000010'} holds a single process "
-                            "training state and this launch is DDP"), error
+    assert error.startswith(f"error: resume: {main_run / 'checkpoints' / 'step-000010'} was trained with a global "
+                            "batch of 8 sequences and this launch makes 16"), error
     assert snapshot(main_run) == before
 
 
