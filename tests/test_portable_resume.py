@@ -63,8 +63,9 @@ def uninterrupted(workdir):
     def get(layout, lora):
         name = f"ref_{layout}_{'lora' if lora else 'full'}"
         if name not in done:
-            rc, _, err = finish(start(command(workdir, layout, recipe(workdir, name, layout, lora))))
+            rc, out, err = finish(start(command(workdir, layout, recipe(workdir, name, layout, lora))))
             assert rc == 0, err[-3000:]
+            (workdir / name / "train.log").write_text(out + err)
             done[name] = workdir / name
         return done[name]
 
@@ -221,3 +222,29 @@ def test_resume_new_global_batch_continues_by_samples_and_optimizer_steps(workdi
     assert [rows[s]["lr"] for s in (5, 6, 7, 8)] == [reference[s]["lr"] for s in (5, 6, 7, 8)]
     state = json.loads((workdir / "new_batch" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["data_position"] == [0, 40] and state["global_batch"] == 4
+
+
+def test_a_portable_state_that_does_not_read_back_stops_the_run(workdir):
+    path = recipe(workdir, "bad_portable", "single", False, max_steps=2)
+    rc, out, err = finish(start(command(workdir, "single", path), env={"TOOLKIT_FAULT_CORRUPT_PORTABLE": "1"}))
+    assert rc == 4, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("stopped: checkpoint step-000002 did not read back as saved (rank 0: ") and \
+        "portable: tensor" in line and "differs" in line, line
+    assert "Traceback" not in err and not (workdir / "bad_portable" / "checkpoints" / "step-000002").exists()
+
+
+def test_each_checkpoint_says_what_it_cost(workdir, uninterrupted):
+    lines = [line for line in (uninterrupted("ddp", False) / "train.log").read_text().splitlines()
+             if line.startswith("checkpoint step-")]
+    assert len(lines) == STEPS // 2, lines
+    assert all(" s (backend state " in line and ", portable " in line and ", read-back " in line for line in lines)
+
+
+def test_checkpoint_cost_benchmark_runs():
+    """benchmarks/checkpoint_cost.py at its smallest, so the script cannot rot."""
+    proc = run_command([sys.executable, "benchmarks/checkpoint_cost.py", "--preset", "tiny-llama-mini", "--steps", "3",
+                        "--seq", "32"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["checkpoints_timed"] == 2 and result["mib_portable"] > 0 and result["seconds_portable"] >= 0

@@ -128,21 +128,26 @@ def read_state(path: Path, rows: int | None = None) -> TrainerState:
     return TrainerState(**fields)
 
 
-def save(accelerator, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> None:
+def save(accelerator, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> dict:
     """Write a checkpoint from every rank; visible under its final name only once complete: the
     backend's own state, the portable state (`config.portable`) and every rank's RNG. Each rank's
-    share is read back (`backend.checkpoint_problem`): a checkpoint any rank cannot read back as it
-    was saved is never marked complete, and the run stops."""
+    share is read back (`backend.checkpoint_problem`, and the portable files on the main process):
+    a checkpoint any rank cannot read back as it was saved is never marked complete, and the run
+    stops. Returns the seconds each part took (main process's clock)."""
     from . import portable
 
+    seconds, started = {}, time.perf_counter()
     tmp = path_final.with_name(".tmp-" + path_final.name)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    seconds["backend state"] = time.perf_counter() - started
+    portable_problem = None
     if config.portable:
-        portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
+        portable_problem = portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
+        seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
     with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
         pickle.dump(rng_states(), f)
     pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
@@ -154,7 +159,10 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     accelerator.wait_for_everyone()
     from .backend import checkpoint_problem
 
-    _stop_unless_read_back(accelerator, checkpoint_problem(accelerator, model, optimizer, tmp), path_final)
+    read_from = time.perf_counter()
+    problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable_problem
+    _stop_unless_read_back(accelerator, problem, path_final)
+    seconds["read-back"] = time.perf_counter() - read_from
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
         (tmp / MARKER).write_text(f"step {state.step}\n")
@@ -166,6 +174,8 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
             os.rename(old, doomed)
             shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
+    seconds["total"] = time.perf_counter() - started
+    return seconds
 
 
 def _stop_unless_read_back(accelerator, problem: str | None, path_final: Path) -> None:

@@ -17,6 +17,7 @@ resumed run builds them again from the recipe.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -44,11 +45,14 @@ def gather(accelerator, model, optimizer) -> tuple[dict, dict, dict]:
 
         _link_zero12_states(engine.optimizer)
         weights, moments = {}, {}
-        for name, p in _trainable(engine.module):  # same order on every rank: ZeRO-3 gathers each
-            weights[name] = safe_get_full_fp32_param(p).detach().float().cpu()
-            for key in MOMENTS:
-                m = safe_get_full_optimizer_state(p, key)
-                moments[f"{key}/{name}"] = (torch.zeros_like(weights[name]) if m is None else m.detach().float().cpu())
+        for name, p in _trainable(engine.module):  # same order on every rank: each tensor is a collective
+            full = safe_get_full_fp32_param(p)
+            states = [safe_get_full_optimizer_state(p, key) for key in MOMENTS]
+            if not accelerator.is_main_process:
+                continue  # every rank receives each whole tensor; only the main process keeps them
+            weights[name] = full.detach().float().cpu()
+            for key, m in zip(MOMENTS, states):
+                moments[f"{key}/{name}"] = torch.zeros_like(weights[name]) if m is None else m.detach().float().cpu()
         base = engine.optimizer.optimizer  # the torch optimizer over ZeRO's fp32 partitions
         step = _adam_step(base.state.values(), base.param_groups)
         groups = _groups(engine.module, base.param_groups)
@@ -72,13 +76,16 @@ def gather(accelerator, model, optimizer) -> tuple[dict, dict, dict]:
     return weights, moments, {"adam_step": step, "param_groups": _jsonable(groups)}
 
 
-def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: float | None) -> None:
-    """Write `folder/portable/` (main process; every rank takes part in the gather)."""
+def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: float | None) -> str | None:
+    """Write `folder/portable/` (main process; every rank takes part in the gather) and read its
+    tensors back: None when they are as gathered, else one line naming the first that is not."""
     from safetensors.torch import save_file
+
+    from .verify import first_mismatch, inject_corruption
 
     weights, moments, state = gather(accelerator, model, optimizer)
     if not accelerator.is_main_process:
-        return
+        return None
     target = Path(folder) / FOLDER
     target.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(target / "weights.safetensors"))
@@ -86,6 +93,9 @@ def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: flo
     state.update(scheduler={"class": type(_inner(scheduler)).__name__, "state": _jsonable(scheduler.state_dict())},
                  loss_scale=loss_scale)
     (target / "state.json").write_text(json.dumps(state, indent=1))
+    if os.environ.get("TOOLKIT_FAULT_CORRUPT_PORTABLE") == "1":  # test seam: a bad write of portable/
+        inject_corruption(target, force=True)
+    return first_mismatch(target, {**weights, **moments})
 
 
 def load(accelerator, model, optimizer, scheduler, folder: Path) -> None:
