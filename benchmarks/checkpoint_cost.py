@@ -84,7 +84,7 @@ def main() -> None:
                 "seconds_total": statistics.median(float(m[2]) for m in found),
                 "mib_backend_state": round((folder_bytes(last) - portable_bytes) / 2**20, 1),
                 "mib_portable": round(portable_bytes / 2**20, 1),
-                "portable_vs_backend_time": round(portable_seconds / backend_seconds, 3),
+                "portable_vs_backend_time": round(portable_seconds / backend_seconds, 3) if backend_seconds else None,
                 "portable_vs_backend_bytes": round(portable_bytes / (folder_bytes(last) - portable_bytes), 3)})
             print(json.dumps(results[-1]), flush=True)
 

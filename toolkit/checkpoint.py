@@ -144,9 +144,9 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     seconds["backend state"] = time.perf_counter() - started
-    portable_problem = None
+    written = None
     if config.portable:
-        portable_problem = portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
+        written = portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
         seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
     with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
         pickle.dump(rng_states(), f)
@@ -160,7 +160,8 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     from .backend import checkpoint_problem
 
     read_from = time.perf_counter()
-    problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable_problem
+    problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable.files_problem(tmp, written)
+    del written
     _stop_unless_read_back(accelerator, problem, path_final)
     seconds["read-back"] = time.perf_counter() - read_from
     if accelerator.is_main_process:

@@ -76,12 +76,12 @@ def gather(accelerator, model, optimizer) -> tuple[dict, dict, dict]:
     return weights, moments, {"adam_step": step, "param_groups": _jsonable(groups)}
 
 
-def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: float | None) -> str | None:
-    """Write `folder/portable/` (main process; every rank takes part in the gather) and read its
-    tensors back: None when they are as gathered, else one line naming the first that is not."""
+def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: float | None) -> dict | None:
+    """Write `folder/portable/` (main process; every rank takes part in the gather). Returns, on the
+    main process, the tensors written, for `files_problem` to compare the files with."""
     from safetensors.torch import save_file
 
-    from .verify import first_mismatch, inject_corruption
+    from .verify import inject_corruption
 
     weights, moments, state = gather(accelerator, model, optimizer)
     if not accelerator.is_main_process:
@@ -95,7 +95,15 @@ def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: flo
     (target / "state.json").write_text(json.dumps(state, indent=1))
     if os.environ.get("TOOLKIT_FAULT_CORRUPT_PORTABLE") == "1":  # test seam: a bad write of portable/
         inject_corruption(target, force=True)
-    return first_mismatch(target, {**weights, **moments})
+    return {**weights, **moments}
+
+
+def files_problem(folder: Path, written: dict | None) -> str | None:
+    """None when `folder/portable/` holds `written` (what `save` returned) bit for bit, else one
+    line naming the first tensor that differs. Main process; None elsewhere."""
+    from .verify import first_mismatch
+
+    return None if written is None else first_mismatch(Path(folder) / FOLDER, written)
 
 
 def load(accelerator, model, optimizer, scheduler, folder: Path) -> None:

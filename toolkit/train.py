@@ -220,8 +220,8 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             if (every and (step % every == 0 or step == total_steps)) or stop_requested:
                 path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
                 took = checkpoint.save(accelerator, path, state, recipe.checkpoint, model, optimizer, scheduler)
-                say(accelerator, f"checkpoint {path.name} in {took.pop('total'):.1f} s ("
-                                 + ", ".join(f"{part} {s:.1f} s" for part, s in took.items()) + ")")
+                say(accelerator, f"checkpoint {path.name} in {took.pop('total'):.2f} s ("
+                                 + ", ".join(f"{part} {s:.2f} s" for part, s in took.items()) + ")")
                 if stop_requested:
                     raise TrainingStopped(f"preempted: checkpoint {path} saved at step {step}; "
                                           "run again with resume=auto to continue", EXIT_PREEMPTED)
