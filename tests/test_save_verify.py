@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
+from conftest import ROOT, alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
 from toolkit import checkpoint
 from toolkit.verify import first_mismatch, tree_mismatch
 
@@ -154,3 +154,18 @@ def test_the_read_back_names_the_first_state_that_differs():
     assert "f.state.0.exp_avg: saved as (1,)" in tree_mismatch({"state": {0: {"step": torch.tensor(3.0),
                                                                              "exp_avg": torch.ones(1)}}}, live, "f")
     assert tree_mismatch({"state": {}}, live, "f") == "f.state.0: missing from the saved file"
+
+
+def test_a_zero3_checkpoint_with_the_shipped_config_reads_back(tmp_path, data_files):
+    """accelerate_configs/zero3.yaml as shipped: persistence threshold "auto" (10 x hidden), so the
+    norm weights stay whole on every rank but ZeRO-3 writes them as empty placeholders in its model
+    states (their values are in the optimizer's fp32 partitions). The read-back must not take that
+    for a bad save (it did, on SmolLM2-135M, before this test)."""
+    from test_backends import accelerate_launch
+
+    recipe = base_recipe(tmp_path, *data_files, train__max_steps=2, train__micro_batch_size=2,
+                         checkpoint={"every_steps": 2})
+    path = write_recipe(tmp_path / "r.yaml", **recipe)
+    proc = run_toolkit("train", path, launcher=accelerate_launch(ROOT / "accelerate_configs" / "zero3.yaml"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path / "run")] == ["step-000002"]

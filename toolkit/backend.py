@@ -340,7 +340,14 @@ def checkpoint_problem(accelerator, model, optimizer, folder: Path) -> str | Non
             module_file = own if own.is_file() else states / "mp_rank_00_model_states.pt" if rank == 0 else None
             if module_file is not None:
                 saved = read_back(module_file)
-                problems.append(tree_mismatch(saved["module"], model.module_state_dict(), module_file.name))
+                live = model.module_state_dict()
+                if model.zero_optimization_stage() == 3:
+                    # ZeRO-3 writes empty placeholders for its partitioned weights (for the persistent
+                    # small ones too, which are whole again once the save is over); they are in the
+                    # fp32 partitions of the optimizer files, compared below.
+                    live = {k: v for k, v in live.items()
+                            if not (torch.is_tensor(saved["module"].get(k)) and saved["module"][k].numel() == 0)}
+                problems.append(tree_mismatch(saved["module"], live, module_file.name))
                 if saved.get("frozen_param_fragments"):  # frozen (LoRA base) weights: this rank's part
                     frozen = {n: p.ds_tensor if hasattr(p, "ds_id") else p
                               for n, p in model.module.named_parameters() if not p.requires_grad}
