@@ -65,6 +65,12 @@ def make_accelerator(recipe: Recipe, recipe_source: str = "recipe"):
         step_scheduler_with_optimizer=False,
         deepspeed_plugin=plugin,
     )
+    if recipe.train.report_to:  # TensorBoard writes into output_dir/tensorboard/
+        from accelerate.utils import ProjectConfiguration
+
+        kwargs["log_with"] = list(recipe.train.report_to)
+        kwargs["project_config"] = ProjectConfiguration(project_dir=recipe.output_dir,
+                                                        logging_dir=str(Path(recipe.output_dir) / "tensorboard"))
     if precision == "fp16":
         from accelerate.utils import GradScalerKwargs
 

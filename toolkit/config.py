@@ -8,6 +8,7 @@ naming the file and the dotted key. Command-line overrides use the same dotted k
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -142,6 +143,21 @@ class TrainConfig:
     prompt; the answers are printed and kept in metrics.jsonl (`samples`)."""
     sample_max_new_tokens: int = 32
     log_every_steps: int = 10
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """Trackers besides metrics.jsonl (always written), through accelerate: `tensorboard` (event files in
+    output_dir/tensorboard/; `pip install 'toolkit[tensorboard]'`) and/or `wandb` (needs `pip install
+    wandb` and a login or WANDB_MODE=offline). The recipe is logged as hyperparameters."""
+    peak_tflops: Optional[float] = None
+    """The device's dense peak TFLOP/s for MFU, when the GPU is not one the toolkit knows (H100, H200,
+    A100, L40S, L4, B200); on a CPU host there is no MFU unless this is set."""
+    profile_steps: Optional[list[int]] = None
+    """[first, last]: write a torch profiler trace of these optimizer steps (output_dir/profile/)."""
+    watchdog: bool = True
+    """Every rank writes its Python stacks and the main process names the rank(s) not where the others
+    are when a step, eval or save runs far longer than recent ones (20x their median, at least 120 s;
+    600 s for the first of each kind)."""
+    watchdog_seconds: Optional[float] = None
+    """A fixed watchdog limit in seconds instead of the one derived from recent steps."""
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row with a non-finite loss or gradient (each one
     is skipped, never applied to the weights). Under fp16 a gradient overflow that leaves the loss
@@ -398,6 +414,14 @@ def validate(r: Recipe, source: str) -> None:
          "must be a list of non-empty strings")
     need(t.sample_max_new_tokens > 0, "train.sample_max_new_tokens",
          f"must be positive, got {t.sample_max_new_tokens}")
+    need(t.peak_tflops is None or t.peak_tflops > 0, "train.peak_tflops", f"must be positive, got {t.peak_tflops}")
+    need(t.profile_steps is None or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+         "train.profile_steps", f"must be [first, last] optimizer steps with 1 <= first <= last, got {t.profile_steps}")
+    need(t.watchdog_seconds is None or t.watchdog_seconds > 0, "train.watchdog_seconds",
+         f"must be positive, got {t.watchdog_seconds}")
+    for tracker, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        need(tracker not in t.report_to or importlib.util.find_spec(module) is not None, "train.report_to",
+             f"{tracker} is not installed: pip install " + ("'toolkit[tensorboard]'" if tracker == "tensorboard" else "wandb"))
     need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
     need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
          f"must be non-negative, got {r.checkpoint.every_steps}")

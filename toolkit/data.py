@@ -299,8 +299,15 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         datasets.disable_progress_bars()
         if procs > 1 and threads is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
-    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length"]).with_format("numpy")[:]
+    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length"]).with_format("numpy")[:]
     n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
+    all_targets = (n_targets == cols["length"] - 1) & (n_targets > 0)
+    if source.format != "text" and not cfg.train_on_prompt and all_targets.mean() > 0.5:
+        # A prompt format whose prompts carry no tokens: the chat template dropped them (or a field is empty).
+        raise ToolkitError(f"{source.name}: row {int(np.flatnonzero(all_targets)[0]) + 1}: every token is a target in "
+                           f"{int(all_targets.sum())} of {len(tokenized)} rows, although data.format={source.format} "
+                           "trains on responses only; the tokenizer's chat template probably renders no prompt "
+                           "(or data.train_on_prompt=true was meant)")
     overlong = full_length > cfg.max_seq_len
     keep = np.ones(len(tokenized), dtype=bool)
     if cfg.overlong == "drop":
@@ -475,6 +482,27 @@ def _open_docs(folder: Path, files: list[str]):
     return datasets.concatenate_datasets([datasets.Dataset.from_file(str(folder / f)) for f in files])
 
 
+def label_audit(example: dict, tokenizer, width: int = 240) -> str:
+    """One training example as text with its trained tokens inside [[ ]] (a packed row: its first
+    document), so a wrong chat template or masking shows before any training. Long runs of text
+    keep their start and end."""
+    ids, labels = np.asarray(example["input_ids"]), np.asarray(example["labels"])
+    if "position_ids" in example:
+        restarts = np.flatnonzero(np.asarray(example["position_ids"])[1:] == 0)
+        end = int(restarts[0]) + 1 if len(restarts) else len(ids)
+        ids, labels = ids[:end], labels[:end]
+    target = labels != IGNORE
+    cuts = np.flatnonzero(np.diff(target.astype(np.int8))) + 1
+    parts = []
+    for run in np.split(np.arange(len(ids)), cuts):
+        text = tokenizer.decode(ids[run].tolist()).replace("\n", "\\n")
+        if len(text) > width:
+            text = text[: width // 2] + " ... " + text[-width // 2:]
+        parts.append(f"[[{text}]]" if target[run[0]] else text)
+    return (f"first training example, trained tokens in [[ ]] ({int(target.sum())} of {len(ids)} tokens): "
+            + "".join(parts))
+
+
 @dataclass
 class Datasets:
     train: "Examples"
@@ -520,7 +548,8 @@ def load_prepared(folder: Path, packing: bool, fp: str) -> Datasets:
 
     train, evaluation = part("train"), part("eval")
     counts = report.counts["train"]
-    lines = [f"{counts['examples']:,} train examples, {counts['tokens']:,} tokens ({counts['targets']:,} targets); "
+    lines = [f"{counts['examples']:,} train examples, {counts['tokens']:,} tokens ({counts['targets']:,} targets, "
+             f"{counts['targets'] / max(1, counts['tokens']):.1%}); "
              f"{report.counts.get('eval', {}).get('examples', 0):,} eval examples; prepared in "
              f"{report.seconds:.1f} s with {report.num_proc} process(es) into {folder}"]
     if report.truncated:

@@ -103,6 +103,7 @@ class ModelCounts:
     intermediate: int
     vocab: int
     head: int = 0  # trainable weights of the output layer (full fine-tuning: vocab x hidden)
+    query: int = 0  # attention heads x head dim (the width attention's matrix products run over)
 
 
 @dataclass
@@ -239,7 +240,7 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
                        layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
                        kv=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
                        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-                       vocab=text.vocab_size, head=head)
+                       vocab=text.vocab_size, head=head, query=heads * head_dim)
 
 
 # ----------------------------------------------------------------------------- the arithmetic

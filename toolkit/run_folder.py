@@ -25,13 +25,16 @@ from . import checkpoint
 from .backend import is_main_rank
 from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 
-RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model"}
+RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model", "tensorboard", "profile",
+             "profile.json", "hang", "plot.png"}
 # Recipe fields that may change between a run and its resumption (they do not change what is learned;
 # train.loss and its chunk size change only the order of a sum's additions). The global batch is
 # compared on its own: micro_batch_size x gradient_accumulation_steps x processes may be split differently.
 RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
                      "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
-                     "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size"}
+                     "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size",
+                     "train.report_to", "train.peak_tflops", "train.profile_steps", "train.watchdog",
+                     "train.watchdog_seconds"}
 
 
 def open_run(accelerator, recipe: Recipe) -> Path | None:
@@ -91,12 +94,17 @@ def never_checkpointed(out: Path, recipe: Recipe) -> bool:
 
 def learning_relevant(recipe: Recipe) -> dict:
     """The recipe as a flat dict of dotted keys, without the fields a resumed run may change."""
+    return flat_recipe(recipe, leave_out=RESUMABLE_CHANGES)
+
+
+def flat_recipe(recipe: Recipe, leave_out: set[str] = frozenset()) -> dict:
+    """The recipe as a flat dict of dotted keys (`train.learning_rate`)."""
     flat = {}
 
     def walk(node, prefix):
         for k, v in node.items():
             key = prefix + k
-            if key in RESUMABLE_CHANGES:
+            if key in leave_out:
                 continue
             if isinstance(v, dict):
                 walk(v, key + ".")

@@ -16,14 +16,16 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, checkpoint, run_folder
+from . import backend, checkpoint, observe, run_folder
 from .config import Recipe, ToolkitError
-from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, packing_is_isolated
+from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated
+from .estimate import count_model
 from .loss import token_loss_sum, use_token_loss
 from .model import DTYPES, apply_lora, isolation_probe, build_model, build_tokenizer, count_parameters
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
 from .summary import run_summary
+from .watchdog import Watchdog
 
 
 def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = None) -> dict:
@@ -37,11 +39,13 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     log = accelerator.print
     t = recipe.train
     resume_from = run_folder.open_run(accelerator, recipe)
+    start_trackers(accelerator, recipe)
 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     model = build_model(recipe.model, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens)  # in the forward, where every backend has whole weights
     packing = recipe.data.packing
     if packing and not packing_is_isolated(isolation_probe(model)):
@@ -67,6 +71,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
         log(f"data: {line}")
     for line in data.warnings:
         log(f"warning: {line}")
+    if accelerator.is_main_process:  # what the loss is taken on, before an hour is spent on it
+        log(f"data: {label_audit(data.train[0], tokenizer)}")
     world = accelerator.num_processes
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world
     sampler = EpochSampler(len(data.train), global_batch, recipe.seed)
@@ -82,7 +88,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
-                              drop_last=True, generator=torch.Generator().manual_seed(recipe.seed))
+                              drop_last=True, generator=torch.Generator().manual_seed(recipe.seed),
+                              pin_memory=accelerator.device.type == "cuda")
     eval_batch = t.eval_batch_size or t.micro_batch_size
     eval_loader = DataLoader(data.eval, batch_size=eval_batch, collate_fn=collate,
                              sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
@@ -93,7 +100,9 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     scheduler = backend.make_scheduler(accelerator, optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
                                        total_steps, t.warmup_steps)
     ds_config = backend.finalize_config(accelerator, model, recipe, total_steps)
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    # The loop moves batches itself, after counting their tokens on the host (no device sync for counts).
+    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler,
+                                                                    device_placement=[True, True, False, True])
     backend.check_prepared(accelerator, model)
 
     if resume_from is not None:
@@ -108,34 +117,45 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
         if base_weights is not None:
             run_folder.save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
     accelerator.wait_for_everyone()
+    watchdog = Watchdog(out, accelerator.process_index, world, accelerator.is_main_process, t.watchdog_seconds,
+                        t.watchdog)
+    speed = observe.Throughput(flops, observe.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
     try:
         preemption.arm()  # from here a signal finishes the step and saves a checkpoint
         last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe, state,
                    total_steps=total_steps, sampler=sampler, run_dir=out, preemption=preemption,
-                   samples=samples)
+                   samples=samples, watchdog=watchdog, speed=speed)
     except TrainingStopped:
+        accelerator.end_training()
         backend.teardown(accelerator)  # every rank agreed to stop at the same step
         raise
     finally:
         preemption.disarm()
+    watchdog.begin("save", total_steps)
     backend.save_model(accelerator, model, tokenizer, out / "final")
+    watchdog.done()
     log(f"saved {out / 'final'}")
+    accelerator.end_training()
     backend.teardown(accelerator)
     return last
 
 
 def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
         state: checkpoint.TrainerState, *, total_steps: int, sampler, run_dir: Path,
-        preemption: Preemption, samples: Samples) -> dict:
+        preemption: Preemption, samples: Samples, watchdog: Watchdog, speed: observe.Throughput) -> dict:
     t = recipe.train
-    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator.is_main_process)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator)
+    clock, first_step = observe.StepClock(accelerator.device), state.step + 1
+    trace = observe.Trace(t.profile_steps, run_dir, accelerator.process_index, accelerator.device)
+    outside = {"eval": 0.0, "checkpoints": 0.0}  # seconds spent outside steps, for the step profile
+    rank, world = accelerator.process_index, accelerator.num_processes
     batches = global_batches(train_loader, sampler, t.gradient_accumulation_steps)
     per_epoch = sampler.steps_per_epoch * sampler.global_batch  # samples an epoch trains on
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
     faults = injected_nonfinite_steps()
     row = {}
     if state.step == 0:
-        row = {"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader)}
+        row = {"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader, watchdog, 0)}
         if row["eval_loss"] is not None:
             say(accelerator, f"step 0 | eval_loss {row['eval_loss']:.4f}")
         if samples:
@@ -148,14 +168,21 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
     model.train()
     try:
         for step in range(state.step + 1, total_steps + 1):
-            started = time.perf_counter()
+            watchdog.begin("step", step)
+            clock.start(step, first_step)
+            trace.before(step)
+            watchdog.at("data", step)
             epoch, seen, micro_batches = next(batches)
-            micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
             # Exact accumulation: every target token of the global batch (all micro-batches, all ranks)
             # weighs the same, so the loss is a sum divided by the global count of target tokens.
-            local = torch.tensor([sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro_batches),
-                                  sum(int(count_input_tokens(b)) for b in micro_batches)], device=accelerator.device)
-            n_targets, n_tokens = accelerator.reduce(local, reduction="sum").tolist()
+            # Counted on the host, before the batches move: no device synchronisation for it.
+            local = torch.tensor(host_counts(micro_batches), dtype=torch.float64)
+            micro_batches = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()}
+                             for b in micro_batches]
+            clock.lap("data")
+            watchdog.at("counts", step)
+            n_targets, n_tokens, squared_lengths = map(int, accelerator.reduce(local.to(accelerator.device), "sum").tolist())
+            clock.lap("sync")
             # The backends average gradients over ranks and accelerate divides by the accumulation
             # steps; this factor undoes both so the gradient is sum(token losses) / n_targets.
             scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
@@ -164,17 +191,24 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             try:
                 for i, batch in enumerate(micro_batches):
                     with accelerator.accumulate(model):
+                        watchdog.at("forward", step, i)
+                        injected_hang(step, i, rank)
                         token_losses = token_loss_sum(model, batch)
                         if step in faults and i == 0:  # test seam: a non-finite loss and gradient
                             token_losses = token_losses * float("nan")
+                        clock.lap("forward")
+                        watchdog.at("backward", step, i)
                         accelerator.backward(token_losses * scale)
                         loss_sum += token_losses.detach()
+                        clock.lap("backward")
                         if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
+                            watchdog.at("optimizer", step)
                             grad_norm = as_float(accelerator.clip_grad_norm_(model.parameters(), clip))
                             applied = backend.optimizer_step(accelerator, model, optimizer, grad_norm)
                             if applied:  # a skipped step does not advance the schedule
                                 scheduler.step()
                             optimizer.zero_grad(set_to_none=True)
+                            clock.lap("optimizer")
             except Exception as e:
                 reason = backend.step_failure(e)
                 if reason is None:
@@ -183,23 +217,32 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                 raise TrainingStopped(f"train: {reason} at step {step}; stopped. Last good checkpoint: "
                                       f"{kept[-1] if kept else 'none'}", EXIT_NONFINITE) from None
 
-            # One reduction for the loss and for "a rank was asked to stop", so all ranks agree.
-            totals = accelerator.reduce(torch.stack([loss_sum.float(), torch.tensor(float(preemption.requested),
-                                                     device=accelerator.device)]), reduction="sum").tolist()
-            loss, stop_requested = totals[0] / n_targets, totals[1] > 0
+            # One reduction for the loss, "a rank was asked to stop" (so all ranks agree) and each
+            # rank's peak memory (in its own slot).
+            watchdog.at("sync", step)
+            flags = torch.zeros(1 + world, dtype=torch.float64)
+            flags[0], flags[1 + rank] = float(preemption.requested), observe.peak_memory_gib(accelerator.device)
+            totals = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), flags.to(accelerator.device)]),
+                                        reduction="sum").tolist()
+            loss, stop_requested, peaks = totals[0] / n_targets, totals[1] > 0, totals[2:]
+            clock.lap("sync")
             scale_now = backend.loss_scale(accelerator, model)
             state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
             state.skipped_steps += not applied
             diverging = counts_toward_stop(loss, grad_norm, scale_now, applied)
             state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if diverging else 0
-            elapsed = time.perf_counter() - started
+            elapsed = clock.end()
+            watchdog.done()
             row = {"step": step, "epoch": round(epoch + seen / per_epoch, 4),
                    "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
-                   "tokens_per_second": n_tokens / elapsed, "skipped_steps": state.skipped_steps,
-                   "loss_scale": scale_now, "time": round(time.time(), 3)}
+                   **speed.row(step, elapsed, tokens=n_tokens, targets=n_targets, rows=sampler.global_batch,
+                               squared_lengths=squared_lengths, peaks_gib=peaks),
+                   "skipped_steps": state.skipped_steps, "loss_scale": scale_now, "time": round(time.time(), 3)}
+            if line := trace.after(step):
+                say(accelerator, line)
             if step % t.log_every_steps == 0 or step == total_steps:
                 say(accelerator, f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                                 f"grad_norm {grad_norm:.3f} | {row['tokens_per_second']:,.0f} tok/s")
+                                 f"grad_norm {grad_norm:.3f} | {speed_text(row)}")
             if state.nonfinite_in_a_row >= t.max_nonfinite_steps:
                 metrics.write(row)
                 kept = checkpoint.complete_checkpoints(run_dir)
@@ -208,18 +251,23 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                     f"(steps {step - state.nonfinite_in_a_row + 1}-{step}, none applied); stopped. Last good checkpoint: "
                     f"{kept[-1] if kept else 'none'}", EXIT_NONFINITE)
             if (t.eval_every_steps and step % t.eval_every_steps == 0) or step == total_steps:
-                row["eval_loss"] = evaluate(accelerator, model, eval_loader)
+                began = time.perf_counter()
+                row["eval_loss"] = evaluate(accelerator, model, eval_loader, watchdog, step)
                 if row["eval_loss"] is not None:
                     say(accelerator, f"step {step}/{total_steps} | eval_loss {row['eval_loss']:.4f}")
                 if samples:
                     row["samples"] = show_samples(accelerator, samples(model), f"step {step}/{total_steps}")
+                outside["eval"] += time.perf_counter() - began
             metrics.write(row)
-            progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            progress.set_postfix_str(f"loss {loss:.4f} | {speed_text(row, short=True)}", refresh=False)
             progress.update(1)
             every = recipe.checkpoint.every_steps
             if (every and (step % every == 0 or step == total_steps)) or stop_requested:
                 path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
+                watchdog.begin("checkpoint", step)
                 took = checkpoint.save(accelerator, path, state, recipe.checkpoint, model, optimizer, scheduler)
+                watchdog.done()
+                outside["checkpoints"] += took["total"]
                 say(accelerator, f"checkpoint {path.name} in {took.pop('total'):.2f} s ("
                                  + ", ".join(f"{part} {s:.2f} s" for part, s in took.items()) + ")")
                 if stop_requested:
@@ -227,14 +275,21 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                                           "run again with resume=auto to continue", EXIT_PREEMPTED)
     finally:
         progress.close()  # before any stop message, so the bar does not trail it
+    line, profile = observe.profile_report(clock, outside, recipe.model.gradient_checkpointing)
+    say(accelerator, line)
+    if accelerator.is_main_process and profile:
+        observe.write_profile(run_dir, profile)
     return row
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader) -> float | None:
+def evaluate(accelerator, model, eval_loader, watchdog: Watchdog | None = None, step: int = 0) -> float | None:
     """Token-weighted mean loss over the whole eval set (each rank holds a disjoint share)."""
     if len(eval_loader.dataset) == 0:
         return None
+    if watchdog is not None:
+        watchdog.begin("eval", step)
+        watchdog.at("eval", step)
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in eval_loader:
@@ -243,6 +298,8 @@ def evaluate(accelerator, model, eval_loader) -> float | None:
         totals[1] += (batch["labels"][:, 1:] != IGNORE).sum()
     model.train()
     totals = accelerator.reduce(totals, reduction="sum")
+    if watchdog is not None:
+        watchdog.done()
     return (totals[0] / totals[1]).item()
 
 
@@ -259,11 +316,35 @@ def global_batches(loader, sampler, accumulation: int):
         epoch += 1
 
 
-def count_input_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Tokens the model processed; packed rows carry no mask, so their little padding counts too."""
-    if "attention_mask" in batch:
-        return batch["attention_mask"].sum()
-    return torch.tensor(batch["input_ids"].numel())
+def host_counts(micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
+    """Target tokens, processed tokens (packed rows carry no mask, so their little padding counts
+    too) and the sum of squared document lengths (attention's FLOPs) of one step's host batches."""
+    targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro_batches)
+    tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                 for b in micro_batches)
+    squared = sum(int(observe.document_lengths(b).pow(2).sum()) for b in micro_batches)
+    return [targets, tokens, squared]
+
+
+def speed_text(row: dict, short: bool = False) -> str:
+    """Throughput, MFU and the largest rank's peak memory, for the log line and the bar."""
+    parts = [f"{row['tokens_per_second']:,.0f} tok/s"]
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    elif row.get("tflops_per_device") is not None and not short:
+        parts.append(f"{row['tflops_per_device']:.2f} TFLOP/s")
+    parts.append(f"peak {max(row['peak_memory_gib']):.2f} GiB")
+    if not short:
+        parts.append(f"ETA {row['eta_seconds'] / 60:.1f} min")
+    return " | ".join(parts)
+
+
+def start_trackers(accelerator, recipe: Recipe) -> None:
+    """train.report_to: TensorBoard / W&B through accelerate, the recipe as hyperparameters."""
+    if recipe.train.report_to:
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                for k, v in run_folder.flat_recipe(recipe).items()}
+        accelerator.init_trackers(Path(recipe.output_dir).resolve().name, config=flat)
 
 
 def show_samples(accelerator, answered: list[dict], where: str) -> list[dict]:
@@ -324,6 +405,18 @@ def as_float(x) -> float:
     return float(x)
 
 
+def injected_hang(step: int, micro: int, rank: int) -> None:
+    """Test seam: TOOLKIT_FAULT_HANG=RANK:STEP:SECONDS makes that rank sleep before the forward of
+    that step's first micro-batch, as a rank stuck in its own work would."""
+    import os
+
+    raw = os.environ.get("TOOLKIT_FAULT_HANG")
+    if raw and micro == 0:
+        r, s, seconds = raw.split(":")
+        if int(r) == rank and int(s) == step:
+            time.sleep(float(seconds))
+
+
 def injected_nonfinite_steps() -> set[int]:
     """Test seam: TOOLKIT_FAULT_NONFINITE_STEPS=3,4 makes those optimizer steps' loss NaN on
     every rank, so the real skip / loss-scale / stop machinery runs on real NaN gradients."""
@@ -334,13 +427,19 @@ def injected_nonfinite_steps() -> set[int]:
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON object per optimizer step (and the step-0 eval), main process only."""
+    """metrics.jsonl: one JSON object per optimizer step (and the step-0 eval), main process only;
+    the numbers also go to the trackers of train.report_to."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, accelerator):
+        self.path, self.accelerator, self.enabled = path, accelerator, accelerator.is_main_process
 
     def write(self, row: dict) -> dict:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            if self.accelerator.trackers:
+                scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                           and k not in ("step", "time")}
+                scalars.update({f"peak_memory_gib/rank{i}": v for i, v in enumerate(row.get("peak_memory_gib", []))})
+                self.accelerator.log(scalars, step=row["step"])
         return row

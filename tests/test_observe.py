@@ -1,0 +1,187 @@
+"""Seeing a run while it trains: throughput, MFU and peak memory per rank in metrics.jsonl, the step
+profile, profiler traces, TensorBoard, the hang watchdog and the label audit. Real runs."""
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
+from toolkit import observe
+from toolkit.watchdog import who_is_behind
+
+DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+       "--num_processes", "2", "--main_process_port", "0", "-m"]
+
+
+def train(tmp_path, data_files, *overrides, launcher=None, env=None, out="run", **sections):
+    recipe = base_recipe(tmp_path, *data_files, out=out, **sections)
+    path = write_recipe(tmp_path / f"{out}.yaml", **recipe)
+    proc = run_toolkit("train", path, *overrides, launcher=launcher, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp_path / out, proc
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+def test_flops_follow_the_matmul_weights_and_each_documents_length():
+    """Llama-2-7B shape: 6 x matmul weights per token (full), 4 x (LoRA, plus 6 x adapters), and
+    causal attention 6 x layers x query width per squared document length."""
+    from types import SimpleNamespace
+
+    counts = SimpleNamespace(matmul=6_607_343_616, trainable=4_000_000, layers=32, query=4096)
+    full, lora = observe.Flops.of(counts, lora=False), observe.Flops.of(counts, lora=True)
+    assert full.dense == 6 * 6_607_343_616 and lora.dense == 4 * 6_607_343_616 + 6 * 4_000_000
+    assert full.attention == lora.attention == 6 * 32 * 4096
+    # Two documents of 3 and 5 tokens packed into a row of 10 (2 padding), and a padded batch.
+    packed = {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]])}
+    assert observe.document_lengths(packed).tolist() == [3, 5, 2]
+    padded = {"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
+    assert observe.document_lengths(padded).tolist() == [3, 4]
+    assert full.of_batch(10, 9 + 25 + 4) == full.dense * 10 + full.attention * 38
+
+
+def test_the_watchdog_names_the_rank_behind_the_others():
+    def at(phase, step, micro=0, frame="train.py:1 in fit", collective=False):
+        return ((phase, step, "", micro), frame, collective)
+
+    line = who_is_behind({0: at("backward", 3), 1: at("forward", 3), 2: at("backward", 3)}, 3)
+    assert line.startswith("rank 1 is still in the forward of micro-batch 1 of step 3 while 0, 2 are in the backward")
+    # Data before counts before the micro-batches, an earlier micro-batch before a later one, step before step.
+    assert who_is_behind({0: at("counts", 3), 1: at("data", 3)}, 2).startswith("rank 1 is still in waiting")
+    assert who_is_behind({0: at("backward", 3), 1: at("forward", 3, 1)}, 2).startswith("rank 0 is still")
+    assert who_is_behind({0: at("data", 4), 1: at("sync", 3)}, 2).startswith("rank 1 is still")
+    # Same position: the rank not inside a collective is the one the others wait for.
+    line = who_is_behind({0: at("forward", 3, frame="parallel/distributed.py:9 in _sync_buffers", collective=True),
+                          1: at("forward", 3, frame="toolkit/data.py:5 in read")}, 2)
+    assert line.startswith("rank 1 is in the forward of micro-batch 1 of step 3 at toolkit/data.py:5 in read while 0 "
+                           "is waiting in a collective (parallel/distributed.py:9 in _sync_buffers)")
+    same = who_is_behind({0: at("backward", 3), 1: at("backward", 3)}, 2)
+    assert same.startswith("all 2 ranks are in the backward")
+    assert "rank(s) 1 did not report" in who_is_behind({0: at("backward", 3)}, 2)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def test_metrics_carry_throughput_mfu_and_peak_memory(tmp_path, data_files):
+    """With a stated peak (a CPU has none), MFU = achieved TFLOP/s / peak; the achieved figure is
+    the dense term for the tokens counted plus an attention term no longer than max_seq_len allows."""
+    from toolkit.config import ModelConfig, LoraConfig
+    from toolkit.estimate import count_model
+    from toolkit.model import build_model
+
+    run, proc = train(tmp_path, data_files, "train.peak_tflops=0.5", "train.profile_steps=[3,4]")
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert len(rows) == 8
+    counts = count_model(build_model(ModelConfig(preset="tiny-llama-mini")).config, "m", LoraConfig())
+    previous = 0
+    for r in rows:
+        step_tokens, previous = r["tokens"] - previous, r["tokens"]
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5, rel=1e-12)
+        per_token = r["tflops_per_device"] * 1e12 / r["tokens_per_second"]
+        attention = per_token - 6 * counts.matmul
+        assert 0 < attention <= 6 * counts.layers * counts.query * 96, (per_token, counts)
+        assert r["target_tokens_per_second"] < r["tokens_per_second"]
+        # 8 sequences per step (4 x 2 accumulation) in the time the step's tokens took.
+        assert r["samples_per_second"] == pytest.approx(8 * r["tokens_per_second"] / step_tokens, rel=1e-9)
+        assert len(r["peak_memory_gib"]) == 1 and 0.2 < r["peak_memory_gib"][0] < 8
+        assert r["eta_seconds"] >= 0
+    assert rows[-1]["eta_seconds"] == 0
+    # Peaks only grow.
+    assert [r["peak_memory_gib"][0] for r in rows] == sorted(r["peak_memory_gib"][0] for r in rows)
+    assert "MFU " in proc.stdout and "peak " in proc.stdout
+
+    # The step profile: every phase of the loop, shares of the steps' time, the largest named.
+    profile = json.loads((run / "profile.json").read_text())
+    assert profile["timed_steps"] == 7  # the first step of a launch is left out
+    assert {"data", "sync", "forward", "backward", "optimizer"} <= set(profile["shares"])
+    assert sum(profile["shares"].values()) == pytest.approx(1.0, abs=1e-6)
+    assert profile["largest"] == max(profile["shares"], key=profile["shares"].get)
+    assert profile["outside_steps"]["eval"] > 0
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("step profile over 7 timed step(s)")), proc.stdout)
+    assert f"Largest: {profile['largest']}: " in line
+    # train.profile_steps: a torch profiler trace of steps 3-4.
+    trace = json.loads((run / "profile" / "trace-rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
+    assert "profile: steps 3-4 traced into" in proc.stdout
+
+    # The label audit: the first example with its trained span marked.
+    audit = next(x for x in proc.stdout.splitlines() if x.startswith("data: first training example"))
+    prompt, _, answer = audit.split(" tokens): ", 1)[1].partition("[[")
+    word = prompt.split("### Input:\\n")[1].split("\\n")[0]
+    assert prompt.endswith("### Response:\\n") and answer == f"{word[::-1]}</s>]]", audit
+
+
+def test_two_ranks_report_their_own_peak_memory(tmp_path, data_files):
+    run, _ = train(tmp_path, data_files, "train.max_steps=3", "train.warmup_steps=1", launcher=DDP)
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert all(len(r["peak_memory_gib"]) == 2 and min(r["peak_memory_gib"]) > 0.2 for r in rows)
+    assert rows[0]["mfu"] is None  # no known peak on a CPU host
+
+
+def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path, data_files):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = train(tmp_path, data_files, "train.report_to=[tensorboard]")
+    events = list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events, list(run.rglob("*"))
+    scalars = {}
+    for path in events:
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
+    losses = [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
+    assert [s for s, _ in scalars["loss"]] == [s for s, _ in losses]
+    assert [v for _, v in scalars["loss"]] == pytest.approx([v for _, v in losses], rel=1e-6)
+    assert "eval_loss" in scalars and "tokens_per_second" in scalars and "peak_memory_gib/rank0" in scalars
+    hparams = list((run / "tensorboard").rglob("hparams.yml"))
+    assert hparams and "train.learning_rate: 0.001" in hparams[0].read_text()
+
+
+def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_files):
+    """Rank 1 sleeps 15 s before its forward at step 3; the limit is 3 s. Every rank writes its
+    stacks, the main process names rank 1, and the run then finishes normally."""
+    started = time.time()
+    run, proc = train(tmp_path, data_files, "train.max_steps=4", "train.warmup_steps=1", "train.watchdog_seconds=3",
+                      launcher=DDP, env={"TOOLKIT_FAULT_HANG": "1:3:15"})
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("watchdog: ")]
+    assert len(lines) == 2, proc.stderr[-3000:]
+    assert lines[0].startswith("watchdog: step 3 has run ")
+    # Under DDP the forward itself broadcasts buffers: rank 0 waits there, in the same phase.
+    assert "rank 1 is in the forward of micro-batch 1 of step 3 at toolkit/train.py:" in lines[0], lines[0]
+    assert "in injected_hang while 0 is waiting in a collective (parallel/distributed.py:" in lines[0], lines[0]
+    assert lines[1].startswith("watchdog: step 3 finished after 1")
+    stacks = {r: (run / "hang" / f"step-3-rank{r}.txt").read_text() for r in (0, 1)}
+    assert "injected_hang" in stacks[1] and "injected_hang" not in stacks[0]
+    assert 'File "' in stacks[0] and "train.py" in stacks[0]
+    assert time.time() - started < 300
+    assert (run / "final").is_dir()
+
+
+def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
+    """Every token a target in a prompt format: the audit refuses it in one line naming the file and row."""
+    from conftest import user_error_line, write_jsonl
+    from test_bad_input import tiny_model_folder
+    from transformers import AutoTokenizer
+
+    folder = tiny_model_folder(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+                               "{% endif %}{% endfor %}")
+    tokenizer.save_pretrained(folder)
+    rows = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+            for i in range(40)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    recipe = base_recipe(tmp_path, data, data, model={"path": folder})
+    recipe["data"]["format"] = "messages"
+    proc = run_toolkit("train", write_recipe(tmp_path / "run.yaml", **recipe), timeout=300)
+    line = user_error_line(proc)
+    assert "chat.jsonl: row 1: every token is a target in 40 of 40 rows" in line
+    assert "chat template probably renders no prompt" in line
+    assert not (tmp_path / "run").exists()
