@@ -73,7 +73,9 @@ def snapshot(root: Path) -> dict:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_second")} for r in rows]
+    from toolkit.observe import MEASURED
+
+    return [{k: v for k, v in r.items() if k not in MEASURED} for r in rows]
 
 
 # ----------------------------------------------------------------------------- the main run

@@ -100,8 +100,9 @@ def logged_steps(run_dir):
 
 
 def comparable(rows, from_step):
-    skip = {"tokens_per_second", "time"}
-    return [{k: v for k, v in r.items() if k not in skip} for r in rows if r["step"] > from_step]
+    from toolkit.observe import MEASURED
+
+    return [{k: v for k, v in r.items() if k not in MEASURED} for r in rows if r["step"] > from_step]
 
 
 def assert_identical(reference, resumed, from_step):
