@@ -101,8 +101,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
                                        total_steps, t.warmup_steps)
     ds_config = backend.finalize_config(accelerator, model, recipe, total_steps)
     # The loop moves batches itself, after counting their tokens on the host (no device sync for counts).
-    model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler,
-                                                                    device_placement=[True, True, False, True])
+    train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     backend.check_prepared(accelerator, model)
 
     if resume_from is not None:
@@ -126,7 +126,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
                    total_steps=total_steps, sampler=sampler, run_dir=out, preemption=preemption,
                    samples=samples, watchdog=watchdog, speed=speed)
     except TrainingStopped:
-        accelerator.end_training()
+        end_trackers(accelerator)
         backend.teardown(accelerator)  # every rank agreed to stop at the same step
         raise
     finally:
@@ -135,7 +135,7 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     backend.save_model(accelerator, model, tokenizer, out / "final")
     watchdog.done()
     log(f"saved {out / 'final'}")
-    accelerator.end_training()
+    end_trackers(accelerator)
     backend.teardown(accelerator)
     return last
 
@@ -403,6 +403,13 @@ def as_float(x) -> float:
     if hasattr(x, "full_tensor"):  # a DTensor from a sharded model
         x = x.full_tensor()
     return float(x)
+
+
+def end_trackers(accelerator) -> None:
+    """Flush and close the trackers (accelerate's end_training would also tear down the process group,
+    which backend.teardown does in the order each backend needs)."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
 
 
 def injected_hang(step: int, micro: int, rank: int) -> None:
