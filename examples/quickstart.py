@@ -14,6 +14,7 @@
 import contextlib
 import io
 import json
+import importlib.util
 import sys
 import tempfile
 from collections import Counter
@@ -79,6 +80,8 @@ def main() -> int:
     width = max(map(len, total))
     for task in sorted(total):
         print(f"  {task:{width}}  {rb[task]:3} -> {ra[task]:3} of {total[task]}")
+    if importlib.util.find_spec("matplotlib") is not None:  # `make setup` installs it; a bare install may not
+        toolkit_main(["plot", str(out)])
     example = a["records"][0]["prompt"] if a["records"] else "..."
     print(f"\nall answers: {out / 'eval.json'}; ask it yourself:\n  {Path(sys.executable).name} -m toolkit generate "
           f"{out / 'final'} --prompt '{example}'" + ("" if recipe.data.format == "messages" else " --no-chat-template"))
