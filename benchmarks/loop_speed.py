@@ -1,21 +1,58 @@
-"""Throughput of `toolkit train` against a hand-written PyTorch loop and the Hugging Face Trainer,
-measured in the same run on the same machine, model, data and batch, reported as ratios.
+"""Useful-token throughput and peak memory of `toolkit train` against a hand-written PyTorch loop,
+the Hugging Face Trainer and TRL's SFTTrainer, measured in the same run on the same machine, model,
+documents and number of optimizer steps, reported as ratios.
 
-    python benchmarks/loop_speed.py                      # CPU-sized defaults
+    python benchmarks/loop_speed.py                                  # CPU-sized defaults
     python benchmarks/loop_speed.py --hidden 1024 --layers 8 --seq 1024 --micro 8 --precision bf16   # a GPU
+    python benchmarks/loop_speed.py --hidden 64 --layers 2 --seq 64 --micro 2 --steps 6 --warmup 2 --repeats 1  # CI
 
-Each contender runs as its own process and records the wall-clock time at the end of every
-optimizer step (the toolkit in metrics.jsonl's `time` field, the others through a callback).
-The time per step is the median interval between consecutive step ends after --warmup steps: the
-steady-state loop with everything it does per step (forward, backward, clipping, optimizer and
-scheduler, logging, metrics, progress bar, data loading), without imports, model loading and data
-preparation, which are reported separately as each process's total wall time. The median over
---repeats processes is reported; contenders are interleaved so drift hits all alike.
+Data. Chat documents (`messages`: one user turn, one assistant turn, byte tokenizer and chat
+template of toolkit/model.py) whose token lengths are uniform between seq/8 and seq, seeded; only
+the assistant's reply and its end-of-turn tokens are targets, so useful tokens = target tokens.
+The number of documents is chosen so that best-fit-decreasing packing fills exactly
+steps x micro x accumulation rows of --seq tokens (TRL's packing, when it runs, is checked to give
+the same count), so every contender trains on every document exactly once in --steps steps.
 
-All three train the same local Hugging Face model folder (written here, loaded through the real
-`model.path` code) on documents of exactly `--seq` tokens, so no batch carries padding and every
-contender processes micro x seq tokens per micro-batch. Results go to stdout as one JSON line and
-a Markdown row for benchmarks/NOTES.md.
+What each contender consumes per optimizer step (global batch = --micro x --accumulation rows):
+- toolkit: `data.packing: true` (its best): its own packed rows, --micro rows per micro-batch,
+  --accumulation micro-batches, in its own seeded order; loss on the reply only (the default).
+- plain_pytorch: a hand-written loop (AdamW, warmup + cosine, clipping, exact accumulation: the
+  loss is the sum over the step's target tokens divided by their count) fed the toolkit's rows in
+  the toolkit's order, built with the toolkit's data code, packed the same way (position_ids, no
+  padding between documents). Same documents, same rows, same tokens in every step: the ratio
+  toolkit / plain_pytorch is the cost of the toolkit's loop alone.
+- hf_trainer: transformers' Trainer with the same documents in every micro-batch as the toolkit
+  (the documents of the toolkit's packed rows), padded to the longest (the Trainer has no packing
+  of its own): the ratio to it is what packing and the loop together buy over the stock Trainer.
+- trl: TRL's SFTTrainer with its best packing, `packing=True, packing_strategy="bfd"` (which
+  turns on its padding-free collator: each micro-batch is flattened into one row with
+  position_ids), `completion_only_loss=True` on prompt/completion rows of the same documents,
+  `max_length=--seq`, gradient checkpointing off (its default is on), the same precision. It packs
+  and shuffles itself, so its steps hold other documents than the toolkit's; it sees the same set
+  of documents in the same number of steps of the same number of rows. With the `sdpa` kernel
+  (CPU, or a GPU without `--attn flash_attention_2`) a flattened micro-batch attends over
+  micro x seq positions under a block-diagonal mask, which is TRL's cost, not the benchmark's;
+  `--micro 1` takes it out.
+
+Same tokens. Each contender counts, from the batches it trains on, the target tokens (labels other
+than -100 after the first position) and the document tokens (input ids other than padding) of each
+optimizer step: the hand-written loop from its host batches, the Trainer and TRL in `compute_loss`
+(counts kept on the device, read at the end, so no extra synchronisation), the toolkit from its
+metrics.jsonl (`target_tokens_per_second / samples_per_second x rows` per step, and its cumulative
+`tokens`, which counts the packed rows' padding too). The script asserts that the toolkit, the
+hand-written loop and the Trainer agree step by step with the toolkit's rows, and that TRL's
+totals over the run equal theirs, exactly.
+
+Time. Each contender runs as its own process and records the wall-clock time at the end of every
+optimizer step (on CUDA after a synchronisation). The first --warmup steps are left out; over the
+rest (the steady state: forward, backward, clipping, optimizer and scheduler, logging, metrics,
+data loading; not imports, model loading or data preparation) it reports the median step time and
+target (and document) tokens per second = the window's tokens / the window's seconds (per-step
+token counts vary with packing, so tokens/s is taken over the whole window, not from the median).
+Memory: the peak RSS of the contender's process (ru_maxrss; the toolkit's own process), or on
+CUDA torch.cuda.max_memory_allocated. Medians over --repeats processes are reported, with the
+best; contenders are interleaved so drift in the machine's speed hits all alike. Results go to
+stdout as one JSON line and a Markdown row for benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -24,6 +61,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,139 +70,416 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = ("toolkit", "plain_pytorch", "hf_trainer")
+CONTENDERS = ("toolkit", "plain_pytorch", "hf_trainer", "trl")
+SAME_ROWS = ("toolkit", "plain_pytorch", "hf_trainer")  # consume the toolkit's documents step by step
+TEMPLATE_TOKENS = 9  # <s> <|user|> \n ... </s> \n <|assistant|> \n ... </s> \n around the two contents
+TARGETS_AFTER_REPLY = 2  # the reply's </s> and \n are targets too
+IGNORE = -100
+SEED = 0
 
 
-def prepare(work: Path, a) -> None:
-    """Model folder, tokenizer and a text dataset of documents that tokenize to exactly a.seq."""
+# ----------------------------------------------------------------------------- data
+
+
+def document_lengths(a, rows: int, with_trl: bool) -> list[tuple[int, int]]:
+    """(user, reply) content lengths in bytes (= tokens) of documents of seq/8..seq tokens, seeded,
+    as many as best-fit-decreasing packs into exactly `rows` rows of a.seq tokens (the most such)."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from toolkit.packing import best_fit_decreasing
+
+    rng = random.Random(SEED)
+    shortest = max(a.seq // 8, TEMPLATE_TOKENS + 3)
+    pool = []
+    for _ in range(int(rows * a.seq / ((shortest + a.seq) / 2) * 1.5) + 20):
+        content = rng.randint(shortest, a.seq) - TEMPLATE_TOKENS
+        user = rng.randint(1, content // 2)
+        pool.append((user, content - user))
+    lengths = np.array([u + r + TEMPLATE_TOKENS for u, r in pool])
+
+    def packed_rows(n: int) -> int:
+        return len(best_fit_decreasing(lengths[:n], a.seq, SEED))
+
+    lo, hi = 1, len(pool)  # smallest n that needs more than `rows` rows, by bisection
+    if packed_rows(hi) <= rows:
+        sys.exit("internal: the document pool is too small")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if packed_rows(mid) <= rows else (lo, mid)
+    for n in range(lo - 1, max(0, lo - 200), -1):  # any best-fit-decreasing gives the same count of rows,
+        if packed_rows(n) == rows and (not with_trl or trl_rows(lengths[:n], a.seq) == rows):  # TRL's
+            return pool[:n]  # packs each 1,000-row map batch on its own
+    sys.exit(f"no number of documents packs into exactly {rows} rows of {a.seq} for every contender; "
+             "change --steps or --micro")
+
+
+def trl_rows(lengths, seq: int) -> int:
+    """Rows TRL's own packing (pack_dataset, bfd) makes of documents of these lengths."""
+    import datasets
+    from trl import pack_dataset
+
+    datasets.disable_progress_bars()
+    return len(pack_dataset(datasets.Dataset.from_dict({"input_ids": [[3] * int(n) for n in lengths]}), seq, "bfd"))
+
+
+def prepare(work: Path, a) -> dict:
+    """Model folder, tokenizer, documents, the toolkit's recipe and its prepared data; returns the
+    plan: the toolkit's per-step counts that every contender is checked against."""
     import torch
+    import yaml
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
     from toolkit.model import build_byte_tokenizer
 
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     config = LlamaConfig(vocab_size=262, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75) // 8 * 8,
                          num_hidden_layers=a.layers, num_attention_heads=max(1, a.hidden // 64),
                          num_key_value_heads=max(1, a.hidden // 128), max_position_embeddings=a.seq,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(work / "model")
     build_byte_tokenizer().save_pretrained(work / "model")
-    rng = random.Random(0)
-    n_docs = a.steps * a.micro * a.accumulation
+    rows = a.steps * a.micro * a.accumulation
+    rng = random.Random(SEED + 1)
     alphabet = "abcdefghijklmnopqrstuvwxyz ,."
-    with open(work / "train.jsonl", "w") as f:  # bos + (seq - 2) bytes + eos = seq tokens
-        for _ in range(n_docs):
-            f.write(json.dumps({"text": "".join(rng.choice(alphabet) for _ in range(a.seq - 2))}) + "\n")
+    with open(work / "train.jsonl", "w") as f:
+        for user, reply in document_lengths(a, rows, "trl" in a.only):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": "".join(rng.choice(alphabet) for _ in range(user))},
+                {"role": "assistant", "content": "".join(rng.choice(alphabet) for _ in range(reply))}]}) + "\n")
     recipe = {
-        "output_dir": str(work / "toolkit_run"), "overwrite": True, "seed": 0,
-        "model": {"path": str(work / "model")},
-        "data": {"train_files": [str(work / "train.jsonl")], "format": "text", "max_seq_len": a.seq,
-                 "packing": False, "eval_fraction": 0.0},
+        "output_dir": str(work / "toolkit_run"), "overwrite": True, "seed": SEED,
+        "model": {"path": str(work / "model"), "attn_implementation": a.attn},
+        "data": {"train_files": [str(work / "train.jsonl")], "format": "messages", "max_seq_len": a.seq,
+                 "packing": True, "eval_fraction": 0.0},
         "train": {"micro_batch_size": a.micro, "gradient_accumulation_steps": a.accumulation,
                   "learning_rate": 1e-4, "warmup_steps": 2, "precision": a.precision, "max_grad_norm": 1.0,
                   "log_every_steps": 10},
     }
-    import yaml
-
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
 
+    examples, steps, tokenizer = toolkit_steps(work, a)  # prepares the toolkit's data once, here
+    plan = {"documents": len(examples.table), "steps": []}
+    for step in steps:
+        rows_of_step = [examples[i] for micro in step for i in micro]
+        plan["steps"].append(
+            {"targets": sum(int((r["labels"][1:] != IGNORE).sum()) for r in rows_of_step),  # [1:] per row: a row
+             "tokens": sum(len(r["input_ids"]) for r in rows_of_step),  # starts a document (never a target)
+             "padded_tokens": sum(len(micro) * max(len(examples[i]["input_ids"]) for i in micro) for micro in step)})
+    lengths = examples.table.select_columns(["length"]).with_format("numpy")[:]["length"]
+    assert sum(s["tokens"] for s in plan["steps"]) == int(lengths.sum()), "not every document is in a step"
+    assert set(lengths.tolist()) <= set(range(a.seq // 8, a.seq + 1)), "documents did not tokenize as intended"
+    (work / "plan.json").write_text(json.dumps(plan))
+    return plan
 
-def batches(work: Path, a, steps: int):
-    """The same token batches the toolkit reads (bos + bytes + eos), as tensors."""
+
+def toolkit_steps(work: Path, a):
+    """The toolkit's training rows in its order, built with its own data code as `toolkit train`
+    builds them: (examples, steps, tokenizer), steps[k][i] = the row numbers of micro-batch i of
+    optimizer step k. (The toolkit's metrics are checked against these counts.)"""
+    sys.path.insert(0, str(ROOT))
+    from toolkit.config import load_recipe
+    from toolkit.data import EpochSampler, build_datasets
+    from toolkit.model import build_tokenizer
+
+    recipe = load_recipe(work / "recipe.yaml")
+    tokenizer = build_tokenizer(recipe.model)
+    data = build_datasets(recipe.data, tokenizer, recipe.seed, packing=True)
+    global_batch = a.micro * a.accumulation
+    order = list(EpochSampler(len(data.train), global_batch, recipe.seed))
+    assert len(order) == a.steps * global_batch == len(data.train), (len(order), len(data.train))
+    steps = [[order[k * global_batch + i * a.micro: k * global_batch + (i + 1) * a.micro]
+              for i in range(a.accumulation)] for k in range(a.steps)]
+    return data.train, steps, tokenizer
+
+
+def row_documents(examples, row: int) -> list[dict]:
+    """The documents (input_ids, labels) packed into one of the toolkit's rows."""
+    return [examples.docs[int(j)] for j in examples.bins[int(row)]["docs"]]
+
+
+def pad(docs: list[dict], pad_id: int) -> dict:
+    """Documents right-padded to the longest, with an attention mask (the Trainer's batches)."""
     import torch
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(work / "model")
-    lines = (work / "train.jsonl").read_text().splitlines()[: steps * a.micro * a.accumulation]
-    ids = [[tok.bos_token_id] + tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"]
-           + [tok.eos_token_id] for line in lines]
-    assert all(len(x) == a.seq for x in ids), "documents must tokenize to exactly --seq tokens"
-    return torch.tensor(ids).view(steps * a.accumulation, a.micro, a.seq)
+    width = max(len(d["input_ids"]) for d in docs)
+    batch = {"input_ids": torch.full((len(docs), width), pad_id), "labels": torch.full((len(docs), width), IGNORE),
+             "attention_mask": torch.zeros((len(docs), width), dtype=torch.long)}
+    for i, d in enumerate(docs):
+        n = len(d["input_ids"])
+        batch["input_ids"][i, :n] = torch.as_tensor(d["input_ids"])
+        batch["labels"][i, :n] = torch.as_tensor(d["labels"])
+        batch["attention_mask"][i, :n] = 1
+    return batch
 
 
-def run_plain_pytorch(work: Path, a, steps: int) -> None:
-    """What a careful engineer writes by hand: AdamW, warmup + cosine, clipping, accumulation,
-    the loss read back every step."""
+def counts(batch: dict, pad_id: int):
+    """(document tokens, target tokens) of a batch, as tensors on its device (no synchronisation).
+    <pad> never occurs inside a document, and the first position of a row is never a target."""
+    import torch
+
+    return torch.stack([(batch["input_ids"] != pad_id).sum(), (batch["labels"][:, 1:] != IGNORE).sum()])
+
+
+# ----------------------------------------------------------------------------- contenders
+
+
+def device_and_dtype(a):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+
+
+def peak_memory(device: str) -> tuple[int, str]:
+    """This process's peak: CUDA allocator bytes on a GPU, else resident set bytes."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated(), "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+
+
+def stamp(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    return time.time()
+
+
+def write_result(work: Path, who: str, stamps: list[float], per_micro: list, accumulation: int, device: str) -> None:
+    """Per optimizer step: end time, document tokens, target tokens; and the process's peak memory."""
+    import torch
+
+    flat = torch.stack([c.cpu() for c in per_micro]).view(-1, accumulation, 2).sum(1).tolist() if per_micro else []
+    peak, kind = peak_memory(device)
+    (work / f"result_{who}.json").write_text(json.dumps({
+        "stamps": stamps, "tokens": [int(t) for t, _ in flat], "targets": [int(g) for _, g in flat],
+        "peak_bytes": peak, "memory": kind}))
+
+
+def run_toolkit(work: Path, a) -> None:
+    cmd = [sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml"), f"train.max_steps={a.steps}"]
+    with open(work / "toolkit.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"toolkit train failed:\n{(work / 'toolkit.log').read_text()[-3000:]}")
+    rows = [json.loads(line) for line in (work / "toolkit_run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    plan = json.loads((work / "plan.json").read_text())["steps"]
+    global_batch = a.micro * a.accumulation
+    targets = [round(r["target_tokens_per_second"] / r["samples_per_second"] * global_batch) for r in rows]
+    processed = [b["tokens"] - a_["tokens"] for a_, b in zip([{"tokens": 0}] + rows, rows)]
+    # What the toolkit reports it trained on must be the rows the others are fed, step by step.
+    assert targets == [s["targets"] for s in plan], ("toolkit targets differ from its rows", targets)
+    assert processed == [s["padded_tokens"] for s in plan], ("toolkit tokens differ from its rows", processed)
+    if rows and max(rows[-1]["peak_memory_gib"]) and device_and_dtype(a)[0] == "cuda":
+        peak, kind = int(max(max(r["peak_memory_gib"]) for r in rows) * 2**30), "cuda_max_allocated"
+    else:  # the toolkit's own process, from start to exit (this one has no other child)
+        peak, kind = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "rss"
+    (work / "result_toolkit.json").write_text(json.dumps({
+        "stamps": [r["time"] for r in rows], "tokens": [s["tokens"] for s in plan], "targets": targets,
+        "peak_bytes": peak, "memory": kind}))
+
+
+def run_plain_pytorch(work: Path, a) -> None:
+    """What a careful engineer writes by hand: AdamW, warmup + cosine, clipping, exact accumulation
+    over the step's target tokens, the loss read back every step; fed the toolkit's packed rows."""
     import math
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(work / "model").to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    from toolkit.data import Collator
+
+    torch.manual_seed(SEED)
+    device, dtype = device_and_dtype(a)
+    examples, steps, tokenizer = toolkit_steps(work, a)
+    collate = Collator(tokenizer.pad_token_id, packed=True)
+    model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / max(1, steps - 2))))
-    data = batches(work, a, steps)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
-    stamps = []
-    for step in range(steps):
-        for i in range(a.accumulation):
-            ids = data[step * a.accumulation + i].to(device, non_blocking=True)
+        opt, lambda s: (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / max(1, a.steps - 2))))
+    stamps, per_micro = [], []
+    for step in steps:
+        micro_batches = [collate([examples[i] for i in rows]) for rows in step]
+        micro_counts = [counts(b, tokenizer.pad_token_id) for b in micro_batches]  # on the host
+        step_targets = int(sum(c[1] for c in micro_counts))
+        for batch, c in zip(micro_batches, micro_counts):
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-                loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
-            (loss / a.accumulation).backward()
+                loss = model(**batch).loss  # mean over this micro-batch's targets
+            (loss * (int(c[1]) / step_targets)).backward()  # -> sum over the step's targets / their count
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
-        stamps.append(time.time())
-    (work / "stamps_plain_pytorch.json").write_text(json.dumps(stamps))
+        per_micro += micro_counts
+        stamps.append(stamp(device))
+    write_result(work, "plain_pytorch", stamps, per_micro, a.accumulation, device)
 
 
-def run_hf_trainer(work: Path, a, steps: int) -> None:
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+def counting(trainer_class, pad_id: int):
+    """`trainer_class` that counts the tokens of every micro-batch it trains on, in compute_loss."""
 
-    stamps = []
+    class Counting(trainer_class):
+        counted: list = []
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            if model.training:
+                self.counted.append(counts(inputs, pad_id))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    return Counting
+
+
+def trainer_arguments(a, device: str) -> dict:
+    """The settings the Trainer and TRL share with the other contenders."""
+    return dict(per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.accumulation, max_steps=a.steps,
+                learning_rate=1e-4, warmup_steps=2, lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=1.0,
+                logging_steps=10, save_strategy="no", report_to="none", use_cpu=device == "cpu",
+                bf16=a.precision == "bf16", fp16=a.precision == "fp16", gradient_checkpointing=False,
+                dataloader_num_workers=0, disable_tqdm=True, seed=SEED)
+
+
+def stamp_callback(stamps: list, device: str):
+    from transformers import TrainerCallback
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.time())
+            stamps.append(stamp(device))
 
-    data = batches(work, a, steps).view(-1, a.seq)
-    ds = datasets.Dataset.from_dict({"input_ids": data.tolist(), "attention_mask": torch.ones_like(data).tolist(),
-                                     "labels": data.tolist()})
-    args = TrainingArguments(
-        output_dir=str(work / "trainer_run"), per_device_train_batch_size=a.micro,
-        gradient_accumulation_steps=a.accumulation, max_steps=steps, learning_rate=1e-4, warmup_steps=2,
-        lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=10, save_strategy="no", report_to="none",
-        use_cpu=not torch.cuda.is_available(), bf16=a.precision == "bf16", fp16=a.precision == "fp16",
-        dataloader_num_workers=0, disable_tqdm=True, seed=0)
-    model = AutoModelForCausalLM.from_pretrained(work / "model")
-    Trainer(model=model, args=args, train_dataset=ds, callbacks=[Stamp()]).train()
-    (work / "stamps_hf_trainer.json").write_text(json.dumps(stamps))
+    return Stamp()
 
 
-def run_toolkit(work: Path, a, steps: int) -> None:
-    cmd = [sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml"), f"train.max_steps={steps}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (work / "toolkit_run" / "metrics.jsonl").read_text().splitlines()]
-    (work / "stamps_toolkit.json").write_text(json.dumps([r["time"] for r in rows if "loss" in r]))
+def run_hf_trainer(work: Path, a) -> None:
+    """The stock Trainer: each micro-batch holds the documents of the toolkit's micro-batch, padded."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    device, _ = device_and_dtype(a)
+    examples, steps, tokenizer = toolkit_steps(work, a)
+    pad_id = tokenizer.pad_token_id
+    # One item per micro-batch (batch size 1 below), in the toolkit's order.
+    items = [{"docs": [d for i in rows for d in row_documents(examples, i)]} for step in steps for rows in step]
+    args = TrainingArguments(output_dir=str(work / "trainer_run"), remove_unused_columns=False,
+                             train_sampling_strategy="sequential",
+                             **{**trainer_arguments(a, device), "per_device_train_batch_size": 1})
+    model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn)
+    stamps = []
+    trainer = counting(Trainer, pad_id)(model=model, args=args, train_dataset=items,
+                                        data_collator=lambda batch: pad(batch[0]["docs"], pad_id),
+                                        callbacks=[stamp_callback(stamps, device)])
+    trainer.train()
+    write_result(work, "hf_trainer", stamps, trainer.counted, a.accumulation, device)
 
 
-def timed(work: Path, a, who: str) -> tuple[float, float]:
-    """(median seconds per steady-state step, wall time of the whole process)."""
+def run_trl(work: Path, a) -> None:
+    """TRL's SFTTrainer with its best packing (bfd, padding-free) and completion-only loss."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    device, _ = device_and_dtype(a)
+    rows = [json.loads(line)["messages"] for line in (work / "train.jsonl").read_text().splitlines()]
+    ds = datasets.Dataset.from_list([{"prompt": [m[0]], "completion": [m[1]]} for m in rows])
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    args = SFTConfig(output_dir=str(work / "trl_run"), max_length=a.seq, packing=True, packing_strategy="bfd",
+                     padding_free=True, completion_only_loss=True, **trainer_arguments(a, device))
+    model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn)
+    stamps = []
+    trainer = counting(SFTTrainer, tokenizer.pad_token_id)(model=model, args=args, train_dataset=ds,
+                                                           processing_class=tokenizer,
+                                                           callbacks=[stamp_callback(stamps, device)])
+    assert len(trainer.train_dataset) == a.steps * a.micro * a.accumulation, len(trainer.train_dataset)
+    trainer.train()
+    write_result(work, "trl", stamps, trainer.counted, a.accumulation, device)
+
+
+RUNNERS = {"toolkit": run_toolkit, "plain_pytorch": run_plain_pytorch, "hf_trainer": run_hf_trainer, "trl": run_trl}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def measure(work: Path, a, who: str, plan: dict) -> dict:
+    """One process of one contender: its steady-state figures, its counts checked against the plan."""
     cmd = [sys.executable, __file__, "--_run", who, "--_work", str(work)] + forwarded(a)
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.exit(f"{who} failed:\n{proc.stderr[-3000:]}")
-    stamps = json.loads((work / f"stamps_{who}.json").read_text())
-    assert len(stamps) == a.steps, (who, len(stamps))
-    intervals = [b - a_ for a_, b in zip(stamps[a.warmup:], stamps[a.warmup + 1:])]
-    return statistics.median(intervals), wall
+    r = json.loads((work / f"result_{who}.json").read_text())
+    (work / f"result_{who}.json").unlink()
+    stamps, targets, tokens = r["stamps"], r["targets"], r["tokens"]
+    assert len(stamps) == len(targets) == len(tokens) == a.steps, (who, len(stamps), len(targets), len(tokens))
+    if who in SAME_ROWS:
+        wrong = [k + 1 for k, s in enumerate(plan["steps"]) if (s["targets"], s["tokens"]) != (targets[k], tokens[k])]
+        if wrong:
+            sys.exit(f"same-tokens check failed: {who} trained on other tokens than the toolkit's rows "
+                     f"in steps {wrong[:10]}")
+    if (sum(targets), sum(tokens)) != (plan["targets"], plan["tokens"]):
+        sys.exit(f"same-tokens check failed: {who} trained on {sum(targets):,} target / {sum(tokens):,} document "
+                 f"tokens, the toolkit's rows hold {plan['targets']:,} / {plan['tokens']:,}")
+    window = stamps[-1] - stamps[a.warmup - 1]  # steps warmup+1 .. steps
+    return {"step_s": statistics.median(b - a_ for a_, b in zip(stamps[a.warmup - 1:], stamps[a.warmup:])),
+            "target_tps": sum(targets[a.warmup:]) / window, "tps": sum(tokens[a.warmup:]) / window,
+            "peak_mib": r["peak_bytes"] / 2**20, "memory": r["memory"], "wall": wall}
 
 
 def forwarded(a) -> list[str]:
     return ["--hidden", str(a.hidden), "--layers", str(a.layers), "--seq", str(a.seq), "--micro", str(a.micro),
-            "--accumulation", str(a.accumulation), "--precision", a.precision,
+            "--accumulation", str(a.accumulation), "--precision", a.precision, "--attn", a.attn,
             "--steps", str(a.steps), "--warmup", str(a.warmup)]
+
+
+def summarize(a, plan: dict, runs: dict) -> dict:
+    import torch
+    import transformers
+
+    def med(who, key):
+        return statistics.median(r[key] for r in runs[who])
+
+    def best(who, key, pick):
+        return pick(r[key] for r in runs[who])
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = None
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
+        "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
+        "precision": a.precision, "attn": a.attn, "model": f"llama hidden {a.hidden} x {a.layers} layers",
+        "seq": a.seq, "micro": a.micro, "accumulation": a.accumulation, "rows_per_step": a.micro * a.accumulation,
+        "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
+        "same_tokens": {"check": "passed", "documents": plan["documents"], "target_tokens": plan["targets"],
+                        "document_tokens": plan["tokens"], "identical_per_step": [w for w in SAME_ROWS if w in runs],
+                        "identical_in_total": sorted(runs)},
+        "ms_per_step": {w: round(med(w, "step_s") * 1000, 1) for w in runs},
+        "ms_per_step_best": {w: round(best(w, "step_s", min) * 1000, 1) for w in runs},
+        "target_tokens_per_second": {w: round(med(w, "target_tps")) for w in runs},
+        "target_tokens_per_second_best": {w: round(best(w, "target_tps", max)) for w in runs},
+        "target_tokens_per_second_all_repeats": {w: [round(r["target_tps"]) for r in runs[w]] for w in runs},
+        "tokens_per_second": {w: round(med(w, "tps")) for w in runs},
+        "peak_memory_mib": {w: round(med(w, "peak_mib"), 1) for w in runs},
+        "peak_memory_kind": runs[next(iter(runs))][0]["memory"],
+        "process_seconds": {w: round(med(w, "wall"), 1) for w in runs},
+    }
+    if "toolkit" in runs:  # > 1: the toolkit trains more useful tokens per second; memory < 1: it needs less
+        for other in [w for w in CONTENDERS if w in runs and w != "toolkit"]:
+            tps, tps_best = result["target_tokens_per_second"], result["target_tokens_per_second_best"]
+            result[f"speed_vs_{other}"] = round(tps["toolkit"] / tps[other], 3)
+            result[f"speed_vs_{other}_best"] = round(tps_best["toolkit"] / tps_best[other], 3)
+            mem = result["peak_memory_mib"]
+            result[f"memory_vs_{other}"] = round(mem["toolkit"] / mem[other], 3)
+    return result
 
 
 def main() -> None:
@@ -172,59 +487,54 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--micro", type=int, default=8, help="rows per micro-batch")
     p.add_argument("--accumulation", type=int, default=1)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--attn", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa",
+                   help="attention kernel, the same for every contender")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the per-step median")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state (at least 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=CONTENDERS, nargs="*", default=list(CONTENDERS))
     p.add_argument("--_run", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if not 1 <= a.warmup <= a.steps - 2:
+        p.error("--warmup must be at least 1 and leave at least 2 steps")
     if a._run:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        {"toolkit": run_toolkit, "plain_pytorch": run_plain_pytorch, "hf_trainer": run_hf_trainer}[a._run](
-            Path(a._work), a, a.steps)
+        sys.path.insert(0, str(ROOT))
+        RUNNERS[a._run](Path(a._work), a)
         return
 
     with tempfile.TemporaryDirectory(prefix="loop_speed_") as tmp:
         work = Path(tmp)
-        prepare(work, a)
-        per_step = {who: [] for who in a.only}
-        walls = {who: [] for who in a.only}
+        # Every process (this one first) prepares into and reads from a cache of this run's own.
+        os.environ["HF_DATASETS_CACHE"] = str(work / "datasets_cache")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        plan = prepare(work, a)
+        plan["targets"] = sum(s["targets"] for s in plan["steps"])
+        plan["tokens"] = sum(s["tokens"] for s in plan["steps"])
+        print(f"{plan['documents']} documents, {plan['tokens']:,} tokens ({plan['targets']:,} targets) in "
+              f"{a.steps} steps of {a.micro * a.accumulation} rows of {a.seq}", file=sys.stderr)
+        runs = {who: [] for who in a.only}
         for r in range(a.repeats):  # interleaved, so drift in the machine's speed hits all alike
             for who in a.only:
-                step_s, wall = timed(work, a, who)
-                per_step[who].append(step_s)
-                walls[who].append(wall)
-                print(f"repeat {r + 1}/{a.repeats} {who}: {step_s * 1000:.1f} ms/step, process {wall:.1f} s",
+                m = measure(work, a, who, plan)
+                runs[who].append(m)
+                print(f"repeat {r + 1}/{a.repeats} {who}: {m['step_s'] * 1000:.1f} ms/step, "
+                      f"{m['target_tps']:,.0f} target tok/s, peak {m['peak_mib']:,.0f} MiB, process {m['wall']:.1f} s",
                       file=sys.stderr)
-    tokens_per_step = a.micro * a.accumulation * a.seq
-    import torch
-
-    result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
-        "torch": torch.__version__, "precision": a.precision,
-        "model": f"llama hidden {a.hidden} x {a.layers} layers", "tokens_per_step": tokens_per_step,
-        "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
-        "ms_per_step": {w: round(statistics.median(v) * 1000, 1) for w, v in per_step.items()},
-        "ms_per_step_best": {w: round(min(v) * 1000, 1) for w, v in per_step.items()},
-        "ms_per_step_all_repeats": {w: [round(x * 1000, 1) for x in v] for w, v in per_step.items()},
-        "process_seconds": {w: round(statistics.median(v), 1) for w, v in walls.items()},
-    }
-    result["tokens_per_second"] = {w: round(tokens_per_step / (ms / 1000)) for w, ms in result["ms_per_step"].items()}
-    if "toolkit" in per_step:  # > 1: the toolkit is faster. On a shared host the best of the repeats
-        for other in sorted(per_step.keys() - {"toolkit"}):  # (as timeit reports) is the steadier figure
-            for kind, key in (("", "ms_per_step"), ("_best", "ms_per_step_best")):
-                result[f"speed_vs_{other}{kind}"] = round(result[key][other] / result[key]["toolkit"], 3)
+    result = summarize(a, plan, runs)
     print(json.dumps(result))
-    ms, best = result["ms_per_step"], result["ms_per_step_best"]
-    print(f"| {result['date']} | {result['device']} | {result['model']}, seq {a.seq}, micro {a.micro}, "
-          f"{a.precision} | " + " | ".join(f"{ms.get(w, '-')} ({best.get(w, '-')})" for w in CONTENDERS) + " | "
+    tps, mem = result["target_tokens_per_second"], result["peak_memory_mib"]
+    print(f"| {result['date']} | {result['device']} | {result['model']}, seq {a.seq}, {a.micro} x {a.accumulation} "
+          f"rows, {a.precision}, {a.attn} | " + " | ".join(f"{tps.get(w, '-')}" for w in CONTENDERS) + " | "
           + " | ".join(f"{result.get(f'speed_vs_{w}', '-')} ({result.get(f'speed_vs_{w}_best', '-')})"
-                       for w in CONTENDERS[1:]) + " |")
+                       for w in CONTENDERS[1:]) + " | "
+          + " | ".join(f"{mem.get(w, '-')}" for w in CONTENDERS) + f" | {result.get('memory_vs_trl', '-')} |")
+
 
 if __name__ == "__main__":
     main()
