@@ -40,7 +40,10 @@ class ModelConfig:
     """Run the Python code a model ships with (models not built into transformers). Only for sources you trust."""
     preset: Optional[str] = None
     """A built-in model made from a config in toolkit/presets (e.g. `tiny-llama`)."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
+    """`varlen` attends within each packed document from its bounds, with no mask: PyTorch's flash
+    varlen kernel on CUDA in bf16/fp16, one SDPA call per document elsewhere (toolkit/varlen.py).
+    `sdpa` and `eager` build a dense block-diagonal mask for packed rows."""
     gradient_checkpointing: bool = False
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
@@ -97,6 +100,10 @@ class DataConfig:
     max_seq_len: int = 512
     packing: bool = False
     """Concatenate examples into rows of max_seq_len; documents never attend to each other."""
+    padding_free: bool = False
+    """Each micro-batch is one row: its examples (packed rows or documents) concatenated with no
+    padding. Same examples, same loss; attention runs as model.attn_implementation=varlen unless
+    flash_attention_2 or eager is chosen."""
     train_on_prompt: bool = False
     """By default the loss covers only response tokens."""
     overlong: Literal["truncate", "drop"] = "truncate"

@@ -595,21 +595,38 @@ class Examples(torch.utils.data.Dataset):
 
 
 class Collator:
-    """Right-pads a list of examples into tensors. Unpacked batches get an attention mask; packed
-    ones get `position_ids` instead (padding is one more document, which the real ones never see).
-    An example of None (eval padding, see EvalShardSampler) becomes a row without targets; a batch
-    of nothing but None (a rank whose eval share ran out) is one such row per example."""
+    """Batches a list of examples into tensors.
 
-    def __init__(self, pad_token_id: int, packed: bool = False):
-        self.pad_token_id, self.packed = pad_token_id, packed
+    - Unpacked examples are right-padded and get an attention mask.
+    - Packed rows are right-padded and get `position_ids` instead (padding is one more document,
+      which the real ones never see).
+    - `padding_free`: the micro-batch's examples (rows or documents) are concatenated into one row
+      with `position_ids` restarting at each document: no padding at all.
+    - `bounds`: packed and padding-free batches also carry the documents' bounds for varlen
+      attention (`cu_seq_lens_q/k`, `max_length_q/k`), computed here on the host.
 
-    def __call__(self, examples: list[dict | None]) -> dict[str, torch.Tensor]:
+    An example of None (eval padding, see EvalShardSampler) becomes a row (padding-free: a document)
+    without targets; a batch of nothing but None (a rank whose eval share ran out) is one such row
+    per example."""
+
+    def __init__(self, pad_token_id: int, packed: bool = False, padding_free: bool = False, bounds: bool = False):
+        self.pad_token_id, self.packed, self.padding_free, self.bounds = pad_token_id, packed, padding_free, bounds
+
+    def __call__(self, examples: list[dict | None]) -> dict:
         real = [e for e in examples if e is not None]
         packed = "position_ids" in real[0] if real else self.packed
-        width = max((len(e["input_ids"]) for e in real), default=1)
         examples = [e if e is not None else {"input_ids": [self.pad_token_id], "labels": [IGNORE],
                                              **({"position_ids": [0]} if packed else {})}
                     for e in examples]
+        if self.padding_free:
+            def row(parts):
+                return torch.as_tensor(np.concatenate(parts), dtype=torch.long)[None]
+
+            batch = {"input_ids": row([e["input_ids"] for e in examples]), "labels": row([e["labels"] for e in examples]),
+                     "position_ids": row([e["position_ids"] if packed else np.arange(len(e["input_ids"]))
+                                          for e in examples])}
+            return self.with_bounds(batch)
+        width = max(len(e["input_ids"]) for e in examples)
         ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
         for i, e in enumerate(examples):
@@ -624,11 +641,19 @@ class Collator:
                 pos[i, :n] = torch.as_tensor(e["position_ids"])
                 pos[i, n:] = torch.arange(width - n)
             batch["position_ids"] = pos
-        else:
-            mask = torch.zeros((len(examples), width), dtype=torch.long)
-            for i, e in enumerate(examples):
-                mask[i, : len(e["input_ids"])] = 1
-            batch["attention_mask"] = mask
+            return self.with_bounds(batch)
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+        for i, e in enumerate(examples):
+            mask[i, : len(e["input_ids"])] = 1
+        batch["attention_mask"] = mask
+        return batch
+
+    def with_bounds(self, batch: dict) -> dict:
+        if self.bounds:
+            from .varlen import document_bounds
+
+            cu, longest = document_bounds(batch["position_ids"].numpy())
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return batch
 
 

@@ -69,11 +69,17 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
     """Load a local causal LM or build a preset. Weights stay in `dtype` (fp32 master weights by
     default; mixed precision is applied by autocast, not by casting the parameters); under
     model.load_in_4bit the linear layers are NF4 and compute in `compute_dtype`."""
+    attn = cfg.attn_implementation
+    if attn == "varlen":
+        from . import varlen
+
+        varlen.register()
+        attn = varlen.NAME
     if cfg.preset is not None:
         preset = PRESETS / f"{cfg.preset}.json"
         if not preset.is_file():
             raise ToolkitError(f"model.preset: unknown preset '{cfg.preset}' (available: {', '.join(preset_names())})")
-        config = LlamaConfig(**json.loads(preset.read_text()), attn_implementation=cfg.attn_implementation)
+        config = LlamaConfig(**json.loads(preset.read_text()), attn_implementation=attn)
         # The constructor, not from_config: from_config builds under ZeRO-3's zero.Init, whose
         # random initialisation differs from a plain one. Presets are tiny; every backend must
         # start from the same weights.
@@ -83,10 +89,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                folder, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                folder, local_files_only=True, dtype=dtype, attn_implementation=attn,
                 trust_remote_code=cfg.trust_remote_code, **quantized)
         except (OSError, ValueError) as e:
             raise _load_error(cfg, folder, "a causal LM", e) from None
+    if cfg.attn_implementation == "varlen":
+        from .varlen import check_model
+
+        check_model(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

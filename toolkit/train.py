@@ -6,6 +6,7 @@ a backend: the launch config decides DDP, FSDP or DeepSpeed, and `backend.py` ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -44,13 +45,18 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
-    model = build_model(recipe.model, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    model_cfg = recipe.model
+    if recipe.data.padding_free and model_cfg.attn_implementation == "sdpa":  # sdpa would build a dense mask
+        model_cfg = dataclasses.replace(model_cfg, attn_implementation="varlen")
+        log("attention: varlen (data.padding_free; sdpa would mask the whole micro-batch)")
+    model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens)  # in the forward, where every backend has whole weights
-    packing = recipe.data.packing
-    if packing and not packing_is_isolated(isolation_probe(model)):
-        log("warning: this model lets packed documents attend to each other; padding instead of packing")
-        packing = False
+    packing, padding_free = recipe.data.packing, recipe.data.padding_free
+    if (packing or padding_free) and not packing_is_isolated(isolation_probe(model)):
+        log("warning: this model lets packed documents attend to each other; padding instead of "
+            + ("packing" if packing else "data.padding_free"))
+        packing = padding_free = False
     base_weights = None
     if recipe.lora.enabled:
         if recipe.model.preset is not None:
@@ -84,7 +90,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
                                     layout=backend.checkpoint_layout(accelerator))
     if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
         run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
-    collate = Collator(tokenizer.pad_token_id, packed=packing)
+    collate = Collator(tokenizer.pad_token_id, packed=packing, padding_free=padding_free,
+                       bounds=model_cfg.attn_implementation == "varlen")
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
@@ -177,8 +184,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
             # weighs the same, so the loss is a sum divided by the global count of target tokens.
             # Counted on the host, before the batches move: no device synchronisation for it.
             local = torch.tensor(host_counts(micro_batches), dtype=torch.float64)
-            micro_batches = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()}
-                             for b in micro_batches]
+            micro_batches = [to_device(b, accelerator.device) for b in micro_batches]
             clock.lap("data")
             watchdog.at("counts", step)
             n_targets, n_tokens, squared_lengths = map(int, accelerator.reduce(local.to(accelerator.device), "sum").tolist())
@@ -293,7 +299,7 @@ def evaluate(accelerator, model, eval_loader, watchdog: Watchdog | None = None, 
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in eval_loader:
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        batch = to_device(batch, accelerator.device)
         totals[0] += token_loss_sum(model, batch).double()
         totals[1] += (batch["labels"][:, 1:] != IGNORE).sum()
     model.train()
@@ -324,6 +330,12 @@ def host_counts(micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
                  for b in micro_batches)
     squared = sum(int(observe.document_lengths(b).pow(2).sum()) for b in micro_batches)
     return [targets, tokens, squared]
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A batch's tensors on `device` (copies that do not wait, from pinned memory on CUDA); its
+    numbers (the longest document, for varlen attention) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def speed_text(row: dict, short: bool = False) -> str:
