@@ -177,8 +177,20 @@ def make_optimizer(accelerator, params: list[dict], recipe: Recipe):
         from accelerate.utils import DummyOptim
 
         return DummyOptim(params, lr=t.learning_rate)
+    # On CUDA the fused kernel: one launch for all parameters instead of several per tensor. (Under
+    # DeepSpeed optimizer offload accelerate swaps in DeepSpeed's CPU Adam, which ignores it.)
     return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_epsilon, weight_decay=t.weight_decay)
+                             eps=t.adam_epsilon, weight_decay=t.weight_decay,
+                             fused=True if accelerator.device.type == "cuda" else None)
+
+
+def check_compile(accelerator, recipe: Recipe) -> None:
+    """train.compile where it is known to work: not under ZeRO-3, whose parameter hooks run inside
+    every layer."""
+    ds = accelerator.state.deepspeed_plugin
+    if recipe.train.compile and ds is not None and ds.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
+        raise ToolkitError("train.compile: not supported with DeepSpeed ZeRO-3 (its parameter gathering runs inside "
+                           "every compiled layer); set train.compile=false or use ZeRO-1/2 or FSDP")
 
 
 def make_scheduler(accelerator, optimizer, lr_lambda, total_steps: int, warmup_steps: int):

@@ -133,6 +133,10 @@ class TrainConfig:
     """fp16 only: the dynamic loss scale's starting value, a power of two (accelerate's GradScaler
     init_scale; DeepSpeed's fp16.initial_scale_power is filled from it). A step whose gradients
     overflow is skipped and the scale halved."""
+    compile: bool = False
+    """torch.compile each decoder layer (dynamic shapes: packed and padding-free batches change
+    length every step without recompiling). The first steps are slower while it compiles; the
+    state dict and checkpoints are unchanged. Not with DeepSpeed ZeRO-3."""
     loss: Literal["chunked", "full"] = "chunked"
     """How the loss is computed (the same value either way). `chunked`: the output layer runs on
     loss_chunk_tokens target positions at a time and their logits are recomputed in backward, so

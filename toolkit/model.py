@@ -149,6 +149,26 @@ def isolation_probe(model: torch.nn.Module) -> torch.nn.Module:
         return type(model)(config).float()
 
 
+def compile_layers(model: torch.nn.Module) -> int:
+    """train.compile: torch.compile each decoder layer's forward in place, with dynamic shapes (a
+    packed or padding-free batch has a new length every step). Parameter names, the state dict and
+    the hooks backends put on modules stay as they are. Returns the number of layers compiled."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(base.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ToolkitError(f"train.compile: no decoder layers found in {type(base).__name__}; set train.compile=false")
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    return len(layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """Distinct leaf names of the linear layers a LoRA adapter can target."""
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

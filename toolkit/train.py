@@ -22,7 +22,8 @@ from .config import Recipe, ToolkitError
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated
 from .estimate import count_model
 from .loss import token_loss_sum, use_token_loss
-from .model import DTYPES, apply_lora, isolation_probe, build_model, build_tokenizer, count_parameters
+from .model import (DTYPES, apply_lora, build_model, build_tokenizer, compile_layers, compiled_graphs,
+                    count_parameters, isolation_probe)
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
 from .summary import run_summary
@@ -67,6 +68,9 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
         model = apply_lora(model, recipe.lora)
         if recipe.model.preset is not None:
             model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
+    if t.compile:
+        backend.check_compile(accelerator, recipe)
+        log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
 
@@ -138,6 +142,8 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
         raise
     finally:
         preemption.disarm()
+    if t.compile:  # the same count for a longer run: no step recompiled
+        log(f"compile: {compiled_graphs()} graphs built")
     watchdog.begin("save", total_steps)
     backend.save_model(accelerator, model, tokenizer, out / "final")
     watchdog.done()

@@ -46,6 +46,11 @@ def document_bounds(position_ids: np.ndarray | torch.Tensor) -> tuple[torch.Tens
     return torch.from_numpy(cu), int(np.diff(cu).max())
 
 
+@torch.compiler.disable
+def bounds_of(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return document_bounds(position_ids.cpu().numpy())
+
+
 def check_model(model: torch.nn.Module) -> None:
     """Refuse, in one line, models whose attention does more than causal softmax attention."""
     config = model.config
@@ -84,7 +89,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if cu is None:  # a forward without the collator's bounds (checks, generation's prefill): one sync
-        cu, longest = document_bounds(kwargs["position_ids"].expand(batch, length).cpu().numpy())
+        cu, longest = bounds_of(kwargs["position_ids"].expand(batch, length))
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
     gqa = k.shape[1] != heads
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
@@ -93,10 +98,15 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         cu = cu.to(q.device, torch.int32, non_blocking=True)
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
     else:
-        bounds = cu.tolist()
-        out = torch.cat([
-            F.scaled_dot_product_attention(
-                q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
-                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1)
-            for s, e in zip(bounds[:-1], bounds[1:])])
+        out = per_document(q, k, v, cu, dropout, scaling, gqa)
     return out.view(batch, length, heads, dim), None
+
+
+@torch.compiler.disable  # a Python loop over documents: train.compile compiles around it
+def per_document(q, k, v, cu, dropout, scaling, gqa):
+    bounds = cu.tolist()
+    return torch.cat([
+        F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
+            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1)
+        for s, e in zip(bounds[:-1], bounds[1:])])

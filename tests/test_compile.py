@@ -1,0 +1,47 @@
+"""train.compile: each decoder layer compiled with dynamic shapes learns what the eager model learns,
+and a batch of a new length (packed, padding-free: every step) does not compile again."""
+
+import re
+
+import torch
+
+from conftest import base_recipe, read_metrics, run_toolkit, user_error_line, write_recipe
+from test_padding_free import messages_recipe
+
+
+def graphs(proc) -> int:
+    found = re.findall(r"compile: (\d+) graphs built", proc.stdout + proc.stderr)
+    assert len(found) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return int(found[0])
+
+
+def test_compiled_layers_train_as_eager_without_recompiling(tmp_path):
+    runs = {}
+    for name, steps, compiled in (("eager", 6, False), ("short", 2, True), ("long", 6, True)):
+        recipe = messages_recipe(tmp_path, name, packing=True)
+        recipe["data"]["padding_free"] = True
+        recipe["train"].update(max_steps=steps, eval_every_steps=0, compile=compiled)
+        proc = run_toolkit("train", write_recipe(tmp_path / f"{name}.yaml", **recipe))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = proc
+    eager = [r["loss"] for r in read_metrics(tmp_path / "eager") if "loss" in r]
+    compiled = [r["loss"] for r in read_metrics(tmp_path / "long") if "loss" in r]
+    assert len(eager) == len(compiled) == 6
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=0)
+    tokens = [r["tokens"] for r in read_metrics(tmp_path / "long") if "loss" in r]
+    lengths = {b - a for a, b in zip(tokens, tokens[1:])}
+    assert len(lengths) > 1  # the steps' batches did differ in length
+    assert "compile: 2 decoder layers" in runs["long"].stdout + runs["long"].stderr
+    assert graphs(runs["long"]) == graphs(runs["short"]) > 0  # 4 more steps, no new graph
+
+
+def test_compile_is_refused_under_zero3(tmp_path, data_files):
+    from test_backends import accelerate_launch
+    from conftest import ROOT
+
+    train_f, eval_f = data_files
+    recipe = base_recipe(tmp_path, train_f, eval_f, train__compile=True)
+    proc = run_toolkit("train", write_recipe(tmp_path / "r.yaml", **recipe),
+                       launcher=accelerate_launch(ROOT / "accelerate_configs" / "zero3.yaml"))
+    line = user_error_line(proc, launched=True)
+    assert "train.compile" in line and "ZeRO-3" in line, line
