@@ -19,8 +19,11 @@ What each contender consumes per optimizer step (global batch = --micro x --accu
 - plain_pytorch: a hand-written loop (AdamW, warmup + cosine, clipping, exact accumulation: the
   loss is the sum over the step's target tokens divided by their count) fed the toolkit's rows in
   the toolkit's order, built with the toolkit's data code, packed the same way (position_ids, no
-  padding between documents). Same documents, same rows, same tokens in every step: the ratio
-  toolkit / plain_pytorch is the cost of the toolkit's loop alone.
+  padding between documents), called with use_cache=False (with the default KV cache, transformers
+  5 does not read document bounds from position_ids, so packed documents would attend to each
+  other: faster and wrong). Same documents, same rows, same tokens in every step: the ratio
+  toolkit / plain_pytorch is the cost of the toolkit's loop alone (with `--toolkit
+  data.padding_free=true` the toolkit's micro-batches are unpadded and the ratio includes that).
 - hf_trainer: transformers' Trainer with the same documents in every micro-batch as the toolkit
   (the documents of the toolkit's packed rows), padded to the longest (the Trainer has no packing
   of its own): the ratio to it is what packing and the loop together buy over the stock Trainer.
@@ -261,7 +264,8 @@ def write_result(work: Path, who: str, stamps: list[float], per_micro: list, acc
 
 
 def run_toolkit(work: Path, a) -> None:
-    cmd = [sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml"), f"train.max_steps={a.steps}"]
+    cmd = [sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml"), f"train.max_steps={a.steps}",
+           *a.toolkit]
     with open(work / "toolkit.log", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -274,7 +278,9 @@ def run_toolkit(work: Path, a) -> None:
     processed = [b["tokens"] - a_["tokens"] for a_, b in zip([{"tokens": 0}] + rows, rows)]
     # What the toolkit reports it trained on must be the rows the others are fed, step by step.
     assert targets == [s["targets"] for s in plan], ("toolkit targets differ from its rows", targets)
-    assert processed == [s["padded_tokens"] for s in plan], ("toolkit tokens differ from its rows", processed)
+    # Packed rows count their padding as processed tokens; padding-free micro-batches have none.
+    expected = [s["tokens" if "data.padding_free=true" in a.toolkit else "padded_tokens"] for s in plan]
+    assert processed == expected, ("toolkit tokens differ from its rows", processed)
     if rows and max(rows[-1]["peak_memory_gib"]) and device_and_dtype(a)[0] == "cuda":
         peak, kind = int(max(max(r["peak_memory_gib"]) for r in rows) * 2**30), "cuda_max_allocated"
     else:  # the toolkit's own process, from start to exit (this one has no other child)
@@ -310,7 +316,9 @@ def run_plain_pytorch(work: Path, a) -> None:
         for batch, c in zip(micro_batches, micro_counts):
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-                loss = model(**batch).loss  # mean over this micro-batch's targets
+                # use_cache=False: with a KV cache (the config's default) transformers skips reading
+                # document bounds from position_ids and packed documents would attend to each other.
+                loss = model(**batch, use_cache=False).loss  # mean over this micro-batch's targets
             (loss * (int(c[1]) / step_targets)).backward()  # -> sum over the step's targets / their count
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -433,7 +441,7 @@ def measure(work: Path, a, who: str, plan: dict) -> dict:
 def forwarded(a) -> list[str]:
     return ["--hidden", str(a.hidden), "--layers", str(a.layers), "--seq", str(a.seq), "--micro", str(a.micro),
             "--accumulation", str(a.accumulation), "--precision", a.precision, "--attn", a.attn,
-            "--steps", str(a.steps), "--warmup", str(a.warmup)]
+            "--steps", str(a.steps), "--warmup", str(a.warmup), "--toolkit", *a.toolkit]
 
 
 def summarize(a, plan: dict, runs: dict) -> dict:
@@ -456,7 +464,7 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
-        "precision": a.precision, "attn": a.attn, "model": f"llama hidden {a.hidden} x {a.layers} layers",
+        "precision": a.precision, "attn": a.attn, "toolkit_overrides": a.toolkit, "model": f"llama hidden {a.hidden} x {a.layers} layers",
         "seq": a.seq, "micro": a.micro, "accumulation": a.accumulation, "rows_per_step": a.micro * a.accumulation,
         "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
         "same_tokens": {"check": "passed", "documents": plan["documents"], "target_tokens": plan["targets"],
@@ -496,6 +504,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state (at least 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=CONTENDERS, nargs="*", default=list(CONTENDERS))
+    p.add_argument("--toolkit", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides for the toolkit only, e.g. data.padding_free=true train.compile=true")
     p.add_argument("--_run", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -530,7 +540,7 @@ def main() -> None:
     print(json.dumps(result))
     tps, mem = result["target_tokens_per_second"], result["peak_memory_mib"]
     print(f"| {result['date']} | {result['device']} | {result['model']}, seq {a.seq}, {a.micro} x {a.accumulation} "
-          f"rows, {a.precision}, {a.attn} | " + " | ".join(f"{tps.get(w, '-')}" for w in CONTENDERS) + " | "
+          f"rows, {a.precision}, {a.attn}{''.join(' ' + o for o in a.toolkit)} | " + " | ".join(f"{tps.get(w, '-')}" for w in CONTENDERS) + " | "
           + " | ".join(f"{result.get(f'speed_vs_{w}', '-')} ({result.get(f'speed_vs_{w}_best', '-')})"
                        for w in CONTENDERS[1:]) + " | "
           + " | ".join(f"{mem.get(w, '-')}" for w in CONTENDERS) + f" | {result.get('memory_vs_trl', '-')} |")

@@ -143,3 +143,47 @@ def test_qlora_trains_over_a_4bit_base(workdir, tmp_path):  # noqa: F811
     assert evals[-1] < evals[0], evals
     assert (workdir / "qlora" / "final" / "adapter_model.safetensors").is_file()
     record(test="qlora", eval_loss_first=evals[0], eval_loss_last=evals[-1])
+
+
+def test_varlen_flash_kernel_matches_masked_sdpa_on_cuda():
+    """bf16 on CUDA: varlen's flash kernel gives, per packed document, what SDPA with the block mask
+    gives (loss within bf16 rounding, gradients close), in one padding-free row."""
+    import copy
+
+    from test_chunked_loss import batch
+    from test_padding_free import flattened, pair
+    from toolkit.loss import token_loss_sum, use_token_loss
+
+    reference, model = (m.cuda() for m in pair())
+    b = {k: v.cuda() for k, v in batch(packed=True).items()}
+    results = []
+    for m, inputs in ((reference, b), (model, flattened(b))):
+        m = copy.deepcopy(m)
+        use_token_loss(m, "chunked")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = token_loss_sum(m, inputs)
+        loss.backward()
+        results.append((loss.detach().float(), torch.cat([p.grad.flatten() for p in m.parameters()])))
+    (la, ga), (lb, gb) = results
+    record(test="varlen_cuda", loss_sdpa=la.item(), loss_varlen=lb.item(),
+           grad_cosine=torch.nn.functional.cosine_similarity(ga, gb, dim=0).item())
+    torch.testing.assert_close(lb, la, rtol=BF16_LOSS_RTOL, atol=0)
+    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.999
+
+
+def test_fused_adamw_and_compile_on_cuda(workdir):  # noqa: F811
+    """On CUDA the optimizer is torch's fused AdamW; train.compile with padding-free bf16 batches
+    learns what the eager run learns and builds no new graphs after the first steps."""
+    from toolkit.backend import make_optimizer
+    from toolkit.config import Recipe
+    from accelerate import Accelerator
+
+    opt = make_optimizer(Accelerator(), [{"params": [torch.nn.Parameter(torch.zeros(2, device="cuda"))]}], Recipe())
+    assert opt.defaults["fused"] is True
+    losses = {}
+    for name, compiled in (("eager_bf16", False), ("compiled_bf16", True)):
+        run = train(workdir, None, "full", "bf16", name, compile=compiled)
+        losses[name] = train_losses(run)
+    record(test="compile_cuda", **losses)
+    torch.testing.assert_close(torch.tensor(losses["compiled_bf16"]), torch.tensor(losses["eager_bf16"]),
+                               rtol=BF16_LOSS_RTOL, atol=0)

@@ -1,0 +1,31 @@
+"""The speed benchmark runs in CI at a tiny size, so it cannot rot: every contender trains, the
+same-tokens check passes (the toolkit, the hand-written loop and the Trainer on the same rows step by
+step; TRL on the same documents in total), and the ratios are reported. No speed is asserted here:
+the figures come from runs of the script (benchmarks/NOTES.md)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+TINY = ["--hidden", "64", "--layers", "2", "--seq", "64", "--micro", "2", "--steps", "6", "--warmup", "2",
+        "--repeats", "1"]
+
+
+@pytest.mark.parametrize("toolkit", [[], ["data.padding_free=true"]], ids=["packed", "padding_free"])
+def test_loop_speed_benchmark_runs(toolkit):
+    pytest.importorskip("trl", reason="TRL is the benchmark's contender: pip install '.[test]'")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loop_speed.py"), *TINY,
+                           *(["--toolkit", *toolkit] if toolkit else [])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[0])
+    assert result["same_tokens"]["check"] == "passed"
+    assert sorted(result["same_tokens"]["identical_in_total"]) == ["hf_trainer", "plain_pytorch", "toolkit", "trl"]
+    for other in ("plain_pytorch", "hf_trainer", "trl"):
+        assert result[f"speed_vs_{other}"] > 0 and result[f"memory_vs_{other}"] > 0
+    assert result["toolkit_overrides"] == toolkit
+    assert proc.stdout.splitlines()[1].startswith("| ")  # the NOTES.md row
