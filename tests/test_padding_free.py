@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from conftest import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, user_error_line, write_recipe
-from test_backends import accelerate_launch
+from test_backends import accelerate_launch, launch_config_for
 from test_chunked_loss import batch, lora
 from toolkit import varlen
 from toolkit.config import ModelConfig
@@ -157,14 +157,15 @@ def test_padding_free_trains_as_padded(tmp_path, packing):
     assert_same_run(tmp_path, "padded", "free", padded, free, fewer_tokens=packing)
 
 
-def test_two_ranks_padding_free_equal_one_process_padded(tmp_path, data_files):
-    """DDP on 2 gloo processes with padding-free micro-batches learns what one process learns
-    from padded ones (same global batch)."""
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_two_ranks_padding_free_equal_one_process_padded(tmp_path, data_files, backend):
+    """DDP and ZeRO-3 (every tensor partitioned) on 2 gloo processes with padding-free micro-batches
+    learn what one process learns from padded ones (same global batch)."""
     train_f, eval_f = data_files
     _, padded = train(tmp_path, "one", base_recipe(tmp_path, train_f, eval_f, out="one", train__eval_every_steps=4))
     recipe = base_recipe(tmp_path, train_f, eval_f, out="two", train__micro_batch_size=2, train__eval_every_steps=4)
     recipe["data"]["padding_free"] = True
-    _, free = train(tmp_path, "two", recipe, launcher=accelerate_launch(ROOT / "accelerate_configs" / "ddp.yaml"))
+    _, free = train(tmp_path, "two", recipe, launcher=accelerate_launch(launch_config_for(backend, tmp_path)))
     assert_same_run(tmp_path, "one", "two", padded, free)
 
 
