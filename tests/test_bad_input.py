@@ -160,6 +160,8 @@ CASES = {
     "QLoRA on a CPU-only host": (lambda t, r, e: ({**r, "model": {"path": tiny_model_folder(t), "load_in_4bit": True}},
                                                   ["lora.enabled=true", "train.precision=bf16"], {}),
                                  "model.load_in_4bit: QLoRA's 4-bit layers (bitsandbytes) need a CUDA GPU"),
+    "accelerate compiles the model": (lambda t, r, e: (r, [], {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}),
+                                      "dynamo_config.dynamo_backend is 'INDUCTOR': compile in the recipe instead (train.compile: true"),
     "keep_last zero": (lambda t, r, e: (r, ["checkpoint.keep_last=0"], {}), "checkpoint.keep_last: must be positive"),
 }
 

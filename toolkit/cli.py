@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
 
 from .config import ToolkitError, load_recipe
 from .stops import Preemption, TrainingStopped
@@ -29,6 +31,18 @@ def verb_module(name: str):
     import importlib
 
     return importlib.import_module(f"toolkit.{VERBS[name][0]}")
+
+
+def report_user_error(e: ToolkitError, wait_for_main_s: float = 30.0) -> None:
+    """One line from rank 0. Another rank that meets the same mistake first waits for it: exiting
+    at once would make the launcher stop rank 0 before it prints (seen with 2 CPU ranks). If rank 0
+    has not ended the launch in `wait_for_main_s` (a mistake only this rank saw), it speaks."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher ending the job ends this wait quietly
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(wait_for_main_s)
+    print(f"error: {e}" if rank == 0 else f"error: (rank {rank}) {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.accelerate_config:
                 print(report)
     except ToolkitError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
+        report_user_error(e)
         return EXIT_USER_ERROR
     except TrainingStopped as e:
         if int(os.environ.get("RANK", "0")) == 0:

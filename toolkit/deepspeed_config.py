@@ -273,7 +273,7 @@ def _refuse_unsupported(cfg: dict, source: str) -> None:
 
 def _map_legacy_compile(cfg: dict, source: str, notes: list[str]) -> None:
     """DeepSpeed < 0.17 read `compile: {enabled|disable, backend, kwargs}`; today's schema keeps
-    only DeepCompile switches, and compiling is the script's call (this toolkit does not compile)."""
+    only DeepCompile switches, and compiling is the script's call (the recipe's `train.compile`)."""
     node = cfg.get("compile")
     if not isinstance(node, dict):
         return
@@ -281,14 +281,14 @@ def _map_legacy_compile(cfg: dict, source: str, notes: list[str]) -> None:
     if not legacy:
         return
     if node.get("enabled") is True:
-        raise ToolkitError(f"{source}: compile.enabled is true: this toolkit does not torch.compile the model "
-                           "yet; remove the compile section")
+        raise ToolkitError(f"{source}: compile.enabled is true: compile in the recipe instead (train.compile: "
+                           "true compiles each decoder layer, dynamic shapes); remove the compile section")
     for k in legacy:
         del node[k]
     if not node:
         del cfg["compile"]
-    notes.append(f"{source}: compile.{'/'.join(legacy)} (the pre-0.17 compile section) dropped: the model is not "
-                 "compiled")
+    notes.append(f"{source}: compile.{'/'.join(legacy)} (the pre-0.17 compile section) dropped: compiling is "
+                 "the recipe's train.compile")
 
 
 def validate(cfg: dict, source: str) -> None:

@@ -51,7 +51,8 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
                                "them from parallelism_config")
     if env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
         raise ToolkitError(f"{source}: dynamo_config.dynamo_backend is {env['ACCELERATE_DYNAMO_BACKEND']!r}: "
-                           "compiling the model is not supported by this toolkit yet; set dynamo_backend: 'NO'")
+                           "compile in the recipe instead (train.compile: true compiles each decoder layer, dynamic shapes); "
+                           "set dynamo_backend: 'NO'")
     if kind == "fsdp" and not cuda and env.get("FSDP_VERSION", "1") != "2":
         raise ToolkitError(f"{source}: fsdp_config.fsdp_version is {env.get('FSDP_VERSION', '1')} (FSDP1, also when the "
                            "key is absent): it trains on GPUs as it is, but accelerate's FSDP1 cannot run on a CPU-only "
