@@ -189,3 +189,21 @@ def test_bad_input_fails_in_one_line(case, tmp_path, existing_run):
     assert snapshot(tmp_path) == before, "files changed"
     assert snapshot(existing_run[0]) == before_existing, "the existing run folder changed"
     assert not (tmp_path / "new_run").exists()
+
+
+def test_a_mistake_only_another_rank_sees_is_still_one_line(monkeypatch, capsys):
+    """A rank other than 0 waits for rank 0's line (the launcher stops the job once rank 0 exits);
+    when rank 0 never ends the job, that rank prints the one line itself, naming its rank."""
+    import signal
+
+    from toolkit.cli import report_user_error
+    from toolkit.config import ToolkitError
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setenv("RANK", "1")
+    try:
+        report_user_error(ToolkitError("data.train_files: file not found"), wait_for_main_s=0.05)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert capsys.readouterr().err.splitlines() == ["error: (rank 1) data.train_files: file not found"]
