@@ -16,6 +16,7 @@ for a LoRA run) and `final/`. Every resume decision is made here, before anythin
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import time
@@ -27,6 +28,9 @@ from .config import Recipe, ToolkitError, dump_recipe, load_recipe
 
 RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model", "tensorboard", "profile",
              "profile.json", "hang", "plot.png"}
+LOCK = ".toolkit.lock"  # pid, host and start time of the run writing this folder
+# What a run folder may hold besides RUN_FILES: its results and what a killed save leaves (checkpoint.tidy).
+RUN_RESULTS = {"final", "final.tmp", ".del-final", "base-model.tmp", ".del-base-model", LOCK}
 # Recipe fields that may change between a run and its resumption (they do not change what is learned;
 # train.loss and its chunk size change only the order of a sum's additions). The global batch is
 # compared on its own: micro_batch_size x gradient_accumulation_steps x processes may be split differently.
@@ -37,23 +41,33 @@ RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "overwri
                      "train.watchdog_seconds", "data.padding_free", "model.attn_implementation", "train.compile"}
 
 
-def open_run(accelerator, recipe: Recipe) -> Path | None:
-    """Tidy what a killed save left, find the checkpoint to resume from (None: a fresh start) and
-    check that `output_dir` may be written (cleared first under overwrite=true). Every rank."""
+def open_run(accelerator, recipe: Recipe, lock: "RunLock") -> Path | None:
+    """Take the run folder's lock (main process), tidy what a killed save left, find the checkpoint
+    to resume from (None: a fresh start) and check that `output_dir` may be written. Nothing is
+    removed here: under overwrite=true the old run is cleared by `record_launch`, once the new run
+    has passed every check and is about to train. Every rank."""
     out = Path(recipe.output_dir)
-    if accelerator.is_main_process and out.is_dir() and recipe.resume is not None:
-        for line in checkpoint.tidy(out):
-            accelerator.print(f"checkpoints: {line}")
+    if accelerator.is_main_process:
+        lock.acquire()
+        if out.is_dir() and recipe.resume is not None:
+            for line in checkpoint.tidy(out):
+                accelerator.print(f"checkpoints: {line}")
     accelerator.wait_for_everyone()  # every rank then finds the same checkpoint
     resume_from = checkpoint.find_resume(recipe.resume, out)
     check_output_dir(out, recipe, resume_from)
     return resume_from
 
 
+def contents(out: Path) -> list[Path]:
+    """What `out` holds, leaving out this run's own lock."""
+    return [p for p in out.iterdir() if p.name != LOCK] if out.is_dir() else []
+
+
 def check_output_dir(out: Path, recipe: Recipe, resume_from: Path | None = None) -> None:
-    """Refuse to write into earlier results unless resuming them or asked; with overwrite, clear
-    them first. A resume continues the run that wrote the checkpoint, from its newest checkpoint,
-    or starts a new run (an empty output_dir) from another run's checkpoint."""
+    """Refuse to write into earlier results unless resuming them or asked to replace a run folder
+    (overwrite=true; never a folder that holds anything a run did not write). A resume continues
+    the run that wrote the checkpoint, from its newest checkpoint, or starts a new run (an empty
+    output_dir) from another run's checkpoint."""
     if out.exists() and not out.is_dir():
         raise ToolkitError(f"output_dir: {out} exists and is not a folder")
     if resume_from is not None:
@@ -63,12 +77,12 @@ def check_output_dir(out: Path, recipe: Recipe, resume_from: Path | None = None)
                 raise ToolkitError(f"resume: {resume_from} is not the newest checkpoint of {out} ({newest.name} is); "
                                    "continuing from it would replace the later ones. Resume from it into a new, "
                                    "empty output_dir instead")
-        elif out.is_dir() and any(out.iterdir()):
+        elif contents(out):
             raise ToolkitError(f"output_dir: {out} is not empty and resume={recipe.resume} is a checkpoint of "
                                "another run; resume from it into an empty output_dir (a new run that continues "
                                f"from that checkpoint), or use resume=auto to continue {out} itself")
         return
-    if out.is_dir() and any(out.iterdir()):
+    if contents(out):
         if recipe.resume == "auto":
             if never_checkpointed(out, recipe):
                 return  # killed before its first checkpoint: start again from step 0
@@ -76,14 +90,107 @@ def check_output_dir(out: Path, recipe: Recipe, resume_from: Path | None = None)
         if not recipe.overwrite:
             raise ToolkitError(f"output_dir: {out} is not empty; choose another folder, resume=auto to continue "
                                "it, or overwrite=true")
-        if is_main_rank():
-            shutil.rmtree(out)
+        foreign = sorted(p.name for p in contents(out) if p.name not in RUN_FILES | RUN_RESULTS)
+        if foreign or not (out / "config.yaml").is_file():
+            held = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ToolkitError(f"output_dir: {out} is not a toolkit run folder (" +
+                               (f"it holds {held}" if foreign else "no config.yaml") +
+                               "); overwrite=true only replaces an earlier run. Choose another folder")
+
+
+def clear_for_overwrite(out: Path) -> list[str]:
+    """overwrite=true, main process, once the new run is about to train: remove the earlier run's
+    files (check_output_dir made sure that is all the folder holds)."""
+    removed = []
+    for p in contents(out):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        removed.append(p.name)
+    return sorted(removed)
+
+
+class RunLock:
+    """`output_dir/.toolkit.lock`: the pid, host and start of the run writing the folder, created
+    atomically, so a second run into the same folder is refused in one line. A lock whose process
+    is gone (same host) is stale and taken over; one from another host is reported, not broken.
+    `release` removes it, and the folder too when this run created it and left nothing in it."""
+
+    def __init__(self, out: Path):
+        self.out, self.path = out, out / LOCK
+        self.held = self.created_dir = False
+
+    def acquire(self) -> None:
+        import os
+        import platform
+
+        if self.out.exists() and not self.out.is_dir():
+            raise ToolkitError(f"output_dir: {self.out} exists and is not a folder")
+        try:
+            self.created_dir = not self.out.exists()
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ToolkitError(f"output_dir: cannot create {self.out}: {e.strerror or e}") from None
+        me = {"pid": os.getpid(), "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or not self._stale(holder):
+                    who = f"process {holder['pid']} on {holder['host']} (since {holder['started']})" if holder else \
+                        "another run"
+                    raise ToolkitError(f"output_dir: {self.out} is in use by {who}; wait for it to finish or choose "
+                                       f"another folder (if no run is using it, remove {self.path})") from None
+                self.path.unlink(missing_ok=True)  # its process is gone: the folder is free again
+                continue
+            except OSError as e:
+                raise ToolkitError(f"output_dir: cannot write {self.out}: {e.strerror or e}") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise ToolkitError(f"output_dir: {self.out}: could not take its lock {self.path}")
+
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) and {"pid", "host", "started"} <= set(holder) else None
+        except (OSError, ValueError):
+            return None  # being written this instant, or unreadable: treat as held
+
+    @staticmethod
+    def _stale(holder: dict) -> bool:
+        import os
+        import platform
+
+        if holder["host"] != platform.node():
+            return False
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, OverflowError):
+            return False
+        return False
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            self.path.unlink(missing_ok=True)
+            if self.created_dir and not any(self.out.iterdir()):
+                self.out.rmdir()
+        except OSError:
+            pass
 
 
 def never_checkpointed(out: Path, recipe: Recipe) -> bool:
     """A run of this same recipe that was killed before its first checkpoint was complete (no
     final/, nothing but its own files): starting it again from step 0 loses nothing."""
-    if not {p.name for p in out.iterdir()} <= RUN_FILES or not (out / "config.yaml").is_file():
+    if not {p.name for p in contents(out)} <= RUN_FILES or not (out / "config.yaml").is_file():
         return False
     try:
         earlier = load_recipe(out / "config.yaml")
@@ -164,21 +271,33 @@ def resume(accelerator, path: Path, now: checkpoint.TrainerState, model, optimiz
 
 
 def record_launch(recipe: Recipe, state: checkpoint.TrainerState, ds_config: dict | None, resumed_from: Path | None,
-                  summary: list[str]) -> None:
-    """Main process, before the first step: the resolved recipe, this launch's manifest entry, and
-    on resume the metrics a killed run logged after its checkpoint dropped."""
+                  summary: list[str]) -> list[str]:
+    """Main process, before the first step: under overwrite=true the earlier run's files removed
+    (only now, every check passed), then the resolved recipe, this launch's manifest entry, and on
+    resume the metrics a killed run logged after its checkpoint dropped. Returns what was removed."""
     out = Path(recipe.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    removed = clear_for_overwrite(out) if recipe.overwrite and recipe.resume is None else []
     (out / "config.yaml").write_text(dump_recipe(recipe))
     write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resumed_from, summary=summary)
     keep_metrics_until(out / "metrics.jsonl", state.step if resumed_from is not None else -1)
+    return removed
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """On resume, drop metric rows a killed run logged after its last checkpoint."""
+    """On resume, drop metric rows a killed run logged after its last checkpoint (and a row the
+    kill cut short: it cannot be read, and was written after the checkpoint anyway)."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+
+    def step_of(line: str) -> float:
+        try:
+            row = json.loads(line)
+            return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else math.inf
+        except ValueError:
+            return math.inf
+
+    rows = [line for line in path.read_text(errors="replace").splitlines() if line.strip() and step_of(line) <= step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in rows))
     tmp.replace(path)

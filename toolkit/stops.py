@@ -4,6 +4,7 @@ handler before it imports torch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -25,14 +26,28 @@ class Preemption:
     EXIT_PREEMPTED, nothing having been trained. In the loop (`arm`): finish the optimizer step,
     save a checkpoint, exit EXIT_PREEMPTED. A second signal more than 2 s after the first aborts at
     once (a launcher relaying the same Ctrl-C or SIGTERM to its workers within that window counts
-    as the same request). The handler only records and writes with os.write: it may interrupt
-    anything, including tqdm holding its lock."""
+    as the same request). Inside `deferred()` (the final save) a signal waits for the block to end.
+    The handler only records and writes with os.write: it may interrupt anything, including tqdm
+    holding its lock. A process forked from this one (a tokenizing worker of `datasets`) inherits
+    the handler; there it ends that worker at once, quietly: its parent stops the work."""
 
     def __init__(self):
         self.requested_at: float | None = None
+        self.signal_name = ""
         self.armed = False
+        self.deferring = 0
+        self.owner = os.getpid()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A block that a signal does not interrupt (it is recorded: `requested`)."""
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
 
     def arm(self) -> None:
         self.armed = True
@@ -45,13 +60,20 @@ class Preemption:
         return self.requested_at is not None
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.owner:  # a forked worker: no line, no exception inside its pool's machinery
+            os._exit(128 + signum)
         now = time.monotonic()
         name = signal.Signals(signum).name
         if self.requested_at is not None and now - self.requested_at > 2.0:
+            os.write(2, f"\n{name} again: aborting at once; resume=auto continues from the last checkpoint\n".encode())
             os._exit(128 + signum)
         if self.requested_at is not None:
             return
-        self.requested_at = now
+        self.requested_at, self.signal_name = now, name
+        if self.deferring:
+            if int(os.environ.get("RANK", "0")) == 0:
+                os.write(2, f"\n{name}: finishing the final save first\n".encode())
+            return
         if not self.armed:
             raise TrainingStopped(f"preempted: {name} before training started; nothing was trained or saved. "
                                   "Run again to start over", EXIT_PREEMPTED)

@@ -32,16 +32,25 @@ from .watchdog import Watchdog
 
 def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = None) -> dict:
     """Train as the recipe says; returns the last metrics row. `preemption`: the signal handler,
-    installed by the CLI before the slow imports so that a signal at any moment gets its line."""
-    from accelerate.utils import set_seed
-
+    installed by the CLI before the slow imports so that a signal at any moment gets its line.
+    The run holds `output_dir`'s lock from the start to the end, whatever the end."""
     out = Path(recipe.output_dir)
     preemption = preemption or Preemption()
     accelerator = backend.make_accelerator(recipe, source)
+    lock = run_folder.RunLock(out)
+    try:
+        return _run(accelerator, recipe, preemption, lock)
+    finally:
+        lock.release()  # also on a refusal: the folder is as it was (removed again if this run made it)
+
+
+def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.RunLock) -> dict:
+    from accelerate.utils import set_seed
+
+    out = Path(recipe.output_dir)
     log = accelerator.print
     t = recipe.train
-    resume_from = run_folder.open_run(accelerator, recipe)
-    start_trackers(accelerator, recipe)
+    resume_from = run_folder.open_run(accelerator, recipe, lock)
 
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
@@ -124,10 +133,13 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     if accelerator.is_main_process:
         for line in summary:
             print(line if line.startswith("warning: ") else f"run: {line}", file=sys.stderr)
-        run_folder.record_launch(recipe, state, ds_config, resume_from, summary)
+        removed = run_folder.record_launch(recipe, state, ds_config, resume_from, summary)
+        if removed:
+            log(f"overwrite: removed the earlier run's {', '.join(removed)} from {out}")
         if base_weights is not None:
             run_folder.save_preset_base(base_config, base_weights, tokenizer, out / "base-model")
     accelerator.wait_for_everyone()
+    start_trackers(accelerator, recipe)  # after the overwrite: TensorBoard writes into output_dir
     watchdog = Watchdog(out, accelerator.process_index, world, accelerator.is_main_process, t.watchdog_seconds,
                         t.watchdog)
     speed = observe.Throughput(flops, observe.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
@@ -137,17 +149,22 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
                    total_steps=total_steps, sampler=sampler, run_dir=out, preemption=preemption,
                    samples=samples, watchdog=watchdog, speed=speed)
     except TrainingStopped:
+        preemption.disarm()
         end_trackers(accelerator)
         backend.teardown(accelerator)  # every rank agreed to stop at the same step
         raise
-    finally:
+    # The run's result: a signal from here on waits for it (a second one more than 2 s later aborts).
+    with preemption.deferred():
         preemption.disarm()
-    if t.compile:  # the same count for a longer run: no step recompiled
-        log(f"compile: {compiled_graphs()} graphs built")
-    watchdog.begin("save", total_steps)
-    backend.save_model(accelerator, model, tokenizer, out / "final")
-    watchdog.done()
+        if t.compile:  # the same count for a longer run: no step recompiled
+            log(f"compile: {compiled_graphs()} graphs built")
+        watchdog.begin("save", total_steps)
+        backend.save_model(accelerator, model, tokenizer, out / "final")
+        watchdog.done()
     log(f"saved {out / 'final'}")
+    if preemption.requested:
+        log(f"{preemption.signal_name} arrived after the last optimizer step; the run finished first: "
+            f"{out / 'final'} is complete")
     end_trackers(accelerator)
     backend.teardown(accelerator)
     return last
