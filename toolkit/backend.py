@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import Recipe, ToolkitError
-from . import deepspeed_config, launch_config
+from . import deepspeed_config, faults, launch_config
 from .checkpoint import replace_dir
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -328,6 +328,7 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
             save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
         tokenizer.save_pretrained(tmp)
         inject_corruption(tmp)
+        faults.at("final")
         problem = first_mismatch(tmp, expected)
         if problem is None:
             replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed

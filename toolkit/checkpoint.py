@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import faults
 from .config import ToolkitError
 from .verify import corrupt_checkpoint
 
@@ -153,6 +154,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
     if pause:
         time.sleep(pause)
+    faults.at("checkpoint")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         corrupt_checkpoint(tmp)  # test seam, off unless asked

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (_, text) in VERBS.items():
         verb_module(name).add_arguments(sub.add_parser(name, help=text, description=text))
     args = parser.parse_args(argv)
+    preemption = None
     try:
         if args.command in VERBS:
             return verb_module(args.command).run(args)
@@ -80,13 +81,18 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_recipe(recipe), end="")
             if args.accelerate_config:
                 print(report)
-    except ToolkitError as e:
-        report_user_error(e)
-        return EXIT_USER_ERROR
-    except TrainingStopped as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"stopped: {e}", file=sys.stderr)
-        return e.exit_code
+    except Exception as e:  # noqa: BLE001 - a stop a signal raised may surface as whatever it interrupted
+        stop = preemption.cause_of(e) if preemption is not None else None
+        if stop is not None:
+            e = stop
+        if isinstance(e, TrainingStopped):
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"stopped: {e}", file=sys.stderr)
+            return e.exit_code
+        if isinstance(e, ToolkitError):
+            report_user_error(e)
+            return EXIT_USER_ERROR
+        raise
     return 0
 
 

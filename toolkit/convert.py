@@ -17,6 +17,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from . import faults
 from .config import ToolkitError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -72,6 +73,7 @@ def run(args) -> int:
             shutil.rmtree(adapter, ignore_errors=True)
         return 0
     write(recipe, run_dir, portable, tmp, dtype)
+    faults.at("convert")
     if out.exists():
         out.rmdir()  # empty, checked above
     tmp.rename(out)

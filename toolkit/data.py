@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from . import faults
 from .config import DataConfig, DataSource, ToolkitError
 from .packing import best_fit_decreasing, pack_stats
 
@@ -282,6 +283,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     threads = os.environ.get("TOKENIZERS_PARALLELISM")
     if procs > 1 and threads is None:  # num_proc processes of one core each, not num_proc x cores threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    faults.at("data")
     try:
         tokenized = ds.map(_tokenize_batch, batched=True, with_indices=True, batch_size=MAP_BATCH_ROWS,
                            remove_columns=ds.column_names,

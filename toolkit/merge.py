@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import faults
 from .config import ToolkitError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -98,6 +99,7 @@ def run(args) -> int:
     if not args.skip_check:
         # The loosest tolerance among the dtypes written (several only when the base mixes them).
         print(check(plan, tmp, tokenizer, max(written, key=tolerance_of, default="float32")))
+    faults.at("merge")
     if out.exists():
         out.rmdir()  # empty, checked above
     tmp.rename(out)

@@ -48,7 +48,9 @@ def open_run(accelerator, recipe: Recipe, lock: "RunLock") -> Path | None:
     has passed every check and is about to train. Every rank."""
     out = Path(recipe.output_dir)
     if accelerator.is_main_process:
-        lock.acquire()
+        note = lock.acquire()
+        if note:
+            accelerator.print(f"output_dir: {note}")
         if out.is_dir() and recipe.resume is not None:
             for line in checkpoint.tidy(out):
                 accelerator.print(f"checkpoints: {line}")
@@ -121,7 +123,8 @@ class RunLock:
         self.out, self.path = out, out / LOCK
         self.held = self.created_dir = False
 
-    def acquire(self) -> None:
+    def acquire(self) -> str | None:
+        """Take the lock; returns a note when a stale one was taken over."""
         import os
         import platform
 
@@ -133,6 +136,7 @@ class RunLock:
         except OSError as e:
             raise ToolkitError(f"output_dir: cannot create {self.out}: {e.strerror or e}") from None
         me = {"pid": os.getpid(), "host": platform.node(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        note = None
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -144,13 +148,14 @@ class RunLock:
                     raise ToolkitError(f"output_dir: {self.out} is in use by {who}; wait for it to finish or choose "
                                        f"another folder (if no run is using it, remove {self.path})") from None
                 self.path.unlink(missing_ok=True)  # its process is gone: the folder is free again
+                note = f"took over the lock of process {holder['pid']} (since {holder['started']}), which has ended"
                 continue
             except OSError as e:
                 raise ToolkitError(f"output_dir: cannot write {self.out}: {e.strerror or e}") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
-            return
+            return note
         raise ToolkitError(f"output_dir: {self.out}: could not take its lock {self.path}")
 
     def _holder(self) -> dict | None:

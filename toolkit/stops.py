@@ -36,6 +36,7 @@ class Preemption:
         self.signal_name = ""
         self.armed = False
         self.deferring = 0
+        self.raised: TrainingStopped | None = None  # the stop this handler raised, wherever it landed
         self.owner = os.getpid()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
@@ -54,6 +55,11 @@ class Preemption:
 
     def disarm(self) -> None:
         self.armed = False
+
+    def cause_of(self, error: BaseException) -> TrainingStopped | None:
+        """The stop behind `error` when this handler raised one: library code it interrupted (a
+        `datasets` pool being torn down, a loader) may have replaced it with an error of its own."""
+        return self.raised
 
     @property
     def requested(self) -> bool:
@@ -75,7 +81,8 @@ class Preemption:
                 os.write(2, f"\n{name}: finishing the final save first\n".encode())
             return
         if not self.armed:
-            raise TrainingStopped(f"preempted: {name} before training started; nothing was trained or saved. "
-                                  "Run again to start over", EXIT_PREEMPTED)
+            self.raised = TrainingStopped(f"preempted: {name} before training started; nothing was trained or "
+                                          "saved. Run again to start over", EXIT_PREEMPTED)
+            raise self.raised
         if int(os.environ.get("RANK", "0")) == 0:
             os.write(2, f"\n{name}: stopping after this optimizer step with a checkpoint\n".encode())

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, checkpoint, observe, run_folder
+from . import backend, checkpoint, faults, observe, run_folder
 from .config import Recipe, ToolkitError
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated
 from .estimate import count_model
@@ -59,6 +59,7 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
     if recipe.data.padding_free and model_cfg.attn_implementation == "sdpa":  # sdpa would build a dense mask
         model_cfg = dataclasses.replace(model_cfg, attn_implementation="varlen")
         log("attention: varlen (data.padding_free; sdpa would mask the whole micro-batch)")
+    faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens)  # in the forward, where every backend has whole weights
@@ -122,6 +123,7 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
     ds_config = backend.finalize_config(accelerator, model, recipe, total_steps)
     # The loop moves batches itself, after counting their tokens on the host (no device sync for counts).
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)
+    faults.at("prepare")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     backend.check_prepared(accelerator, model)
 
@@ -182,7 +184,7 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
     batches = global_batches(train_loader, sampler, t.gradient_accumulation_steps)
     per_epoch = sampler.steps_per_epoch * sampler.global_batch  # samples an epoch trains on
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
-    faults = injected_nonfinite_steps()
+    nan_steps = injected_nonfinite_steps()
     row = {}
     if state.step == 0:
         row = {"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader, watchdog, 0)}
@@ -222,8 +224,10 @@ def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, rec
                     with accelerator.accumulate(model):
                         watchdog.at("forward", step, i)
                         injected_hang(step, i, rank)
+                        if step == 2 and i == 0:
+                            faults.at("step")
                         token_losses = token_loss_sum(model, batch)
-                        if step in faults and i == 0:  # test seam: a non-finite loss and gradient
+                        if step in nan_steps and i == 0:  # test seam: a non-finite loss and gradient
                             token_losses = token_losses * float("nan")
                         clock.lap("forward")
                         watchdog.at("backward", step, i)
@@ -319,6 +323,8 @@ def evaluate(accelerator, model, eval_loader, watchdog: Watchdog | None = None, 
     if watchdog is not None:
         watchdog.begin("eval", step)
         watchdog.at("eval", step)
+    if step > 0:
+        faults.at("eval")
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in eval_loader:
