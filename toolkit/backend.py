@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import Recipe, ToolkitError
-from . import deepspeed_config, faults, launch_config
+from . import deepspeed_config, disk, faults, launch_config
 from .checkpoint import replace_dir
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -305,33 +305,35 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
         # Own, contiguous CPU copies: gathered FSDP tensors may not own valid storage.
         state_dict = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
         tmp = path.with_name(path.name + ".tmp")
-        if tmp.exists():
-            import shutil
+        needed = sum(v.numel() * v.element_size() for v in state_dict.values())
+        with disk.writing("final save", tmp, needed):
+            if tmp.exists():
+                import shutil
 
-            shutil.rmtree(tmp)
-        unwrapped = accelerator.unwrap_model(model)
-        if hasattr(unwrapped, "peft_config"):  # peft keeps only the adapter's tensors
-            from peft.utils import get_peft_model_state_dict
+                shutil.rmtree(tmp)
+            unwrapped = accelerator.unwrap_model(model)
+            if hasattr(unwrapped, "peft_config"):  # peft keeps only the adapter's tensors
+                from peft.utils import get_peft_model_state_dict
 
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            expected = get_peft_model_state_dict(unwrapped, state_dict=state_dict)
-        else:
-            expected = state_dict
-            # Not transformers' save_pretrained: on a sharded model it tries to gather again, as a
-            # collective, from the main process alone.
-            from huggingface_hub import save_torch_state_dict
+                unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                expected = get_peft_model_state_dict(unwrapped, state_dict=state_dict)
+            else:
+                expected = state_dict
+                # Not transformers' save_pretrained: on a sharded model it tries to gather again, as a
+                # collective, from the main process alone.
+                from huggingface_hub import save_torch_state_dict
 
-            tmp.mkdir(parents=True)
-            unwrapped.config.save_pretrained(tmp)
-            if getattr(unwrapped, "generation_config", None) is not None:
-                unwrapped.generation_config.save_pretrained(tmp)
-            save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
-        tokenizer.save_pretrained(tmp)
-        inject_corruption(tmp)
-        faults.at("final")
-        problem = first_mismatch(tmp, expected)
-        if problem is None:
-            replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
+                tmp.mkdir(parents=True)
+                unwrapped.config.save_pretrained(tmp)
+                if getattr(unwrapped, "generation_config", None) is not None:
+                    unwrapped.generation_config.save_pretrained(tmp)
+                save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
+            tokenizer.save_pretrained(tmp)
+            inject_corruption(tmp)
+            faults.at("final")
+            problem = first_mismatch(tmp, expected)
+            if problem is None:
+                replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
     verdict = [problem if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import faults
+from . import disk, faults
 from .config import ToolkitError
 from .verify import corrupt_checkpoint
 
@@ -139,43 +139,46 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
 
     seconds, started = {}, time.perf_counter()
     tmp = path_final.with_name(".tmp-" + path_final.name)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    seconds["backend state"] = time.perf_counter() - started
-    written = None
-    if config.portable:
-        written = portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
-        seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
-    with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
-        pickle.dump(rng_states(), f)
-    pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
-    if pause:
-        time.sleep(pause)
-    faults.at("checkpoint")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        corrupt_checkpoint(tmp)  # test seam, off unless asked
-    accelerator.wait_for_everyone()
-    from .backend import checkpoint_problem
+    kept = complete_checkpoints(path_final.parent.parent)
+    needed = disk.size_of(kept[-1]) if kept else None  # the same write as last time
+    with disk.writing(f"checkpoint {path_final.name}", tmp, needed):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        seconds["backend state"] = time.perf_counter() - started
+        written = None
+        if config.portable:
+            written = portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
+            seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
+        with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
+            pickle.dump(rng_states(), f)
+        pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
+        if pause:
+            time.sleep(pause)
+        faults.at("checkpoint")
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            corrupt_checkpoint(tmp)  # test seam, off unless asked
+        accelerator.wait_for_everyone()
+        from .backend import checkpoint_problem
 
-    read_from = time.perf_counter()
-    problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable.files_problem(tmp, written)
-    del written
-    _stop_unless_read_back(accelerator, problem, path_final)
-    seconds["read-back"] = time.perf_counter() - read_from
-    if accelerator.is_main_process:
-        (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
-        (tmp / MARKER).write_text(f"step {state.step}\n")
-        _fsync_dir(tmp)
-        replace_dir(tmp, path_final)  # the same step may be saved again (a resumed run that had nothing left)
-        _fsync_dir(path_final.parent)
-        for old in complete_checkpoints(path_final.parent.parent)[:-config.keep_last]:
-            doomed = old.with_name(".del-" + old.name)  # out of sight first, so never half-deleted
-            os.rename(old, doomed)
-            shutil.rmtree(doomed)
+        read_from = time.perf_counter()
+        problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable.files_problem(tmp, written)
+        del written
+        _stop_unless_read_back(accelerator, problem, path_final)
+        seconds["read-back"] = time.perf_counter() - read_from
+        if accelerator.is_main_process:
+            (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
+            (tmp / MARKER).write_text(f"step {state.step}\n")
+            _fsync_dir(tmp)
+            replace_dir(tmp, path_final)  # the same step may be saved again (a resumed run that had nothing left)
+            _fsync_dir(path_final.parent)
+            for old in complete_checkpoints(path_final.parent.parent)[:-config.keep_last]:
+                doomed = old.with_name(".del-" + old.name)  # out of sight first, so never half-deleted
+                os.rename(old, doomed)
+                shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
     seconds["total"] = time.perf_counter() - started
     return seconds

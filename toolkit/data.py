@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from . import faults
+from . import disk, faults
 from .config import DataConfig, DataSource, ToolkitError
 from .packing import best_fit_decreasing, pack_stats
 
@@ -161,6 +161,8 @@ def load_rows(source: Source, cache_dir: Path | None = None):
             ds = datasets.load_dataset(LOADERS[Path(source.files[0]).suffix.lower()], data_files=source.files,
                                        split="train", cache_dir=str(cache_dir) if cache_dir else None)
         except Exception as e:  # datasets wraps parser errors in several exception types
+            if disk.write_problem(e, cache_dir or cache_root()):  # its Arrow copy of the file, not the file
+                raise
             raise ToolkitError(f"{source.name}: cannot read as {Path(source.files[0]).suffix} "
                                f"({str(e).splitlines()[0][:200]})") from None
     if len(ds) == 0:
@@ -422,6 +424,11 @@ def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_
     start = time.time()
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    with disk.writing("data: the prepared data (HF_DATASETS_CACHE)", tmp, error=ToolkitError):
+        _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, num_proc, start)
+
+
+def _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, num_proc, start) -> None:
     (tmp / "docs").mkdir(parents=True)
     try:
         report = Report(num_proc=num_proc)

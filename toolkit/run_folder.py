@@ -192,6 +192,28 @@ class RunLock:
             pass
 
 
+def check_free_space(out: Path, recipe: Recipe, trainable: int, total: int) -> str | None:
+    """Refuse a run whose final model (and, with checkpoint.every_steps, one checkpoint) cannot fit
+    in the free space of output_dir's file system, before anything is written; a warning (returned)
+    when the checkpoints kept (keep_last, plus one being written) may not."""
+    from . import disk
+
+    weights = (trainable if recipe.lora.enabled else total) * 4  # fp32 trainable weights (bf16 bases are not saved)
+    states = weights + 8 * trainable + (12 * trainable if recipe.checkpoint.portable else 0)  # + AdamW moments, portable
+    need = weights + (states if recipe.checkpoint.every_steps else 0)
+    free = disk.free_bytes(out)
+    if free < need:
+        raise ToolkitError(f"output_dir: {out} has {disk.human(free)} free; this run writes about {disk.human(need)} "
+                           f"(the final model {disk.human(weights)}" +
+                           (f", a checkpoint {disk.human(states)})" if recipe.checkpoint.every_steps else ")") +
+                           "; free some space or choose another folder")
+    kept = weights + states * (recipe.checkpoint.keep_last + 1) if recipe.checkpoint.every_steps else need
+    if free < kept:
+        return (f"output_dir: {disk.human(free)} free, and {recipe.checkpoint.keep_last} checkpoints kept plus one "
+                f"being written and the final model need about {disk.human(kept)}")
+    return None
+
+
 def never_checkpointed(out: Path, recipe: Recipe) -> bool:
     """A run of this same recipe that was killed before its first checkpoint was complete (no
     final/, nothing but its own files): starting it again from step 0 loses nothing."""

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, checkpoint, faults, observe, run_folder
+from . import backend, checkpoint, disk, faults, observe, run_folder
 from .config import Recipe, ToolkitError
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated
 from .estimate import count_model
@@ -83,6 +83,8 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
         log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    if accelerator.is_main_process and (warning := run_folder.check_free_space(out, recipe, trainable, total)):
+        log(f"warning: {warning}")
 
     # The main process of each node prepares the data; the others wait on the file system, not in a
     # collective that a long tokenization could time out.
@@ -135,7 +137,8 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
     if accelerator.is_main_process:
         for line in summary:
             print(line if line.startswith("warning: ") else f"run: {line}", file=sys.stderr)
-        removed = run_folder.record_launch(recipe, state, ds_config, resume_from, summary)
+        with disk.writing("output_dir", out, remove=False, error=ToolkitError):
+            removed = run_folder.record_launch(recipe, state, ds_config, resume_from, summary)
         if removed:
             log(f"overwrite: removed the earlier run's {', '.join(removed)} from {out}")
         if base_weights is not None:
@@ -483,7 +486,7 @@ class MetricsLog:
 
     def write(self, row: dict) -> dict:
         if self.enabled:
-            with open(self.path, "a") as f:
+            with disk.writing("metrics", self.path, remove=False), open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             if self.accelerator.trackers:
                 scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
