@@ -40,7 +40,7 @@ LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-TOKENIZE_VERSION = 4  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 5  # bump when tokenization or preparation changes what it produces
 EMPTY_ROWS_TOLERATED = 0.01
 """Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
 dropped with a warning while they are at most this share of their file; more is an error."""
@@ -145,6 +145,19 @@ def check_json_lines(files: list[str]) -> None:
                 raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
 
 
+def csv_as_text(files: list[str]) -> dict:
+    """CSV cells read as the text they are (`02139` stays `02139`, `1.50` stays `1.50`, `NA` stays
+    `NA`; an empty cell is an empty string): every column typed string, no missing-value guessing."""
+    import csv
+
+    from datasets import Features, Value
+
+    with open(files[0], newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return dict(features=Features({name: Value("string") for name in header}), keep_default_na=False,
+                na_filter=False)
+
+
 def load_rows(source: Source, cache_dir: Path | None = None):
     """One source's rows as a memory-mapped `datasets.Dataset`, its columns checked. `cache_dir`:
     where `datasets` keeps its Arrow copy of local files (a folder the caller removes)."""
@@ -157,9 +170,11 @@ def load_rows(source: Source, cache_dir: Path | None = None):
         ds = load_hub_dataset(source.hub_id, source.split, source.revision, source.key)
     else:
         check_json_lines(source.files)
+        loader = LOADERS[Path(source.files[0]).suffix.lower()]
         try:
-            ds = datasets.load_dataset(LOADERS[Path(source.files[0]).suffix.lower()], data_files=source.files,
-                                       split="train", cache_dir=str(cache_dir) if cache_dir else None)
+            ds = datasets.load_dataset(loader, data_files=source.files, split="train",
+                                       cache_dir=str(cache_dir) if cache_dir else None,
+                                       **(csv_as_text(source.files) if loader == "csv" else {}))
         except Exception as e:  # datasets wraps parser errors in several exception types
             if disk.write_problem(e, cache_dir or cache_root()):  # its Arrow copy of the file, not the file
                 raise
@@ -179,29 +194,81 @@ def load_rows(source: Source, cache_dir: Path | None = None):
 # ----------------------------------------------------------------------------- tokenizing
 
 
+class MissingField(ToolkitError):
+    """A row whose required field is null or absent: dropped under the EMPTY_ROWS_TOLERATED rule
+    (in training), refused by file and row otherwise. `field` names it (`output`, `messages[2].content`)."""
+
+    def __init__(self, field: str):
+        super().__init__(f"{field} is null or missing")
+        self.field = field
+
+
+def text_value(row: dict, key: str, required: bool = True) -> str:
+    """A text field exactly as the user wrote it: a string as it is; an integer (JSON and Parquet
+    write integers one way only) as its digits; null or absent: MissingField when required, else
+    "". Anything else (a float, true/false, a list) would not train as written: refused."""
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise MissingField(key)
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    kind = {bool: "true/false", float: "a number"}.get(type(value), type(value).__name__)
+    raise ToolkitError(f"{key} is {kind} ({value!r}), not text; write it as a string in quotes so that it trains "
+                       "exactly as written")
+
+
+def chat_messages(row: dict) -> list[dict]:
+    """A conversation's messages as the template will see them, checked: a list of mappings with a
+    string role, at least one assistant turn, and text (or, for an assistant turn with tool calls,
+    nothing) as content. Null or empty: MissingField."""
+    messages = row.get("messages")
+    if not messages:
+        raise MissingField("messages")
+    if not isinstance(messages, list):
+        raise ToolkitError(f"messages is {type(messages).__name__}, not a list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ToolkitError(f"messages[{i}] is not a message with a role ({m!r:.80})")
+        content = m.get("content")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise MissingField(f"messages[{i}].content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ToolkitError(f"messages[{i}].content is {type(content).__name__} ({content!r:.40}), not text")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MissingField("an assistant message")
+    return messages
+
+
 def render(row: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]], bool]:
     """Text of one example, the character spans that carry loss, and whether the text already
-    holds its own BOS (alpaca and chat templates write it; plain text gets it added)."""
+    holds its own BOS (alpaca and chat templates write it; plain text gets it added). Every value
+    reaches the text as the user wrote it (text_value, chat_messages)."""
     if fmt == "alpaca":
-        inp = row.get("input") or ""
-        template = ALPACA_PROMPT_WITH_INPUT if inp else ALPACA_PROMPT
-        prompt = (tokenizer.bos_token or "") + template.format(instruction=row["instruction"], input=inp)
-        text = prompt + str(row["output"]) + tokenizer.eos_token
+        instruction, output = text_value(row, "instruction"), text_value(row, "output")
+        inp = text_value(row, "input", required=False)
+        template = ALPACA_PROMPT_WITH_INPUT if inp != "" else ALPACA_PROMPT
+        prompt = (tokenizer.bos_token or "") + template.format(instruction=instruction, input=inp)
+        text = prompt + output + tokenizer.eos_token
         return text, [(len(prompt), len(text))], True
     if fmt == "text":
-        return str(row["text"]) + tokenizer.eos_token, [], False
-    messages = row["messages"]
+        return text_value(row, "text") + tokenizer.eos_token, [], False
+    messages = chat_messages(row)
+    tools = row.get("tools") or None  # a list of function schemas the template renders (into the system prompt)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i == 0:  # an opening assistant turn (a greeting) answers nothing: context
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
         if not upto.startswith(before):
             raise ToolkitError("data.format=messages: the tokenizer's chat template does not render turns "
                                "as prefixes of each other, so assistant turns cannot be located")
         spans.append((len(before), len(upto)))
-    return tokenizer.apply_chat_template(messages, tokenize=False), spans, True
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), spans, True
 
 
 def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_seq_len, train_on_prompt) -> dict:
@@ -240,19 +307,31 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
 
     rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
     out = []
+    missing = {}  # row within this batch -> the null field (the row becomes a placeholder without targets)
 
     def rendered_row(k):
         try:
             return render(rows[k], fmt, tokenizer)
+        except MissingField as e:
+            missing[k] = e.field
+            return "", [], True
+        except ToolkitError as e:
+            raise ToolkitError(f"row {indices[k] + 1}: {e}") from None
         except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
             raise ToolkitError(f"row {indices[k] + 1} does not fit data.format={fmt} ({type(e).__name__}: {e})") from None
 
+    placeholder_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time
         rendered = [rendered_row(k) for k in range(start, min(start + ENCODE_ROWS, len(rows)))]
         enc = tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
                         truncation=False)
-        out += [_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt)
-                for r, i, o in zip(rendered, enc["input_ids"], enc["offset_mapping"])]
+        for k, (r, i, o) in enumerate(zip(rendered, enc["input_ids"], enc["offset_mapping"]), start):
+            if k in missing:  # one token, no target: dropped below by the rule for rows without targets
+                i, o = [placeholder_id], [(0, 0)]
+            out.append(_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt))
+            out[-1]["missing"] = missing.get(k, "")
+            if k in missing:
+                out[-1].update(n_targets=0, full_targets=0, labels=np.full(1, IGNORE, dtype=np.int32))
         del rendered, enc
     columns = {k: [o[k] for o in out] for k in out[0]}
     columns["source"] = [source] * len(out)
@@ -264,7 +343,7 @@ def _features():
 
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
-                     "full_length": Value("int32"), "source": Value("int16")})
+                     "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string")})
 
 
 def default_num_proc() -> int:
@@ -303,7 +382,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         datasets.disable_progress_bars()
         if procs > 1 and threads is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
-    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length"]).with_format("numpy")[:]
+    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length", "missing"]).with_format("numpy")[:]
     n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
     all_targets = (n_targets == cols["length"] - 1) & (n_targets > 0)
     if source.format != "text" and not cfg.train_on_prompt and all_targets.mean() > 0.5:
@@ -324,7 +403,8 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     empty = keep & (n_targets == 0)
     if empty.any():
         i = int(np.flatnonzero(empty)[0])
-        reason = (f"the prompt fills data.max_seq_len={cfg.max_seq_len}" if full_targets[i] > 0
+        reason = (f"{cols['missing'][i]} is null or missing" if cols["missing"][i] else
+                  f"the prompt fills data.max_seq_len={cfg.max_seq_len}" if full_targets[i] > 0
                   else "it has no response tokens")
         where = f"{source.name}: row {i + 1}: no target tokens left ({reason})"
         if empty.sum() > EMPTY_ROWS_TOLERATED * len(tokenized):

@@ -254,16 +254,19 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
 def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
     """{text: what to generate from (specials written out, as training renders it), prompt: the
     question in short, reference: the expected answer}, or None for a row without a reference."""
+    from .data import text_value
+
     if fmt == "alpaca":
-        reference = row.get("output")
-        if not isinstance(reference, str) or not reference.strip():
+        reference = text_value(row, "output")
+        if not reference.strip():
             return None
         text, spans, _ = render(row, fmt, tokenizer)
-        prompt = " ".join(str(row.get(k) or "") for k in ("instruction", "input")).strip()
+        prompt = " ".join(text_value(row, k, required=False) for k in ("instruction", "input")).strip()
         return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
     if fmt == "messages":
         messages = row["messages"]
-        if len(messages) < 2 or messages[-1]["role"] != "assistant" or not str(messages[-1]["content"]).strip():
+        if len(messages) < 2 or messages[-1]["role"] != "assistant" or not isinstance(messages[-1]["content"], str) \
+                or not messages[-1]["content"].strip():
             return None
         text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         prompt = next((m["content"] for m in reversed(messages[:-1]) if m["role"] == "user"), "")

@@ -15,9 +15,13 @@ PRESETS = Path(__file__).parent / "presets"
 
 # Special tokens of the built-in byte-level tokenizer; the 256 byte symbols follow them.
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token + '\n' }}"
+CHAT_TEMPLATE = (  # the presets' own; tools, tool calls and tool results rendered as JSON
+    "{{ bos_token }}{% if tools %}{{ '<|tools|>\n' + (tools | tojson) + eos_token + '\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{{ '<tool_call>' + ((c['function'] if c['function'] is defined else c) | tojson) + '</tool_call>' }}"
+    "{% endfor %}{% endif %}{{ eos_token + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
