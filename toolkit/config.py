@@ -218,9 +218,14 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe, apply `a.b=value` overrides, build and validate the dataclasses."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(source, "", "recipe file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, "", f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                                      "save the recipe as UTF-8") from None
+    except IsADirectoryError:
+        raise ConfigError(source, "", "is a folder, not a recipe file") from None
     except OSError as e:
         raise ConfigError(source, "", f"cannot read recipe: {e.strerror}") from None
     try:
@@ -325,13 +330,18 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 2e-4 as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 2e-4 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(source, key, f"must be a finite number, got {value!r}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value
@@ -365,6 +375,16 @@ def validate(r: Recipe, source: str) -> None:
             raise ConfigError(source, key, message)
 
     need(bool(r.output_dir), "output_dir", "required: the folder this run writes to")
+    r.output_dir = str(Path(r.output_dir).expanduser())  # `~/runs/x` is the home folder's, as in a shell
+    if r.model.path is not None and r.model.path.startswith("~"):
+        r.model.path = str(Path(r.model.path).expanduser())
+    if r.resume not in (None, "auto") and r.resume.startswith("~"):
+        r.resume = str(Path(r.resume).expanduser())
+    need(0 <= r.seed < 2**32, "seed", f"must be in [0, 2**32), got {r.seed}")
+    if r.model.attn_implementation == "flash_attention_2":
+        need(importlib.util.find_spec("flash_attn") is not None, "model.attn_implementation",
+             "flash_attention_2 needs the flash-attn package (pip install flash-attn, CUDA only); "
+             "varlen gives the same kernel through PyTorch")
     need((r.model.path is None) != (r.model.preset is None), "model",
          "set exactly one of model.path (a local Hugging Face folder) or model.preset")
     need(r.lora.r > 0, "lora.r", f"must be positive, got {r.lora.r}")

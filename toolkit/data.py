@@ -437,19 +437,28 @@ class Report:
     lines: list = field(default_factory=list)
 
 
-def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = "") -> str:
+def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = "",
+                contents: dict | None = None) -> str:
     """Identifies the prepared data: file contents, tokenizer, template and every setting that
-    shapes examples (changing any of them prepares the data again)."""
+    shapes examples (changing any of them prepares the data again). `contents`: digests of files
+    already read (each file is read once however many fingerprints include it)."""
+    contents = {} if contents is None else contents
     h = hashlib.sha256()
     for s in sources:
         h.update(json.dumps([s.key, s.format, s.weight, s.max_rows, s.hub_id, s.split, s.revision]).encode())
         if s.hub_id:
-            h.update(load_rows(s)._fingerprint.encode())
+            if s.hub_id not in contents:
+                contents[s.hub_id] = load_rows(s)._fingerprint
+            h.update(contents[s.hub_id].encode())
         for f in s.files:
             h.update(f.encode())
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
+            if f not in contents:
+                digest = hashlib.sha256()
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        digest.update(chunk)
+                contents[f] = digest.hexdigest()
+            h.update(contents[f].encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
     h.update(json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on_prompt, cfg.overlong, TOKENIZE_VERSION,
@@ -596,9 +605,10 @@ def label_audit(example: dict, tokenizer, width: int = 240) -> str:
 class Datasets:
     train: "Examples"
     eval: "Examples"
-    fingerprint: str
+    fingerprint: str  # the prepared data's (train and eval)
     lines: list  # the start-of-run `data:` summary
     warnings: list
+    train_fingerprint: str = ""  # the training data's alone: eval files may change on resume
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,
@@ -608,7 +618,10 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prep
     while they do, e.g. to check the preparing process is alive)."""
     sources = resolve_sources(cfg.train_files, cfg, "data.train_files")
     eval_sources = resolve_sources(cfg.eval_files, cfg, "data.eval_files") if cfg.eval_files else []
-    fp = fingerprint(sources + eval_sources, cfg, tokenizer, extra=f"{cfg.eval_fraction}/{seed}/{packing}")
+    read = {}
+    extra = f"{cfg.eval_fraction}/{seed}/{packing}"
+    train_fp = fingerprint(sources, cfg, tokenizer, extra=extra, contents=read)  # what a resume must not change
+    fp = fingerprint(sources + eval_sources, cfg, tokenizer, extra=extra, contents=read) if eval_sources else train_fp
     folder = cache_root() / fp
     if not (folder / "report.json").is_file():
         if prepares:
@@ -618,10 +631,10 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prep
                 if on_wait is not None:
                     on_wait()
                 time.sleep(0.5)
-    return load_prepared(folder, packing, fp)
+    return load_prepared(folder, packing, fp, train_fp)
 
 
-def load_prepared(folder: Path, packing: bool, fp: str) -> Datasets:
+def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = None) -> Datasets:
     import datasets
 
     report = Report(**json.loads((folder / "report.json").read_text()))
@@ -649,7 +662,7 @@ def load_prepared(folder: Path, packing: bool, fp: str) -> Datasets:
                      f"({report.targets_lost:,} target tokens lost)")
     lines += report.lines
     return Datasets(train=train, eval=evaluation or Examples(None, None), fingerprint=fp, lines=lines,
-                    warnings=report.warnings)
+                    warnings=report.warnings, train_fingerprint=train_fp or fp)
 
 
 # ----------------------------------------------------------------------------- batching

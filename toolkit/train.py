@@ -102,7 +102,7 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {world} processes)")
     state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.launch_kind(),
-                                    data_fingerprint=data.fingerprint, recipe=run_folder.learning_relevant(recipe),
+                                    data_fingerprint=data.train_fingerprint, recipe=run_folder.learning_relevant(recipe),
                                     layout=backend.checkpoint_layout(accelerator))
     if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
         run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
@@ -118,6 +118,9 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
                              sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
                              generator=torch.Generator().manual_seed(recipe.seed))
     total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch
+    if t.warmup_steps > total_steps:  # max_steps was checked at load; epochs give their steps only now
+        raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer steps "
+                           f"that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch {global_batch})")
 
     optimizer = backend.make_optimizer(accelerator, param_groups(model, t.weight_decay), recipe)
     scheduler = backend.make_scheduler(accelerator, optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
