@@ -125,7 +125,7 @@ CASES = {
     "malformed JSON line": (lambda t, r, e: (r, [f"data.train_files={malformed(t)}"], {}), "bad.jsonl: line 3: malformed JSON"),
     "message without content": (lambda t, r, e: (r, [f"data.train_files={message_without_content(t)}",
                                                       "data.format=messages"], {}),
-                                "chat.jsonl: row 3 does not fit data.format=messages (UndefinedError"),
+                                "chat.jsonl: row 3: no target tokens left (messages[0].content is null or missing)"),
     "empty dataset": (lambda t, r, e: (r, [f"data.train_files={empty_file(t)}"], {}), "empty.jsonl: file is empty"),
     "missing column": (lambda t, r, e: (r, [f"data.train_files={missing_column(t)}"], {}), "needs column(s) output"),
     "unsupported file type": (lambda t, r, e: (r, [f"data.train_files={t / 'run.yaml'}"], {}), "unsupported file type '.yaml'"),

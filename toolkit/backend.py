@@ -288,7 +288,7 @@ def step_failure(error: Exception) -> str | None:
     return None
 
 
-def save_model(accelerator, model, tokenizer, path: Path) -> None:
+def save_model(accelerator, model, tokenizer, path: Path, extra_files: dict[str, str] | None = None) -> None:
     """Gather shards (ZeRO-3, FSDP) and save once, in Hugging Face format, from the main process.
     Written to a temporary folder, read back and compared with the gathered weights, then renamed,
     so `path` is either complete and verified or absent (a mismatch stops every rank in one line,
@@ -329,6 +329,8 @@ def save_model(accelerator, model, tokenizer, path: Path) -> None:
                     unwrapped.generation_config.save_pretrained(tmp)
                 save_torch_state_dict(state_dict, tmp, max_shard_size="5GB")
             tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
             inject_corruption(tmp)
             faults.at("final")
             problem = first_mismatch(tmp, expected)

@@ -169,7 +169,11 @@ def locate_model(path: str) -> tuple[str, str | None]:
                 base = None
             if not base or not isinstance(base, str):
                 raise ToolkitError(f"{path}: adapter_config.json names no base_model_name_or_path")
-            return resolved(base, "the adapter's base model: "), str(p)
+            from .base_identity import check
+
+            folder = resolved(base, "the adapter's base model: ")
+            check(p, folder, str(path))
+            return folder, str(p)
         if not (p / "config.json").is_file():
             raise ToolkitError(f"{path}: neither a Hugging Face model folder (no config.json) nor a LoRA adapter "
                                "(no adapter_config.json)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import faults
+from . import base_identity, faults
 from .config import ToolkitError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -114,6 +114,7 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
     """Read and check the adapter and its base before anything is written; each refusal is one line."""
     adapter_config = read_adapter_config(adapter)
     base = resolve_base(adapter, adapter_config, base_override)
+    base_identity.check(adapter, base, "merge", "give the original base with --base, or train the adapter again")
     config = read_json(base / "config.json", f"merge: the base {base} has no config.json; "
                                              "expected a Hugging Face model folder")
     quantization = config.get("quantization_config")

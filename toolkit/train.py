@@ -17,10 +17,11 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, checkpoint, disk, faults, observe, run_folder
+from . import backend, base_identity, checkpoint, disk, faults, observe, run_folder
 from .config import Recipe, ToolkitError
 from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated
 from .estimate import count_model
+from .hub import is_hub_id, resolve_model
 from .loss import token_loss_sum, use_token_loss
 from .model import (DTYPES, apply_lora, build_model, build_tokenizer, compile_layers, compiled_graphs,
                     count_parameters, isolation_probe)
@@ -78,6 +79,8 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
         model = apply_lora(model, recipe.lora)
         if recipe.model.preset is not None:
             model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
+        elif not is_hub_id(recipe.model.path):  # absolute: the adapter loads from any working directory
+            model.peft_config["default"].base_model_name_or_path = str(Path(recipe.model.path).resolve())
     if t.compile:
         backend.check_compile(accelerator, recipe)
         log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
@@ -167,7 +170,11 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
         if t.compile:  # the same count for a longer run: no step recompiled
             log(f"compile: {compiled_graphs()} graphs built")
         watchdog.begin("save", total_steps)
-        backend.save_model(accelerator, model, tokenizer, out / "final")
+        base = None
+        if recipe.lora.enabled and accelerator.is_main_process:  # which base the adapter belongs to
+            folder = out / "base-model" if recipe.model.preset else resolve_model(recipe.model.path, recipe.model.revision)
+            base = {base_identity.RECORD: base_identity.record(folder)}
+        backend.save_model(accelerator, model, tokenizer, out / "final", extra_files=base)
         watchdog.done()
     log(f"saved {out / 'final'}")
     if preemption.requested:

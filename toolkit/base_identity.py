@@ -1,0 +1,63 @@
+"""What base model an adapter was trained on: `toolkit_base.json` beside `adapter_config.json`
+holds the base folder's absolute path and a content fingerprint. `merge`, `generate` and `eval`
+refuse a base whose content no longer matches (a folder replaced by another model after training
+would otherwise be merged or evaluated silently), wherever the base now lives.
+
+The fingerprint reads config.json whole and, of each weight file, its size, its first MiB (a
+safetensors header: every tensor's name, dtype, shape and offsets) and 32 samples of 64 KiB spread
+over the file: a replaced or retrained model differs there, and a 140 GB base is read in well under
+a second."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .config import ToolkitError
+
+RECORD = "toolkit_base.json"
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+HEAD, SAMPLES, SAMPLE = 1 << 20, 32, 1 << 16
+
+
+def fingerprint(folder: str | Path) -> str:
+    folder = Path(folder)
+    h = hashlib.sha256()
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    files = sorted({f for pattern in WEIGHTS for f in folder.glob(pattern) if f.is_file()})
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(HEAD))
+            for k in range(SAMPLES):
+                fh.seek(size * k // SAMPLES)
+                h.update(fh.read(SAMPLE))
+    return h.hexdigest()[:16]
+
+
+def record(base_folder: str | Path) -> str:
+    """The text of `toolkit_base.json` for an adapter trained on `base_folder`."""
+    base = Path(base_folder).resolve()
+    return json.dumps({"path": str(base), "fingerprint": fingerprint(base)}, indent=1) + "\n"
+
+
+def check(adapter: str | Path, base_folder: str | Path, verb: str,
+          remedy: str = "put the original base back at that path, or train the adapter again") -> None:
+    """Refuse `base_folder` for `adapter` when the adapter recorded another base's content. An
+    adapter without a record (trained elsewhere, or by an older toolkit) is not checked."""
+    path = Path(adapter) / RECORD
+    if not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+        want = recorded["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ToolkitError(f"{verb}: {path} cannot be read; it should record the adapter's base model") from None
+    have = fingerprint(base_folder)
+    if have != want:
+        raise ToolkitError(f"{verb}: the base model {base_folder} is not the one {adapter} was trained on "
+                           f"({recorded.get('path')}; content fingerprint {want} there, {have} here): it was replaced "
+                           f"or changed since: {remedy}")
