@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             return verb_module(args.command).run(args)
         # Before anything slow: a signal while torch imports or data tokenizes still ends in one line.
         preemption = Preemption() if args.command == "train" else None
+        if args.command == "config" and args.num_processes is not None and args.num_processes < 1:
+            raise ToolkitError(f"--num-processes: must be positive, got {args.num_processes}")
         recipe = load_recipe(args.recipe, args.overrides)
         if args.command == "train":
             from .train import run

@@ -102,6 +102,8 @@ def _expand(path: str, key: str) -> list[str] | None:
         files = sorted(f for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
         if not files:
             raise ToolkitError(f"{key}: no files match {path}")
+    elif is_saved_dataset(p):
+        return [str(p)]  # a `datasets` save_to_disk folder: read as one
     elif p.is_dir():
         files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in LOADERS)
         if not files:
@@ -122,6 +124,29 @@ def _expand(path: str, key: str) -> list[str] | None:
     if len(kinds) > 1:
         raise ToolkitError(f"{key}: {path} mixes file types ({', '.join(sorted(kinds))}); give one entry per type")
     return files
+
+
+def is_saved_dataset(p: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (a Dataset, or a DatasetDict of splits)."""
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def load_saved_dataset(source: "Source"):
+    """A save_to_disk folder, memory-mapped; of a DatasetDict, the entry's `split`."""
+    import datasets
+
+    folder = source.files[0]
+    try:
+        ds = datasets.load_from_disk(folder)
+    except Exception as e:  # noqa: BLE001 - datasets raises several types for a damaged folder
+        raise ToolkitError(f"{source.key}: {folder}: cannot read as a saved dataset "
+                           f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if source.split not in ds:
+            raise ToolkitError(f"{source.key}: {folder} has splits {', '.join(ds)}; no split {source.split!r} "
+                               "(set the entry's split)")
+        ds = ds[source.split]
+    return ds
 
 
 def check_json_lines(files: list[str]) -> None:
@@ -168,6 +193,8 @@ def load_rows(source: Source, cache_dir: Path | None = None):
         from .hub import load_hub_dataset
 
         ds = load_hub_dataset(source.hub_id, source.split, source.revision, source.key)
+    elif is_saved_dataset(Path(source.files[0])):
+        ds = load_saved_dataset(source)
     else:
         check_json_lines(source.files)
         loader = LOADERS[Path(source.files[0]).suffix.lower()]
@@ -182,7 +209,8 @@ def load_rows(source: Source, cache_dir: Path | None = None):
                                f"({str(e).splitlines()[0][:200]})") from None
     if len(ds) == 0:
         raise ToolkitError(f"{source.name}: no rows")
-    missing = [c for c in COLUMNS[source.format] if c not in ds.column_names]
+    missing = [c for c in COLUMNS[source.format] if c not in ds.column_names
+               and not (c == "messages" and "conversations" in ds.column_names)]
     if missing:
         raise ToolkitError(f"{source.name}: data.format={source.format} needs column(s) {', '.join(missing)}; "
                            f"found {', '.join(ds.column_names)}")
@@ -226,6 +254,8 @@ def chat_messages(row: dict) -> list[dict]:
     string role, at least one assistant turn, and text (or, for an assistant turn with tool calls,
     nothing) as content. Null or empty: MissingField."""
     messages = row.get("messages")
+    if messages is None and "conversations" in row:  # ShareGPT: {"from": "human", "value": ...}
+        messages = sharegpt_messages(row["conversations"])
     if not messages:
         raise MissingField("messages")
     if not isinstance(messages, list):
@@ -240,6 +270,29 @@ def chat_messages(row: dict) -> list[dict]:
             raise ToolkitError(f"messages[{i}].content is {type(content).__name__} ({content!r:.40}), not text")
     if not any(m["role"] == "assistant" for m in messages):
         raise MissingField("an assistant message")
+    return messages
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system",
+                  "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool"}
+
+
+def sharegpt_messages(turns) -> list[dict] | None:
+    """ShareGPT `conversations` (`from`/`value`) as chat messages (`role`/`content`)."""
+    if not turns:
+        return None
+    if not isinstance(turns, list):
+        raise ToolkitError(f"conversations is {type(turns).__name__}, not a list of turns")
+    messages = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t:
+            raise ToolkitError(f"conversations[{i}] has no `from` ({t!r:.80})")
+        role = SHAREGPT_ROLES.get(str(t["from"]).lower())
+        if role is None:
+            raise ToolkitError(f"conversations[{i}]: unknown speaker from={t['from']!r} (known: "
+                               f"{', '.join(sorted(SHAREGPT_ROLES))})")
+        messages.append({"role": role, "content": t.get("value")})
     return messages
 
 
@@ -454,9 +507,12 @@ def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = 
             h.update(f.encode())
             if f not in contents:
                 digest = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):
-                        digest.update(chunk)
+                parts = sorted(p for p in Path(f).rglob("*") if p.is_file()) if Path(f).is_dir() else [Path(f)]
+                for part in parts:  # a saved dataset's folder: each of its files, by name and content
+                    digest.update(str(part.relative_to(f) if part != Path(f) else "").encode())
+                    with open(part, "rb") as fh:
+                        for chunk in iter(lambda: fh.read(1 << 20), b""):
+                            digest.update(chunk)
                 contents[f] = digest.hexdigest()
             h.update(contents[f].encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")

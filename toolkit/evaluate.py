@@ -170,7 +170,7 @@ def infer_format(source) -> str:
     """alpaca, messages or text, from the first row's keys (or the file's columns)."""
     import csv
 
-    from .data import check_json_lines
+    from .data import check_json_lines, is_saved_dataset, load_saved_dataset
 
     if source.hub_id:
         from .hub import load_hub_dataset
@@ -179,8 +179,11 @@ def infer_format(source) -> str:
     else:
         first = source.files[0]
         suffix = Path(first).suffix.lower()
-        check_json_lines(source.files[:1])  # malformed JSON named by file and line
         columns = []
+        if is_saved_dataset(Path(first)):
+            columns = load_saved_dataset(source).column_names
+        else:
+            check_json_lines(source.files[:1])  # malformed JSON named by file and line
         if suffix == ".jsonl":
             with open(first, encoding="utf-8") as f:
                 line = next((line for line in f if line.strip()), "{}")
@@ -199,7 +202,7 @@ def infer_format(source) -> str:
     keys = set(columns)
     if {"instruction", "output"} <= keys:
         return "alpaca"
-    if "messages" in keys:
+    if "messages" in keys or "conversations" in keys:
         return "messages"
     if "text" in keys:
         return "text"
@@ -264,7 +267,9 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         prompt = " ".join(text_value(row, k, required=False) for k in ("instruction", "input")).strip()
         return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
     if fmt == "messages":
-        messages = row["messages"]
+        from .data import chat_messages
+
+        messages = chat_messages(row)
         if len(messages) < 2 or messages[-1]["role"] != "assistant" or not isinstance(messages[-1]["content"], str) \
                 or not messages[-1]["content"].strip():
             return None

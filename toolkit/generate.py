@@ -69,8 +69,8 @@ def run(args) -> int:
 
 
 def interactive(model, tokenizer, options: dict, as_json: bool) -> int:
-    """A line in, an answer out, until an empty line or end of input. In a terminal with a `> `
-    prompt; from a pipe, each line of stdin is a prompt."""
+    """A line in, an answer out. In a terminal with a `> ` prompt, until an empty line or Ctrl-D;
+    from a pipe, each non-blank line of stdin is a prompt, until its end."""
     tty = sys.stdin.isatty()
     if tty:
         print("one prompt per line; an empty line or Ctrl-D ends", file=sys.stderr)
@@ -79,8 +79,12 @@ def interactive(model, tokenizer, options: dict, as_json: bool) -> int:
             if tty:
                 print("> ", end="", file=sys.stderr, flush=True)
             line = sys.stdin.readline()
-            if not line.strip():  # "" at end of input, "\n" for an empty line
+            if line == "":  # end of input
                 break
+            if not line.strip():  # an empty line ends a terminal session; a pipe's blank lines are skipped
+                if tty:
+                    break
+                continue
             prompt = line.rstrip("\r\n")
             answer, tokens = generate_with_counts(model, tokenizer, [prompt], **options)[0]
             print(json.dumps({"prompt": prompt, "answer": answer, "tokens": tokens}, ensure_ascii=False)
