@@ -18,6 +18,11 @@ from .config import ToolkitError, load_recipe
 from .stops import Preemption, TrainingStopped
 
 EXIT_USER_ERROR = 2
+# Verbs that write results: a signal ends them in one line (their partial output removed), exit 75.
+STOP_TEXTS = {"train": "before training started; nothing was trained or saved. Run again to start over",
+              "merge": "during merge; nothing was written (its partial folder removed). Run it again",
+              "checkpoint": "during checkpoint convert; nothing was written (its partial folder removed). Run it again",
+              "eval": "during eval; no results were written. Run it again"}
 VERBS = {"estimate": ("estimate", "which strategy (DDP, FSDP, ZeRO, offload) fits a model on your GPUs, before launch"),
          "merge": ("merge", "merge a LoRA adapter into its base: a plain Hugging Face folder"),
          "generate": ("generate", "answer prompts with a model, merged model or adapter folder"),
@@ -63,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     preemption = None
     try:
+        # Before anything slow: a signal while torch imports or data tokenizes still ends in one line.
+        if args.command in STOP_TEXTS:
+            preemption = Preemption(STOP_TEXTS[args.command])
         if args.command in VERBS:
             return verb_module(args.command).run(args)
-        # Before anything slow: a signal while torch imports or data tokenizes still ends in one line.
-        preemption = Preemption() if args.command == "train" else None
         if args.command == "config" and args.num_processes is not None and args.num_processes < 1:
             raise ToolkitError(f"--num-processes: must be positive, got {args.num_processes}")
         recipe = load_recipe(args.recipe, args.overrides)

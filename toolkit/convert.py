@@ -72,11 +72,14 @@ def run(args) -> int:
         finally:
             shutil.rmtree(adapter, ignore_errors=True)
         return 0
-    write(recipe, run_dir, portable, tmp, dtype)
-    faults.at("convert")
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    tmp.rename(out)
+    try:  # the partial folder goes, however this ends; after the rename there is none
+        write(recipe, run_dir, portable, tmp, dtype)
+        faults.at("convert")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"converted: {out}")
     return 0
 

@@ -522,6 +522,12 @@ def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = 
     return h.hexdigest()[:16]
 
 
+def remove_partial_data() -> None:
+    """This process's half-prepared data folders (`prepare` names them after its pid)."""
+    for tmp in cache_root().glob(f"*.tmp-{os.getpid()}"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def cache_root() -> Path:
     import datasets
 

@@ -86,23 +86,26 @@ def run(args) -> int:
     tmp = out.with_name(out.name + ".tmp")  # a merge killed midway left it: ours to replace
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"merge: {plan.description} from {plan.adapter}, onto {plan.base}")
-    try:
-        tmp.mkdir(parents=True)
-        tokenizer = write_tokenizer(plan, tmp)
-        merged, replaced, written = write_weights(plan, tmp, dtype)
-        write_configs(plan, tmp, dtype, tokenizer)
-    except OSError as e:
-        raise ToolkitError(f"merge: cannot write {tmp}: {e.strerror or e}") from None
-    shards = len(plan.shards)
-    print(f"merge: {merged} weights merged, {replaced} replaced (modules_to_save), {shards} shard"
-          f"{'s' if shards > 1 else ''} written ({', '.join(sorted(written))})")
-    if not args.skip_check:
-        # The loosest tolerance among the dtypes written (several only when the base mixes them).
-        print(check(plan, tmp, tokenizer, max(written, key=tolerance_of, default="float32")))
-    faults.at("merge")
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    tmp.rename(out)
+    try:  # the partial folder goes, however this ends (a signal, a failed check); after the rename there is none
+        try:
+            tmp.mkdir(parents=True)
+            tokenizer = write_tokenizer(plan, tmp)
+            merged, replaced, written = write_weights(plan, tmp, dtype)
+            write_configs(plan, tmp, dtype, tokenizer)
+        except OSError as e:
+            raise ToolkitError(f"merge: cannot write {tmp}: {e.strerror or e}") from None
+        shards = len(plan.shards)
+        print(f"merge: {merged} weights merged, {replaced} replaced (modules_to_save), {shards} shard"
+              f"{'s' if shards > 1 else ''} written ({', '.join(sorted(written))})")
+        if not args.skip_check:
+            # The loosest tolerance among the dtypes written (several only when the base mixes them).
+            print(check(plan, tmp, tokenizer, max(written, key=tolerance_of, default="float32")))
+        faults.at("merge")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"merged: {out}")
     return 0
 

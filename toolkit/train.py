@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from . import backend, base_identity, checkpoint, disk, faults, observe, run_folder
 from .config import Recipe, ToolkitError
-from .data import IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated
+from .data import (IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
+                   remove_partial_data)
 from .estimate import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import token_loss_sum, use_token_loss
@@ -91,7 +92,8 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
 
     # The main process of each node prepares the data; the others wait on the file system, not in a
     # collective that a long tokenization could time out.
-    data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process)
+    with preemption.abrupt(lock.release, remove_partial_data):  # a signal while datasets' workers tokenize
+        data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process)
     for line in data.lines:
         log(f"data: {line}")
     for line in data.warnings:
