@@ -149,25 +149,60 @@ def load_saved_dataset(source: "Source"):
     return ds
 
 
-def check_json_lines(files: list[str]) -> None:
-    """Fail fast on malformed JSON, naming the file and line (only before a tokenization)."""
+def check_json_lines(files: list[str]) -> set[str]:
+    """Fail fast on malformed JSON, naming the file and line (only before a tokenization), and on a
+    top-level field whose values mix kinds across rows (text in one row, a number in another): the
+    Arrow reader cannot hold such a column and `datasets` then falls back to pandas, which guesses
+    types and changes values (`"null"` became a null, `"1.50"` the number 1.5). Returns the fields
+    seen in any row."""
+    seen = set()
     for f in files:
-        suffix = Path(f).suffix.lower()
-        if suffix == ".jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            row = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise ToolkitError(f"{f}: line {lineno}: malformed JSON ({e.msg})") from None
-                        if not isinstance(row, dict):
-                            raise ToolkitError(f"{f}: line {lineno}: expected a JSON object per line")
-        elif suffix == ".json":
-            try:
-                json.loads(Path(f).read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
+        kinds = {}  # field -> (kind of its first non-null value, row where it was seen)
+
+        def check_row(row, number: int, where: str) -> None:
+            if not isinstance(row, dict):
+                raise ToolkitError(f"{f}: {where}: expected a JSON object per row")
+            for key, value in row.items():
+                if value is None:
+                    continue
+                kind = json_kind(value)
+                kinds.setdefault(key, None)
+                first = kinds[key] = kinds[key] or (kind, number)
+                if first[0] != kind:
+                    raise ToolkitError(f"{f}: {where}: {key} is {kind} ({json.dumps(value)[:40]}) but {first[0]} in "
+                                       f"row {first[1]}; a field must hold one kind of value in every row (write "
+                                       "numbers as strings in quotes for text), or the reader changes values")
+
+        try:
+            if Path(f).suffix.lower() == ".jsonl":
+                with open(f, encoding="utf-8") as fh:
+                    number = 0
+                    for lineno, line in enumerate(fh, 1):
+                        if line.strip():
+                            number += 1
+                            try:
+                                row = json.loads(line)
+                            except json.JSONDecodeError as e:
+                                raise ToolkitError(f"{f}: line {lineno}: malformed JSON ({e.msg})") from None
+                            check_row(row, number, f"row {number}" + (f" (line {lineno})" if lineno != number else ""))
+            elif Path(f).suffix.lower() == ".json":
+                try:
+                    data = json.loads(Path(f).read_text(encoding="utf-8"))
+                except json.JSONDecodeError as e:
+                    raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
+                for number, row in enumerate(data if isinstance(data, list) else [], 1):
+                    check_row(row, number, f"row {number}")
+        except UnicodeDecodeError as e:
+            raise ToolkitError(f"{f}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        seen |= set(kinds)
+    return seen
+
+
+def json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    return {str: "text", int: "an integer", float: "a decimal number", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__)
 
 
 def csv_as_text(files: list[str]) -> dict:
@@ -196,8 +231,11 @@ def load_rows(source: Source, cache_dir: Path | None = None):
     elif is_saved_dataset(Path(source.files[0])):
         ds = load_saved_dataset(source)
     else:
-        check_json_lines(source.files)
+        fields = check_json_lines(source.files)
         loader = LOADERS[Path(source.files[0]).suffix.lower()]
+        if loader == "json" and not fields:
+            raise ToolkitError(f"{source.name}: no row has a field with a value; data.format={source.format} needs "
+                               f"column(s) {', '.join(COLUMNS[source.format])}")
         try:
             ds = datasets.load_dataset(loader, data_files=source.files, split="train",
                                        cache_dir=str(cache_dir) if cache_dir else None,

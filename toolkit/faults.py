@@ -1,10 +1,11 @@
 """Fault-injection seams for the fault matrix (tests/test_faults.py), read once from the
 environment. Off unless asked; each costs a dictionary lookup where it sits.
 
-`TOOLKIT_FAULT_SIGNAL=PHASE:SIGNAL[:DELAY[:REPEAT]]` sends SIGNAL (TERM, INT, KILL) to this
-process's group when the run reaches PHASE, DELAY seconds later (a timer, so the signal lands
-inside the phase's work, e.g. while `datasets` workers tokenize), and again REPEAT seconds after
-that (a second Ctrl-C). Phases: `data` (tokenizing), `model` (loading), `prepare`, `step`
+`TOOLKIT_FAULT_SIGNAL=PHASE:SIGNAL[:DELAY[:REPEAT[:PAUSE]]]` sends SIGNAL (TERM, INT, KILL) to
+this process's group when the run reaches PHASE, DELAY seconds later (a timer, so the signal lands
+inside the phase's work, e.g. while `datasets` workers tokenize), again REPEAT seconds after that
+(a second Ctrl-C), and makes the phase take PAUSE seconds longer (a slow save, still running when
+the second signal comes). Phases: `data` (tokenizing), `model` (loading), `prepare`, `step`
 (the forward of the first micro-batch of optimizer step 2), `eval`, `checkpoint` (its files
 written, not yet marked complete), `final` (the final save's folder written, not yet renamed),
 `merge` and `convert` (their output written, not yet renamed). The group is what a terminal's
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 SIGNALS = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "KILL": signal.SIGKILL}
 PHASES = ("data", "model", "prepare", "step", "eval", "checkpoint", "final", "merge", "convert")
@@ -25,12 +27,13 @@ class Faults:
     def __init__(self, raw: str | None = None):
         raw = os.environ.get("TOOLKIT_FAULT_SIGNAL", "") if raw is None else raw
         self.phase = self.signal = None
-        self.delay = self.repeat = 0.0
+        self.delay = self.repeat = self.pause = 0.0
         if raw:
             parts = raw.split(":")
             self.phase, self.signal = parts[0], SIGNALS[parts[1]]
             self.delay = float(parts[2]) if len(parts) > 2 else 0.0
             self.repeat = float(parts[3]) if len(parts) > 3 else 0.0
+            self.pause = float(parts[4]) if len(parts) > 4 else 0.0
             if self.phase not in PHASES:
                 raise ValueError(f"TOOLKIT_FAULT_SIGNAL: unknown phase {self.phase}")
 
@@ -54,6 +57,8 @@ class Faults:
             timer.start()
         else:
             send()
+        if self.pause:
+            time.sleep(self.pause)
 
 
 FAULTS = Faults()  # read once, at import
