@@ -426,8 +426,8 @@ def validate(r: Recipe, source: str) -> None:
     need(t.epochs > 0, "train.epochs", f"must be positive, got {t.epochs}")
     need(t.learning_rate > 0, "train.learning_rate", f"must be positive, got {t.learning_rate}")
     need(t.weight_decay >= 0, "train.weight_decay", f"must be non-negative, got {t.weight_decay}")
-    need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "train.adam_beta1",
-         "adam betas must be in [0, 1)")
+    need(0 <= t.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {t.adam_beta1}")
+    need(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")
     need(t.adam_epsilon > 0, "train.adam_epsilon", f"must be positive, got {t.adam_epsilon}")
     need(t.warmup_steps >= 0, "train.warmup_steps", f"must be non-negative, got {t.warmup_steps}")
     need(t.max_steps is None or t.warmup_steps <= t.max_steps, "train.warmup_steps",

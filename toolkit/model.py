@@ -192,6 +192,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
             raise ToolkitError(
                 f"lora.target_modules: {', '.join(missing)} not found in the model "
                 f"(linear modules available: {', '.join(available)})")
+    widths = [min(m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and (targets == "all-linear" or name.rsplit(".", 1)[-1] in targets)]
+    if widths and cfg.r > max(widths):  # an update's rank is at most its layer's smaller side
+        raise ToolkitError(f"lora.r: {cfg.r} is larger than every adapted layer can use (the widest allows "
+                           f"{max(widths)}); choose a rank of at most {max(widths)}")
     peft_config = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
         use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none")
