@@ -183,10 +183,11 @@ def test_prompts_file_text_and_jsonl(answers_run, answers_model, tmp_path, capsy
     assert text.endswith("<|user|>\nReverse the letters. abc</s>\n<|assistant|>\n")
 
 
-def test_stdin_lines_until_an_empty_line(answers_run, answers_model, monkeypatch, capsys):
-    """Without --prompt/--prompts, each line of stdin is a prompt, answered at once; an empty line ends."""
+def test_stdin_lines_until_the_end_blank_lines_skipped(answers_run, answers_model, monkeypatch, capsys):
+    """Without --prompt/--prompts, each non-blank line of a piped stdin is a prompt, answered at once,
+    until its end (a pipe that starts with a blank line answered nothing before, exit 0)."""
     model, tokenizer = answers_model
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Sort the letters. cba\nAdd the numbers. 2+2\n\nignored\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\nSort the letters. cba\n\nAdd the numbers. 2+2\n  \n"))
     code, out, err = cli(capsys, "generate", answers_run / "final", "--json", "--max-new-tokens", 10)
     assert code == 0, err
     got = [json.loads(line) for line in out.splitlines()]

@@ -83,7 +83,7 @@ class DataSource:
     max_rows: Optional[int] = None
     """Use only the first N rows of this entry."""
     split: str = "train"
-    """Hub datasets: the split to read."""
+    """Hub datasets and `save_to_disk` folders of a DatasetDict: the split to read."""
     revision: Optional[str] = None
     """Hub datasets: a branch, tag or commit."""
 

@@ -87,7 +87,7 @@ def resolve_sources(entries: list, cfg: DataConfig, key: str) -> list[Source]:
                 raise ToolkitError(f"{k}: file not found: {e.path}")
             sources.append(Source(k, [], fmt, e.weight, e.max_rows, hub_id=e.path, split=e.split, revision=e.revision))
         else:
-            sources.append(Source(k, files, fmt, e.weight, e.max_rows))
+            sources.append(Source(k, files, fmt, e.weight, e.max_rows, split=e.split))  # split: a saved DatasetDict
     weighted = [s.weight is not None for s in sources]
     if any(weighted) and not all(weighted):
         raise ToolkitError(f"{key}: give a weight to every entry or to none")
