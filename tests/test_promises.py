@@ -334,15 +334,18 @@ def test_second_sigint_after_2s_aborts_at_once(preempted):
 # ----------------------------------------------------------------------------- output_dir, model.path, text
 
 
-def test_overwrite_clears_a_non_empty_output_dir_and_trains(work):
-    """(Without overwrite=true the folder is refused: tests/test_train.py::test_non_empty_output_dir_is_refused_and_untouched.)"""
+def test_overwrite_clears_an_earlier_run_and_trains(work):
+    """(Without overwrite=true the folder is refused: tests/test_train.py::test_non_empty_output_dir_is_refused_and_untouched;
+    a folder that is not a run is never cleared: tests/test_first_hour.py.)"""
     out = work / "overwritten"
     (out / "checkpoints" / "step-000099").mkdir(parents=True)
     (out / "checkpoints" / "step-000099" / checkpoint.MARKER).write_text("step 99\n")
-    (out / "old.txt").write_text("earlier results")
+    (out / "config.yaml").write_text("output_dir: earlier\n")
+    (out / "final").mkdir()
+    (out / "final" / "old.txt").write_text("earlier results")
     write_jsonl(out / "metrics.jsonl", [{"step": 99, "loss": 1.0}])
     train(work, "overwrite", recipe(work, "overwritten", overwrite=True, train__max_steps=1, train__warmup_steps=0))
-    assert not (out / "old.txt").exists() and not (out / "checkpoints").exists()
+    assert not (out / "final" / "old.txt").exists() and not (out / "checkpoints").exists()
     assert [r["step"] for r in read_metrics(out)] == [0, 1]
     assert (out / "final" / "model.safetensors").is_file()
 
