@@ -199,6 +199,19 @@ def test_too_little_space_is_refused_before_anything_is_written(work, tmp_path, 
     assert list(full.iterdir()) == []
 
 
+def test_a_full_datasets_cache_is_named_not_blamed_on_the_data_file(work, tmp_path, mounts):
+    cache = tmp_path / "cache"
+    mount_tmpfs(cache, "200k")
+    mounts.append(cache)
+    code, _, err = finish(launch(["train", recipe(work, "cache-run")], env={"HF_DATASETS_CACHE": str(cache)}),
+                          timeout=300)
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "HF_DATASETS_CACHE" in errors[0] and "no space left on device" in errors[0], err[-2000:]
+    assert "cannot read" not in errors[0]
+    assert not (work / "cache-run").exists()
+
+
 @pytest.mark.parametrize("where", ["output_dir", "datasets cache"])
 def test_read_only_file_system_is_one_line(work, tmp_path, mounts, where):
     ro = tmp_path / "ro"

@@ -92,8 +92,13 @@ def writing(what: str, partial: Path, needed: int | None = None, error=None, rem
                 Path(partial).unlink()
         message = f"{what}: cannot write {partial}: {reason}"
         if reason in ("no space left on device", "disk quota exceeded"):
-            need = f"about {human(needed)}" if needed else f"more than the {human(written)} written before it failed"
-            message += f" (it needs {need}; {human(free_bytes(partial))} free)"
+            free = f"{human(free_bytes(partial))} free"
+            if needed:
+                message += f" (it needs about {human(needed)}; {free})"
+            elif written:
+                message += f" (it needs more than the {human(written)} written before it failed; {free})"
+            else:
+                message += f" ({free})"
         if error is None:
             from .stops import TrainingStopped
 
