@@ -261,3 +261,32 @@ def test_signal_while_merge_or_convert_writes_leaves_no_output(work, reference, 
     code, _, err = finish(launch(args), timeout=300)
     assert code == 0, err[-2000:]
     assert (out / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["data", "step"])
+def test_sigterm_under_accelerate_launch_on_two_processes(work, tmp_path, phase):
+    """The signal reaches rank 0 only (as a node's scheduler signals one process): in the loop the
+    ranks agree in the step's reduction and both save and stop; while rank 0 tokenizes it exits
+    at once and the launcher ends rank 1. Either way no process is left and resume=auto finishes."""
+    from conftest import ROOT
+
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m"]
+    out, cache = f"ddp-{phase}", str(tmp_path / "cache")
+    spec = "data:TERM:0.3" if phase == "data" else "step:TERM"
+    proc = start(launcher + ["toolkit", "train", str(recipe(work, out))],
+                 env={"TOOLKIT_FAULT_SIGNAL": spec, "HF_DATASETS_CACHE": cache})
+    code, _, err = finish(proc, timeout=300)
+    assert code == 1 and "exitcode  : 75" in err, err[-3000:]  # torchrun's own report of its workers
+    assert len(stopped_lines(err)) == 1, err[-3000:]
+    assert no_process_left(proc) == []
+    if phase == "step":
+        assert (work / out / "checkpoints" / "step-000002" / "COMPLETE").is_file()
+    proc = start(launcher + ["toolkit", "train", str(recipe(work, out)), "resume=auto"], env={"HF_DATASETS_CACHE": cache})
+    code, _, err = finish(proc, timeout=600)
+    assert code == 0, err[-3000:]
+    assert (work / out / "final").is_dir()
