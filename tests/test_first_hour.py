@@ -264,3 +264,14 @@ def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("output_dir: café\n".encode("latin-1"))
     assert "not UTF-8 text (byte 0xe9 at offset 15)" in user_error_line(run_toolkit("train", path))
+
+
+def test_eval_scores_integer_and_csv_references(work, finished, tmp_path):
+    """References that are not JSON strings (an integer; any CSV cell) are references: before, eval
+    skipped them all and reported that no row had one."""
+    write_jsonl(tmp_path / "numbers.jsonl", [{"instruction": f"{i} plus one", "output": i + 1} for i in range(4)])
+    (tmp_path / "numbers.csv").write_text("instruction,output\n" + "".join(f"{i} plus one,0{i + 1}\n" for i in range(4)))
+    for data in ("numbers.jsonl", "numbers.csv"):
+        proc = run_toolkit("eval", finished / "final", "--data", tmp_path / data, "--max-new-tokens", "3")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "of 4 correct" in proc.stdout + proc.stderr, (data, proc.stdout[-2000:])
