@@ -120,7 +120,7 @@ def test_errors_are_one_line(answers_run, tmp_path, capsys):
     cases = [((tmp_path / "nowhere", "--data", EVAL_FILE), "nowhere: model folder not found"),
              ((final, "--data", tmp_path / "missing.jsonl"), "--data: file not found"),
              ((final, "--data", bad_json), f"{bad_json}: line 3: malformed JSON"),
-             ((final, "--data", bad_row), f"{bad_row}: line 2: the row does not fit --format=messages"),
+             ((final, "--data", bad_row), f"{bad_row}: line 2: messages[0].content is null or missing"),
              ((final, "--data", bad_row, "--format", "alpaca"), "needs column(s) instruction, output"),
              ((final, "--data", EVAL_FILE, "--limit", 0), "--limit: must be positive")]
     for args, expected in cases:
