@@ -118,7 +118,8 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
                               drop_last=True, generator=torch.Generator().manual_seed(recipe.seed),
                               pin_memory=accelerator.device.type == "cuda")
-    eval_batch = t.eval_batch_size or t.micro_batch_size
+    # At most one rank's share of the eval rows: a larger batch is the same one forward, without padding to it.
+    eval_batch = min(t.eval_batch_size or t.micro_batch_size, max(1, math.ceil(len(data.eval) / world)))
     eval_loader = DataLoader(data.eval, batch_size=eval_batch, collate_fn=collate,
                              sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
                              generator=torch.Generator().manual_seed(recipe.seed))
