@@ -30,8 +30,8 @@ from toolkit.data import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, build_datasets
 from toolkit.model import build_byte_tokenizer
 
 TOKENIZER = build_byte_tokenizer()
-SETTINGS = settings(max_examples=int(os.environ.get("FIDELITY_EXAMPLES", "40")), deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(max_examples=int(os.environ.get("FIDELITY_EXAMPLES", "40")), deadline=None, derandomize=True,
+                    database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 MISSING = object()  # the key is absent from the row
 ALPACA_FIELDS = {"instruction": True, "output": True, "input": False}  # rendered in this order; required?
 
