@@ -17,7 +17,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from . import faults
+from . import disk
 from .config import ToolkitError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -55,8 +55,6 @@ def run(args) -> int:
     dtype = args.dtype or recipe.model.dtype
     if args.adapter and not recipe.lora.enabled:
         raise ToolkitError(f"checkpoint convert: --adapter is for LoRA runs; {run_dir} fine-tunes the full model")
-    tmp = out.with_name(out.name + ".tmp")  # a convert killed midway left it: ours to replace
-    shutil.rmtree(tmp, ignore_errors=True)
     step = checkpoint.read_state(source).step
     print(f"checkpoint convert: step {step} of {run_dir} ({'LoRA' if recipe.lora.enabled else 'full'}), "
           f"from {portable.relative_to(source)}")
@@ -72,14 +70,8 @@ def run(args) -> int:
         finally:
             shutil.rmtree(adapter, ignore_errors=True)
         return 0
-    try:  # the partial folder goes, however this ends; after the rename there is none
+    with disk.renamed_into_place(out, "convert") as tmp:  # however this ends, no partial folder is left
         write(recipe, run_dir, portable, tmp, dtype)
-        faults.at("convert")
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"converted: {out}")
     return 0
 

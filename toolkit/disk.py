@@ -71,6 +71,25 @@ def human(n: float) -> str:
 
 
 @contextlib.contextmanager
+def renamed_into_place(out: Path, phase: str):
+    """Yields `out`.tmp to write into (a leftover of a killed write removed first); when the block
+    completes, renames it to `out` (an empty `out` is replaced). However the block ends (an error,
+    a signal), no partial `out`.tmp is left. `phase`: the fault seam just before the rename."""
+    from . import faults
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+        faults.at(phase)
+        if out.exists():
+            out.rmdir()  # empty: the verbs refuse a non-empty one before writing
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def writing(what: str, partial: Path, needed: int | None = None, error=None, remove: bool = True):
     """A block that writes `partial` (a folder or file, removed if the write fails for the file
     system's reasons). Such a failure becomes `error(message)` (default: a TrainingStopped with

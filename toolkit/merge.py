@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import base_identity, faults
+from . import base_identity, disk
 from .config import ToolkitError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -83,10 +83,8 @@ def run(args) -> int:
                            "(earlier results are never overwritten)")
     plan = plan_merge(Path(args.adapter), args.base)
     dtype = DTYPE_NAMES[args.dtype] if args.dtype else base_dtype(plan.config)
-    tmp = out.with_name(out.name + ".tmp")  # a merge killed midway left it: ours to replace
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"merge: {plan.description} from {plan.adapter}, onto {plan.base}")
-    try:  # the partial folder goes, however this ends (a signal, a failed check); after the rename there is none
+    with disk.renamed_into_place(out, "merge") as tmp:  # a failed check or a signal leaves no partial folder
         try:
             tmp.mkdir(parents=True)
             tokenizer = write_tokenizer(plan, tmp)
@@ -100,12 +98,6 @@ def run(args) -> int:
         if not args.skip_check:
             # The loosest tolerance among the dtypes written (several only when the base mixes them).
             print(check(plan, tmp, tokenizer, max(written, key=tolerance_of, default="float32")))
-        faults.at("merge")
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"merged: {out}")
     return 0
 
