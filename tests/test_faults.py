@@ -290,3 +290,34 @@ def test_sigterm_under_accelerate_launch_on_two_processes(work, tmp_path, phase)
     code, _, err = finish(proc, timeout=600)
     assert code == 0, err[-3000:]
     assert (work / out / "final").is_dir()
+
+
+POOL_PROBE = """
+import os, sys, time
+import multiprocess
+from toolkit import stops
+
+def work(x):
+    time.sleep(30)
+
+if __name__ == "__main__":
+    pool = multiprocess.Pool(2)
+    pool.map_async(work, range(4))
+    time.sleep(1.0)  # both workers started
+    stops.kill_descendants()
+    time.sleep(0.5)  # a pool still maintaining itself forks replacements within 0.1 s
+    print(sorted(stops._descendants(set())))
+    os._exit(0)
+"""
+
+
+def test_killed_pool_workers_are_not_replaced(tmp_path):
+    """The abrupt exit's kill: a `datasets`-style pool keeps forking a replacement for every worker
+    that dies, so under load fresh workers outlived the run (CI's data-TERM cell, 2 of 10 tries
+    here with the CPUs busy). After `kill_descendants` none may come back."""
+    script = tmp_path / "probe.py"
+    script.write_text(POOL_PROBE)
+    proc = start([sys.executable, str(script)])
+    code, stdout, err = finish(proc, timeout=60)
+    assert code == 0, err[-2000:]
+    assert stdout.strip() == "[]", stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 
 EXIT_NONFINITE = 3
@@ -33,29 +34,67 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_die_with_parent)
 
 
-def kill_descendants() -> None:
-    """SIGKILL every process descended from this one (found in /proc before any is killed)."""
+def _descendants(known: set[int]) -> set[int]:
+    """Processes descended from this one, found in /proc, plus those of `known` still alive (a
+    child's own children move to init once it is gone, and are no longer found by parentage).
+    Zombies are left out: they are ended, only not yet reaped."""
     children: dict[int, list[int]] = {}
+    alive: set[int] = set()
     try:
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
-                try:
-                    with open(f"/proc/{entry.name}/stat") as f:
-                        children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-                except (OSError, IndexError, ValueError):
-                    continue
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
-        return
-    todo, found = [os.getpid()], []
+        return set()
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X"):
+            alive.add(int(name))
+            children.setdefault(int(fields[1]), []).append(int(name))
+    todo, found = [os.getpid()], set()
     while todo:
         for child in children.get(todo.pop(), []):
-            found.append(child)
+            found.add(child)
             todo.append(child)
-    for pid in found:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    return found | (known & alive)
+
+
+def _stop_pool_handlers() -> None:
+    """Stop every multiprocessing(-like) pool in this process from replacing workers: a pool's
+    worker-handler thread forks a new worker for each one that dies, for as long as its state is
+    RUN, so killed workers came back as fast as they were killed (seen under load: fresh workers
+    alive after the run had exited). The handler's loop ends once its thread's state is TERMINATE,
+    the value `Pool.terminate()` sets; multiprocessing and `multiprocess` (datasets) share it."""
+    for thread in threading.enumerate():
+        if getattr(getattr(thread, "_target", None), "__name__", "") == "_handle_workers":
+            thread._state = "TERMINATE"
+
+
+def kill_descendants(wait_s: float = 3.0) -> None:
+    """SIGKILL every process descended from this one and wait (up to `wait_s`) until each has
+    ended: a killed process still tears down its memory for a moment, and a pool's thread may fork
+    a replacement for a killed worker (it polls every 0.1 s), so the search ends only after two
+    empty passes 0.25 s apart. The caller then exits with none of its processes left."""
+    _stop_pool_handlers()
+    deadline, known, quiet = time.monotonic() + wait_s, set(), 0
+    while time.monotonic() < deadline:
+        found = _descendants(known)
+        if not found:
+            quiet += 1
+            if quiet == 2:
+                return
+            time.sleep(0.25)
+            continue
+        quiet = 0
+        known |= found
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.02)
 
 
 class TrainingStopped(Exception):
@@ -154,8 +193,6 @@ class Preemption:
                     except Exception:  # noqa: BLE001 - exiting regardless; the next run tidies what is left
                         pass
                 kill_descendants()
-                time.sleep(0.1)
-                kill_descendants()  # one a pool's thread forked meanwhile
                 os._exit(EXIT_PREEMPTED)
             raise self.raised
         if int(os.environ.get("RANK", "0")) == 0:
