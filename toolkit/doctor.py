@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import deepspeed_config, launch_config
+from .backend import end_process_group
 from .config import ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")
@@ -318,5 +319,5 @@ def run(args) -> int:
     code = report.summary()
     with report.deadline("teardown"):
         dist.barrier()  # the summary is out before any rank exits (the launcher stops the rest when one fails)
-        dist.destroy_process_group()
+        end_process_group()
     return code if rank == 0 else 0  # the main process holds every rank's verdict
