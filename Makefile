@@ -12,15 +12,15 @@ RECIPE ?= examples/recipes/quickstart_full.yaml
 # `slow` cases (the full config-corpus launch sweep) are run by hand: make test PYTEST_ARGS="-m slow"
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup train test data clean
+.PHONY: setup train test data clean constraints
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 data: $(STAMP)
@@ -31,6 +31,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# After a deliberate upgrade in .venv: record the versions for the next setup (and CI) to use.
+constraints: $(STAMP)
+	{ sed -n '1,3p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf runs .pytest_cache
