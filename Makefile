@@ -12,7 +12,7 @@ RECIPE ?= examples/recipes/quickstart_full.yaml
 # `slow` cases (the full config-corpus launch sweep) are run by hand: make test PYTEST_ARGS="-m slow"
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup train test data clean constraints
+.PHONY: setup train test data clean constraints gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -31,6 +31,26 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# Every GPU test and GPU benchmark, in pieces of under 10 minutes, figures appended to benchmarks/NOTES.md.
+# On a GPU host with `make setup` done it uses .venv; on a bare image (a lent device machine) its python3,
+# with the wheels `make gpu-wheels` put in .whl/. One piece: make gpu-check GPU_CHECK_ARGS="--only gpu-bf16".
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Wheels of the pinned versions of what a bare CUDA image (Python 3.12) lacks or holds in other versions
+# (its huggingface_hub 1.x satisfies transformers; the pinned 2.x would need httpx2 as well).
+GPU_WHEELS := accelerate transformers peft datasets deepspeed trl tokenizers safetensors multiprocess dill hjson fsspec pydantic pydantic_core annotated-types typing-inspection
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	for name in $(GPU_WHEELS); do \
+	  pin=$$(grep -i "^$$name==" constraints.txt) || { echo "$$name is not in constraints.txt"; exit 1; }; \
+	  $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $$pin \
+	  || $(BIN)/python -m pip wheel -q --no-deps -w .whl $$pin || exit 1; \
+	done
 
 # After a deliberate upgrade in .venv: record the versions for the next setup (and CI) to use.
 constraints: $(STAMP)

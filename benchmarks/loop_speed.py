@@ -490,7 +490,8 @@ def summarize(a, plan: dict, runs: dict) -> dict:
     return result
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (benchmarks/gpu_check.py checks its pieces' arguments with this)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -508,9 +509,14 @@ def main() -> None:
                    help="recipe overrides for the toolkit only, e.g. data.padding_free=true train.compile=true")
     p.add_argument("--_run", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if not 1 <= a.warmup <= a.steps - 2:
         p.error("--warmup must be at least 1 and leave at least 2 steps")
+    return a
+
+
+def main() -> None:
+    a = parse()
     if a._run:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sys.path.insert(0, str(ROOT))

@@ -1,0 +1,55 @@
+"""`make gpu-check`'s plan, checked without a GPU: pieces under 10 minutes, under 40 in all, every
+GPU test in exactly one piece, every benchmark piece's arguments accepted by its script, and every
+wheel it carries to a bare CUDA image pinned in constraints.txt."""
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+from test_installs import normalized, pins
+
+
+def the_plan() -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plan", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def collected(*selection: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *selection], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_pieces_fit_the_limits_and_every_gpu_test_runs_once():
+    plan = the_plan()
+    assert plan["problems"] == []
+    assert all(p["timeout_s"] < 600 for p in plan["pieces"])
+    assert sum(p["timeout_s"] for p in plan["pieces"]) <= plan["total_limit_s"] == 40 * 60
+    every = collected("-m", "gpu", "tests/test_gpu.py")
+    assert every, "no GPU test collected"
+    picked = []
+    for piece in plan["pieces"]:
+        command = piece["command"]
+        if command[1:3] == ["-m", "pytest"]:
+            picked += collected(*[c for c in command[3:] if c not in ("-s", "-q")])
+    assert sorted(picked) == sorted(every)
+    assert any("loop_speed.py" in " ".join(p["command"]) for p in plan["pieces"])
+
+
+def test_a_wrong_benchmark_argument_is_a_problem_of_the_plan(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    piece = gpu_check.PIECES[2]
+    monkeypatch.setattr(gpu_check, "PIECES", [(piece[0], piece[1] + ["--warmup", "0"], piece[2], piece[3])])
+    assert gpu_check.check_plan() and "refuses" in gpu_check.check_plan()[0]
+
+
+def test_the_wheels_it_carries_are_pinned():
+    names = re.search(r"^GPU_WHEELS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    assert {normalized(n) for n in names} - pins().keys() == set()
