@@ -109,7 +109,8 @@ def resolve_outcome(entry: dict, tmp: Path) -> str:
     import torch
 
     from conftest import write_recipe
-    from toolkit.config import ToolkitError, load_recipe
+    from toolkit.config import load_recipe
+    from toolkit.errors import ToolkitError
     from toolkit.launch_config import plan, worker_env
 
     recipe = load_recipe(write_recipe(tmp / "recipe.yaml", **agreeing_recipe(entry, tmp)))

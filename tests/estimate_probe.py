@@ -25,7 +25,7 @@ from toolkit import backend
 from toolkit.config import load_recipe
 from toolkit.model import DTYPES, apply_lora, build_model
 from toolkit.loss import token_loss_sum, use_token_loss
-from toolkit.train import param_groups
+from toolkit.backend import param_groups
 
 
 class Ledger:

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
-from toolkit.config import DataConfig, DataSource, ToolkitError
+from toolkit.config import DataConfig, DataSource
+from toolkit.errors import ToolkitError
 from toolkit.data import Collator, EpochSampler, build_datasets, cache_root, tokenize_example
 from toolkit.model import build_byte_tokenizer
 

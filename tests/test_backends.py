@@ -181,7 +181,7 @@ import os, sys
 sys.stdout = open(os.path.join(os.path.dirname(__file__), "rank" + os.environ["RANK"] + ".txt"), "w")
 from accelerate import Accelerator
 from toolkit.backend import check_distributed
-from toolkit.config import ToolkitError
+from toolkit.errors import ToolkitError
 accelerator = Accelerator()  # what a plain script gets on a CPU host: not distributed
 try:
     check_distributed(accelerator)

@@ -197,7 +197,7 @@ def test_a_mistake_only_another_rank_sees_is_still_one_line(monkeypatch, capsys)
     import signal
 
     from toolkit.cli import report_user_error
-    from toolkit.config import ToolkitError
+    from toolkit.errors import ToolkitError
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setenv("RANK", "1")

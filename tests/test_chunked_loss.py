@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import ROOT
-from toolkit.config import ConfigError, LoraConfig, ModelConfig, ToolkitError, load_recipe
+from toolkit.config import ConfigError, LoraConfig, ModelConfig, load_recipe
+from toolkit.errors import ToolkitError
 from toolkit.data import IGNORE
 from toolkit.loss import token_loss_sum, use_token_loss
 from toolkit.model import PRESETS, apply_lora, build_model

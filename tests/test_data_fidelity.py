@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from toolkit.config import DataConfig, ToolkitError
+from toolkit.config import DataConfig
+from toolkit.errors import ToolkitError
 from toolkit.data import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, build_datasets
 from toolkit.model import build_byte_tokenizer
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, alpaca_rows, base_recipe, read_metrics, run_toolkit, write_jsonl, write_recipe
-from toolkit.config import Recipe, ToolkitError, load_recipe
+from conftest import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
+from toolkit.config import Recipe
+from toolkit.errors import ToolkitError
 from toolkit.deepspeed_config import load_json, resolve
 
 DS_JSONS = sorted((ROOT / "deepspeed_configs").glob("*.json"))

@@ -26,7 +26,7 @@ def llama_7b_config(tmp_path_factory):
 def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
     """Mixed-precision AdamW, full fine-tuning, 8 GPUs: 16 bytes per parameter, and ZeRO-1/2/3
     partition them as in Rajbhandari et al. (2 + 2 + 12/N, 2 + 14/N, 16/N)."""
-    from toolkit.estimate import BY_NAME, Setup, count_model, estimate, read_config
+    from toolkit.sizing import BY_NAME, Setup, count_model, estimate, read_config
 
     h, layers, i, vocab = (LLAMA_7B[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     # Embeddings and an untied head, then per layer q, k, v, o (h x h: as many KV heads as heads),
@@ -51,7 +51,7 @@ def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
 def test_lora_trainable_parameters_match_peft():
     """The adapters are counted by arithmetic on the meta model; peft on the real preset agrees."""
     from toolkit.config import LoraConfig, ModelConfig
-    from toolkit.estimate import count_model, read_config
+    from toolkit.sizing import count_model, read_config
     from toolkit.model import apply_lora, build_model, count_parameters
 
     for lora in (LoraConfig(enabled=True, r=4), LoraConfig(enabled=True, r=8, target_modules=["q_proj", "v_proj"]),

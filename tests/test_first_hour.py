@@ -5,9 +5,7 @@ test_data_fidelity.py, odd recipe values in test_recipe_fuzz.py)."""
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path

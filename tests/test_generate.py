@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.cli import main
 from toolkit.data import ALPACA_PROMPT_WITH_INPUT
-from toolkit.generate import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
+from toolkit.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
 
 EVAL_FILE = ROOT / "examples" / "data" / "tasks_eval.jsonl"
 QUICKSTART_STEPS = 4  # the eval-loss checks need a trained model, not a good one
@@ -176,7 +176,7 @@ def test_prompts_file_text_and_jsonl(answers_run, answers_model, tmp_path, capsy
     assert [g["answer"] for g in got] == generate_answers(
         model, tokenizer, ["Add the numbers. 1+2", chat], system="Be brief.", max_new_tokens=12)
     # What the template rendered: the system turn first, then the conversation, then the assistant's cue.
-    from toolkit.generate import prompt_text
+    from toolkit.inference import prompt_text
 
     text, add_bos = prompt_text(tokenizer, chat, "Be brief.")
     assert not add_bos and text.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\nSort")

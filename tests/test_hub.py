@@ -13,7 +13,7 @@ import torch
 
 from conftest import (alpaca_rows, base_recipe, read_metrics, run_command, run_toolkit, train_losses,
                       user_error_line, write_jsonl, write_recipe)
-from toolkit.config import ToolkitError
+from toolkit.errors import ToolkitError
 from toolkit.hub import is_hub_id, load_hub_dataset, resolve_model
 
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes
@@ -136,7 +136,7 @@ def test_a_partly_downloaded_model_resolves(hub):
 
 def test_an_unreachable_hub_falls_back_to_the_cache(hub):
     """Not offline, but the Hub refuses connections: the cache answers; a repo it lacks is one line."""
-    code = ("from toolkit.hub import load_hub_dataset, resolve_model\nfrom toolkit.config import ToolkitError\n"
+    code = ("from toolkit.hub import load_hub_dataset, resolve_model\nfrom toolkit.errors import ToolkitError\n"
             "print(resolve_model('org/name', None))\n"
             "print(len(load_hub_dataset('org/data', 'train', None, 'data.train_files')))\n"
             "try:\n    resolve_model('org/missing', None)\nexcept ToolkitError as e:\n    print(e)\n")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from toolkit.config import LoraConfig, ModelConfig, ToolkitError
+from toolkit.config import LoraConfig, ModelConfig
+from toolkit.errors import ToolkitError
 from toolkit.model import apply_lora, build_model, count_parameters, linear_module_names
 
 

@@ -71,7 +71,7 @@ def test_metrics_carry_throughput_mfu_and_peak_memory(tmp_path, data_files):
     """With a stated peak (a CPU has none), MFU = achieved TFLOP/s / peak; the achieved figure is
     the dense term for the tokens counted plus an attention term no longer than max_seq_len allows."""
     from toolkit.config import ModelConfig, LoraConfig
-    from toolkit.estimate import count_model
+    from toolkit.sizing import count_model
     from toolkit.model import build_model
 
     run, proc = train(tmp_path, data_files, "train.peak_tflops=0.5", "train.profile_steps=[3,4]")

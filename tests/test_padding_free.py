@@ -3,12 +3,11 @@ themselves with no mask, and a micro-batch concatenated into one row trains exac
 micro-batch padded (losses, gradients, weights within float tolerance), on one process and on two."""
 
 import copy
-import json
 
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, user_error_line, write_recipe
 from test_backends import accelerate_launch, launch_config_for
@@ -17,7 +16,7 @@ from toolkit import varlen
 from toolkit.config import ModelConfig
 from toolkit.data import IGNORE, Collator
 from toolkit.loss import token_loss_sum, use_token_loss
-from toolkit.model import PRESETS, build_byte_tokenizer, build_model
+from toolkit.model import build_byte_tokenizer, build_model
 
 TOL = 1e-5
 

@@ -8,7 +8,6 @@ are launched for real: a representative few in CI, all of them under `-m slow`.
 
 import dataclasses
 import math
-import sys
 import typing
 from pathlib import Path
 

@@ -47,7 +47,7 @@ def test_every_shipped_launch_config_plans(path, cuda, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the YAMLs name their JSONs relative to the repository root
     env = worker_env(str(path), num_processes=2, extra_args=["--num_machines", "1", "--machine_rank", "0"])
     if "nvme" in path.name:  # the JSON names /local_nvme: refused by name unless it exists
-        from toolkit.config import ToolkitError
+        from toolkit.errors import ToolkitError
 
         if not Path("/local_nvme").is_dir():
             with pytest.raises(ToolkitError, match="nvme_path: folder does not exist"):

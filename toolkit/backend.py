@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .config import Recipe, ToolkitError
+from .config import Recipe
+from .errors import ToolkitError
 from . import deepspeed_config, disk, faults, launch_config
-from .checkpoint import replace_dir
+from .stops import TrainingStopped
+from .verify import EXIT_SAVE_MISMATCH, blank_like, first_mismatch, inject_corruption, read_back, tree_mismatch
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -294,9 +296,6 @@ def save_model(accelerator, model, tokenizer, path: Path, extra_files: dict[str,
     Written to a temporary folder, read back and compared with the gathered weights, then renamed,
     so `path` is either complete and verified or absent (a mismatch stops every rank in one line,
     with the folder left as `<path>.tmp` and an earlier `path` untouched)."""
-    from .stops import TrainingStopped
-    from .verify import EXIT_SAVE_MISMATCH, first_mismatch, inject_corruption
-
     state_dict = accelerator.get_state_dict(model) or {}  # a collective; ZeRO-3 returns None off the main rank
     # FSDP with a sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
     state_dict = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
@@ -336,7 +335,7 @@ def save_model(accelerator, model, tokenizer, path: Path, extra_files: dict[str,
             faults.at("final")
             problem = first_mismatch(tmp, expected)
             if problem is None:
-                replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
+                disk.replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
     verdict = [problem if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
@@ -353,8 +352,6 @@ def checkpoint_problem(accelerator, model, optimizer, folder: Path) -> str | Non
     compare it with the live state it came from: the weights (or adapter, and for ZeRO the fp32
     partitions) and the optimizer state. None when equal; else one line naming the file and the
     first tensor that differs. Every rank calls it (the sharded FSDP read is a collective)."""
-    from .verify import first_mismatch, read_back, tree_mismatch
-
     rank = accelerator.process_index
     try:
         if hasattr(model, "zero_optimization_stage"):  # DeepSpeed engine
@@ -403,8 +400,6 @@ def _fsdp_checkpoint_problem(accelerator, plugin, model, optimizer, folder: Path
     import torch.distributed.checkpoint as dcp
     from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options  # what save_state uses
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1, StateDictType
-
-    from .verify import blank_like, read_back, tree_mismatch
 
     options = _prepare_sd_options(plugin)
     ctx = (FSDP1.state_dict_type(model, plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config)
@@ -486,3 +481,12 @@ def same_call_count(module: torch.nn.Module, n: int, device) -> int:
     most = torch.tensor(n, device=device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     return int(most)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only, never norms or biases (by the full shape: ZeRO-3 leaves each rank a flat part)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
+              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # DeepSpeed fails on an empty group (LoRA has no 1-D params)

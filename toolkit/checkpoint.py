@@ -25,8 +25,12 @@ import numpy as np
 import torch
 
 from . import disk, faults
-from .config import ToolkitError
+from .errors import ToolkitError
 from .verify import corrupt_checkpoint
+from . import portable
+from .backend import checkpoint_problem, loss_scale
+from .stops import TrainingStopped
+from .verify import EXIT_SAVE_MISMATCH
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.json"
@@ -90,7 +94,7 @@ def find_resume(resume: str | None, output_dir: Path) -> Path | None:
 
 
 def tidy(output_dir: Path) -> list[str]:
-    """Finish or undo what a killed `save` or `replace_dir` left behind (main process, before any
+    """Finish or undo what a killed `save` or `disk.replace_dir` left behind (main process, before any
     rank looks for a checkpoint). A complete `.tmp-` write whose rename never happened is moved
     into place; everything else half-done is removed. Returns what was done, for the log."""
     done = []
@@ -135,8 +139,6 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
     share is read back (`backend.checkpoint_problem`, and the portable files on the main process):
     a checkpoint any rank cannot read back as it was saved is never marked complete, and the run
     stops. Returns the seconds each part took (main process's clock)."""
-    from . import portable
-
     seconds, started = {}, time.perf_counter()
     tmp = path_final.with_name(".tmp-" + path_final.name)
     kept = complete_checkpoints(path_final.parent.parent)
@@ -150,7 +152,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
         seconds["backend state"] = time.perf_counter() - started
         written = None
         if config.portable:
-            written = portable.save(accelerator, model, optimizer, scheduler, tmp, _loss_scale(accelerator, model))
+            written = portable.save(accelerator, model, optimizer, scheduler, tmp, loss_scale(accelerator, model))
             seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
         with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
             pickle.dump(rng_states(), f)
@@ -162,8 +164,6 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
         if accelerator.is_main_process:
             corrupt_checkpoint(tmp)  # test seam, off unless asked
         accelerator.wait_for_everyone()
-        from .backend import checkpoint_problem
-
         read_from = time.perf_counter()
         problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable.files_problem(tmp, written)
         del written
@@ -173,7 +173,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
             (tmp / STATE).write_text(json.dumps(asdict(state), indent=1))
             (tmp / MARKER).write_text(f"step {state.step}\n")
             _fsync_dir(tmp)
-            replace_dir(tmp, path_final)  # the same step may be saved again (a resumed run that had nothing left)
+            disk.replace_dir(tmp, path_final)  # the same step may be saved again (a resumed run that had nothing left)
             _fsync_dir(path_final.parent)
             for old in complete_checkpoints(path_final.parent.parent)[:-config.keep_last]:
                 doomed = old.with_name(".del-" + old.name)  # out of sight first, so never half-deleted
@@ -187,9 +187,6 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
 def _stop_unless_read_back(accelerator, problem: str | None, path_final: Path) -> None:
     """Every rank learns every rank's verdict; any problem stops them all, in one line."""
     from accelerate.utils import gather_object
-
-    from .stops import TrainingStopped
-    from .verify import EXIT_SAVE_MISMATCH
 
     verdicts = gather_object([problem]) if accelerator.num_processes > 1 else [problem]
     bad = [(rank, p) for rank, p in enumerate(verdicts) if p]
@@ -213,19 +210,6 @@ def _stop_unless_loaded(accelerator, problem: str | None, path: Path) -> None:
               "and step, learning rates, scheduler)", file=sys.stderr)
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a completely written folder into place; one already there is moved aside first and
-    deleted only after, so `final` is always either the old or the new folder, never partial."""
-    if final.exists():
-        old = final.with_name(".del-" + final.name)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-
-
 def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimizer, scheduler,
          rows: int | None = None) -> TrainerState:
     """Restore what `save` wrote, on every rank, including this rank's RNG states; returns its
@@ -234,13 +218,11 @@ def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimiz
     is loaded, and a rank that did not exist then takes rank 0's RNG states (as every rank of a
     fresh run starts from the same seed)."""
     if moved:
-        from . import portable
-
         portable.load(accelerator, model, optimizer, scheduler, path)
         _stop_unless_loaded(accelerator, portable.read_back(accelerator, model, optimizer, scheduler, path), path)
         seen = os.environ.get("TOOLKIT_FAULT_PORTABLE_AFTER_LOAD")  # test seam: what this launch holds now
         if seen:
-            portable.save(accelerator, model, optimizer, scheduler, Path(seen), _loss_scale(accelerator, model))
+            portable.save(accelerator, model, optimizer, scheduler, Path(seen), loss_scale(accelerator, model))
     else:
         accelerator.load_state(str(path))
     rng = Path(path) / f"rng_rank{accelerator.process_index}.pkl"
@@ -253,12 +235,6 @@ def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimiz
     saved = read_state(path, rows)
     return replace(now, step=saved.step, tokens_seen=saved.tokens_seen, skipped_steps=saved.skipped_steps,
                    nonfinite_in_a_row=saved.nonfinite_in_a_row, data_position=saved.data_position)
-
-
-def _loss_scale(accelerator, model):
-    from .backend import loss_scale
-
-    return loss_scale(accelerator, model)
 
 
 def rng_states() -> dict:

@@ -14,7 +14,8 @@ import signal
 import sys
 import time
 
-from .config import ToolkitError, load_recipe
+from .config import load_recipe
+from .errors import ToolkitError
 from .stops import Preemption, TrainingStopped
 
 EXIT_USER_ERROR = 2

@@ -18,9 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ToolkitError(Exception):
-    """A mistake the user can fix: printed as one line, exit code 2, no traceback."""
+from .errors import ToolkitError
 
 
 class ConfigError(ToolkitError):

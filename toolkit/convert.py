@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from . import disk
-from .config import ToolkitError
+from .errors import ToolkitError
 
 DTYPES = ("fp32", "bf16", "fp16")
 

@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import Sampler
 
 from . import disk, faults
-from .config import DataConfig, DataSource, ToolkitError
+from .config import DataConfig, DataSource
+from .errors import ToolkitError
 from .packing import best_fit_decreasing, pack_stats
 
 IGNORE = -100

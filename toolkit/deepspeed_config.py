@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import Recipe, ToolkitError
+from .config import Recipe
+from .errors import ToolkitError
 
 # zero_optimization spellings: deprecated or alternative name -> the one this module writes.
 # DeepSpeed's schema accepts a field under its name or its alias but fails when both appear.
@@ -114,7 +115,7 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
 
     zero = cfg.setdefault("zero_optimization", {})
     zero.setdefault("stage", 0)  # DeepSpeed's default, written out: accelerate reads it when saving
-    _normalize_zero(zero, source, notes)
+    normalize_zero(zero, source, notes)
     if zero.get("stage", 0) == 3:
         # Saving gathers the full weights once; without this ZeRO-3 saves empty tensors.
         if zero.get("stage3_gather_16bit_weights_on_model_save") is False:
@@ -226,7 +227,7 @@ def _resolve_scheduler(sched: dict, t, source: str, notes: list[str], total_step
                  "and min_lr_ratio are not used)")
 
 
-def _normalize_zero(zero: dict, source: str, notes: list[str]) -> None:
+def normalize_zero(zero: dict, source: str, notes: list[str]) -> None:
     """One spelling per zero_optimization field: DeepSpeed's schema fails when a field appears
     under two names (e.g. a legacy one and the current one)."""
     for old, new in ZERO_OFFLOAD_SWITCHES.items():

@@ -11,6 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
+from . import faults
+from .stops import TrainingStopped
+
 EXIT_DISK = 74  # EX_IOERR: the file system refused a write; earlier checkpoints are intact
 REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
            errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
@@ -75,8 +78,6 @@ def renamed_into_place(out: Path, phase: str):
     """Yields `out`.tmp to write into (a leftover of a killed write removed first); when the block
     completes, renames it to `out` (an empty `out` is replaced). However the block ends (an error,
     a signal), no partial `out`.tmp is left. `phase`: the fault seam just before the rename."""
-    from . import faults
-
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -119,10 +120,21 @@ def writing(what: str, partial: Path, needed: int | None = None, error=None, rem
             else:
                 message += f" ({free})"
         if error is None:
-            from .stops import TrainingStopped
-
             raise TrainingStopped(message + ("; the partial write was removed" if remove else "")
                                   + ", earlier checkpoints are intact; free space (or fix the permissions) and run again with "
                                   "resume=auto",
                                   EXIT_DISK) from None
         raise error(message) from None
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a completely written folder into place; one already there is moved aside first and
+    deleted only after, so `final` is always either the old or the new folder, never partial."""
+    if final.exists():
+        old = final.with_name(".del-" + final.name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)

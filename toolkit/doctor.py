@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import deepspeed_config, launch_config
 from .backend import end_process_group
-from .config import ToolkitError
+from .errors import ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")
 OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
@@ -124,7 +124,7 @@ def launch() -> tuple[str, dict]:
 
         cfg, where = DeepSpeedPlugin().deepspeed_config, "the inline deepspeed_config"
     zero = dict(cfg.get("zero_optimization") or {})
-    deepspeed_config._normalize_zero(zero, where, [])  # legacy spellings such as cpu_offload
+    deepspeed_config.normalize_zero(zero, where, [])  # legacy spellings such as cpu_offload
     offload = [f"{part} to {zero[f'offload_{part}'].get('device')}" for part in ("optimizer", "param")
                if (zero.get(f"offload_{part}") or {}).get("device", "none") != "none"]
     return (f"DeepSpeed ZeRO-{zero.get('stage', 0)}" + (f" (offload {', '.join(offload)})" if offload else "")

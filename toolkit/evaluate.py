@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import ToolkitError
+from .errors import ToolkitError
 
 FORMATS = ("alpaca", "messages", "text")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
@@ -58,7 +58,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .generate import locate_model
+    from .inference import locate_model
 
     for name in ("batch_size", "max_new_tokens", "limit"):
         value = getattr(args, name)
@@ -112,7 +112,7 @@ def run(args) -> int:
 def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, train_on_prompt: bool) -> list | None:
     """This process's share of the rows measured: loss sums and scored answers. The main process
     gets every process's share (a list of dicts), the others None."""
-    from .generate import generate_texts, load_for_inference
+    from .inference import generate_texts, load_for_inference
 
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
     model, tokenizer = load_for_inference(args.model, args.dtype, device=state.device if state else None,

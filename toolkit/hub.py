@@ -15,7 +15,7 @@ from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .config import ToolkitError
+from .errors import ToolkitError
 from .stops import TrainingStopped
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import backend
-from .config import ToolkitError
+from .errors import ToolkitError
 from .data import IGNORE
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import base_identity, disk
-from .config import ToolkitError
+from .errors import ToolkitError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The check fails above this max |logit difference|, relative to max(1, the largest |logit|): fp32

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .config import LoraConfig, ModelConfig, ToolkitError
+from .config import LoraConfig, ModelConfig
+from .errors import ToolkitError
 from .hub import resolve_model
 
 PRESETS = Path(__file__).parent / "presets"

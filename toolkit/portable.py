@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+from .backend import param_groups as build_groups
+from .errors import ToolkitError
+from .verify import first_mismatch, inject_corruption, tree_mismatch
+
 FOLDER = "portable"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -81,8 +85,6 @@ def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: flo
     main process, the tensors written, for `files_problem` to compare the files with."""
     from safetensors.torch import save_file
 
-    from .verify import inject_corruption
-
     weights, moments, state = gather(accelerator, model, optimizer)
     if not accelerator.is_main_process:
         return None
@@ -101,8 +103,6 @@ def save(accelerator, model, optimizer, scheduler, folder: Path, loss_scale: flo
 def files_problem(folder: Path, written: dict | None) -> str | None:
     """None when `folder/portable/` holds `written` (what `save` returned) bit for bit, else one
     line naming the first tensor that differs. Main process; None elsewhere."""
-    from .verify import first_mismatch
-
     return None if written is None else first_mismatch(Path(folder) / FOLDER, written)
 
 
@@ -110,8 +110,6 @@ def load(accelerator, model, optimizer, scheduler, folder: Path) -> None:
     """Set the prepared model, optimizer and scheduler from `folder/portable/`, whatever backend and
     process count wrote it. Every rank reads the files (each holds them whole for a moment)."""
     from safetensors.torch import load_file
-
-    from .config import ToolkitError
 
     source = Path(folder) / FOLDER
     weights = load_file(str(source / "weights.safetensors"))
@@ -144,8 +142,6 @@ def read_back(accelerator, model, optimizer, scheduler, folder: Path) -> str | N
     bit (weights, moments, AdamW step, learning rates, scheduler), or the first difference in one
     line. A collective."""
     from safetensors.torch import load_file
-
-    from .verify import tree_mismatch
 
     weights, moments, state = gather(accelerator, model, optimizer)
     if not accelerator.is_main_process:
@@ -188,8 +184,6 @@ def _load_torch(model, optimizer, weights, moments, step, by_name) -> None:
 
 def _load_deepspeed(engine, weights, moments, step, by_name) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    from .config import ToolkitError
 
     zero = engine.optimizer
     # Before its first step ZeRO holds no optimizer state: make it, zeros, for the load to fill.
@@ -252,12 +246,9 @@ def _trainable(module) -> list[tuple[str, torch.nn.Parameter]]:
 def _groups(module, param_groups) -> list[dict]:
     """The optimizer's groups with parameter names in place of tensors (DeepSpeed's base optimizer
     holds flat partitions: its groups follow the order of the groups it was built from)."""
-    from .train import param_groups as build_groups
 
     built = build_groups(module, 0.0)
     if len(built) != len(param_groups):
-        from .config import ToolkitError
-
         raise ToolkitError(f"checkpoint: the optimizer holds {len(param_groups)} parameter groups where the toolkit "
                            f"builds {len(built)}; its portable state cannot name them")
     names = {id(p): n for n, p in module.named_parameters()}

@@ -11,7 +11,7 @@ from .data import render
 
 class Samples:
     def __init__(self, recipe: Recipe, tokenizer, accelerator):
-        from .generate import prompt_text
+        from .inference import prompt_text
 
         self.prompts = list(recipe.train.sample_prompts)
         self.max_new_tokens = recipe.train.sample_max_new_tokens
@@ -32,7 +32,7 @@ class Samples:
         return bool(self.prompts)
 
     def __call__(self, model) -> list[dict]:
-        from .generate import generate_texts
+        from .inference import generate_texts
 
         module = self.accelerator.unwrap_model(model)
         module.eval()

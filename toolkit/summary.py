@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from . import backend, deepspeed_config
 from .config import Recipe
-from .estimate import estimate_for_run
+from .sizing import estimate_for_run
 
 
 def run_summary(recipe: Recipe, accelerator, ds_config: dict | None, *, rows: int, eval_rows: int,

@@ -18,10 +18,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import backend, base_identity, checkpoint, disk, faults, observe, run_folder
-from .config import Recipe, ToolkitError
+from .config import Recipe
+from .errors import ToolkitError
 from .data import (IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
                    remove_partial_data)
-from .estimate import count_model
+from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import token_loss_sum, use_token_loss
 from .model import (DTYPES, apply_lora, build_model, build_tokenizer, compile_layers, compiled_graphs,
@@ -128,7 +129,7 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
         raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer steps "
                            f"that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch {global_batch})")
 
-    optimizer = backend.make_optimizer(accelerator, param_groups(model, t.weight_decay), recipe)
+    optimizer = backend.make_optimizer(accelerator, backend.param_groups(model, t.weight_decay), recipe)
     scheduler = backend.make_scheduler(accelerator, optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
                                        total_steps, t.warmup_steps)
     ds_config = backend.finalize_config(accelerator, model, recipe, total_steps)
@@ -426,15 +427,6 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only, never norms or biases (by the full shape: ZeRO-3 leaves each rank a flat part)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
-              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]  # DeepSpeed fails on an empty group (LoRA has no 1-D params)
 
 
 def counts_toward_stop(loss: float, grad_norm: float, loss_scale: float | None, applied: bool = False) -> bool:

@@ -1,0 +1,99 @@
+"""The package's layout, checked by reading its source (no process, no import of torch): no import
+circle, counting imports placed inside functions; the runtime (the loop and what it uses) never
+imports a CLI verb's module; no module reaches for another's private names; the user's error type
+lives in `errors.py`. Run by hand: `python -m pytest tests/test_layout.py -q`."""
+
+import ast
+import re
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "toolkit"
+
+
+def modules() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text(), str(p)) for p in PACKAGE.glob("*.py")}
+
+
+def verbs() -> set[str]:
+    """The modules `cli.VERBS` dispatches to, and the CLI itself."""
+    text = (PACKAGE / "cli.py").read_text()
+    block = text[text.index("VERBS = {"):text.index("}\n", text.index("VERBS = {"))]
+    return set(re.findall(r'\("(\w+)", "', block)) | {"cli", "__main__"}
+
+
+def imports(tree: ast.Module, known: set[str]) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for each `from . import x` / `from .x import y`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.append((node.module.split(".")[0], [a.name for a in node.names]))
+            else:
+                found += [(a.name, []) for a in node.names if a.name in known]
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: {m for m, _ in imports(tree, set(mods)) if m in mods} for name, tree in mods.items()}
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One import circle, as the modules along it, or [] when there is none."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(v: str) -> list[str]:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(edges[v]):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        state[v] = 2
+        path.pop()
+        return []
+
+    for v in sorted(edges):
+        if v not in state and (found := visit(v)):
+            return found
+    return []
+
+
+def test_no_import_circle():
+    assert cycle(graph()) == []
+
+
+def test_the_check_finds_a_circle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_runtime_never_imports_a_verb():
+    edges, verb = graph(), verbs()
+    assert {"estimate", "generate", "evaluate", "merge", "convert", "plot", "doctor"} <= verb
+    wrong = {m: sorted(edges[m] & verb) for m in edges if m not in verb and edges[m] & verb}
+    assert wrong == {}
+
+
+def test_no_private_name_crosses_a_module():
+    mods = modules()
+    wrong = []
+    for name, tree in mods.items():
+        for module, names in imports(tree, set(mods)):
+            wrong += [f"{name}: from .{module} import {n}" for n in names if n.startswith("_") and n != "__version__"]
+        aliases = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+                   and not node.module for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                wrong.append(f"{name}: {node.value.id}.{node.attr}")
+    assert wrong == []
+
+
+def test_the_user_error_type_lives_in_errors():
+    defined = [name for name, tree in modules().items() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef) and node.name == "ToolkitError"]
+    assert defined == ["errors"]

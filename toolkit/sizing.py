@@ -1,0 +1,477 @@
+"""The memory and communication model behind `toolkit estimate` and the run's `run: estimate` line:
+which strategy fits a model on given GPUs, counted before anything is launched.
+
+Nothing is loaded: the model is built on the meta device from its config.json (a local folder, a
+bare config.json, a Hub id's cached config or a preset) to count parameters; everything else is
+arithmetic. Bytes are per GPU (one process per GPU). N = GPUs per node x nodes; T = trainable and
+F = frozen parameters; e = bytes of the compute dtype (2 for bf16/fp16, 4 for fp32).
+
+**Model states.** The ZeRO paper (Rajbhandari et al. 2020, sec. 3) counts mixed-precision AdamW
+as 2 (16-bit params) + 2 (16-bit grads) + 12 (fp32 master params, momentum, variance) = 16 bytes
+per parameter; ZeRO-1 divides the 12 by N, ZeRO-2 also the 2 of the gradients, ZeRO-3 also the 2
+of the parameters. That is what DeepSpeed holds here under bf16/fp16 full fine-tuning: the engine
+casts the module to 16 bits and its ZeRO optimizer keeps fp32 master partitions. Elsewhere this
+toolkit holds something else, and the estimate follows the toolkit:
+
+- DDP and FSDP keep the model as `model.build_model` made it (fp32; autocast computes in bf16/fp16):
+  4 (params) + 4 (grads) + 8 (AdamW moments) = 16 bytes per trainable parameter, with no separate
+  master copy, in every precision. FSDP divides all three by N.
+- DeepSpeed in fp32: params and grads are 4 bytes, and every stage still clones an fp32 master
+  partition (4T/N): ZeRO-1/2 always do; ZeRO-3 (DeepSpeed 0.19.8) means to reuse its fp32 parameter
+  partition but compares the partition's torch.device with a device name string, which never
+  matches, so it clones too (measured by tests/test_estimate.py).
+- LoRA: frozen base weights are stored in `model.dtype` (DeepSpeed casts them to the compute
+  dtype), adapters in fp32; gradients and optimizer states exist for the adapters only. ZeRO-1/2 do
+  not partition frozen weights; ZeRO-3 and FSDP do.
+- Offload: optimizer states, fp32 master weights and their gradients (and the parameters, where
+  they are offloaded too) live in host RAM or on NVMe instead of the GPU; the host RAM column is per
+  node (N / nodes processes). NVMe still needs host RAM for DeepSpeed's swap buffers: counted as
+  one `sub_group_size` (1e9, as shipped) of fp32 master, moments and gradient, or the whole
+  partition where that is smaller.
+
+**Buffers**, working memory beside the model states (approximate): DDP's gradient buckets, a second
+copy of the gradients (accelerate leaves `gradient_as_bucket_view` off); under bf16/fp16 DDP,
+autocast's 16-bit copies of the fp32 matmul weights, which backward keeps; the parameters gathered
+to compute: two decoder layers in flight for ZeRO-3 and FSDP full-shard, the whole model from
+forward to backward for FSDP shard-grad-op; DeepSpeed's fp32 copy of its gradient partition during
+a bf16/fp16 optimizer step. DeepSpeed's fixed-size buckets and the CUDA context are not counted;
+a strategy fits when its total is at most 90% of the GPU's memory.
+
+**Activations** per decoder layer and token, from the tensors autograd saves in transformers'
+Llama-style layer (RMSNorm, rotary, GQA, SwiGLU; counted with `torch.autograd.graph.saved_tensors_hooks`),
+with h hidden size, kv = key/value heads x head dim, i MLP size, a heads, s sequence length:
+the 2 RMSNorms keep their input and normalized output, q/k/v and the MLP keep their inputs, SwiGLU
+keeps gate, SiLU(gate), up and their product, SDPA/flash keep q, k, v, the output and a
+log-sum-exp (no s x s matrix):
+    fp32:                       4 * (8h + 2kv + 4i + a)
+    bf16/fp16 autocast over fp32 weights (DDP): the residual stream and norms stay fp32 and each
+    of q/k/v and gate/up casts its own input: 4 * (4h + a) + 2 * (7h + 2kv + 4i)
+    bf16/fp16 weights (DeepSpeed, FSDP's 16-bit gathers, a 16-bit LoRA base): HF's RMSNorm still
+    upcasts its input: 4 * (2h + a) + 2 * (6h + 2kv + 4i)
+Eager attention also keeps the s x s probabilities (4 bytes, plus a 16-bit copy in bf16/fp16)
+and repeated k/v: the SDPA part e * (2h + 2kv) + 4a becomes e * 4h + a * s * (4 or 6). This is
+Korthikanti et al.'s ("Reducing Activation Recomputation", 2022) 34sbh + 5as^2b per layer, redone
+for this layer. With gradient checkpointing each layer keeps only its input (h in the stream
+dtype) and one layer is recomputed at a time. Logits are a separate term, `logits`: the fp32
+log-probabilities, their gradient and the logits' gradient are alive together, 3 * t * vocab * 4
+bytes, where t is b * s with train.loss=full (at the start of backward) and at most
+train.loss_chunk_tokens with the chunked loss (one chunk recomputed at a time); over several
+chunks a trainable output layer's weight gradient is summed across them, two such tensors alive
+(2 * vocab * h * gradient bytes; found measuring, not in the first version of this model).
+
+**Communication** per optimizer step, bytes each process sends over ring collectives (an
+all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N), once per
+optimizer step without gradient accumulation: DDP all-reduces the fp32 gradients (~2 x 4T);
+ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters (~2 x eT); ZeRO-3 and
+FSDP full-shard all-gather the parameters in forward and again in backward and reduce-scatter the
+gradients (~3 x e(T+F)); FSDP shard-grad-op gathers once (~2x). Offload adds host<->GPU copies of
+the same size, not counted. With accumulation the parameter gathers (ZeRO-3, FSDP) and ZeRO-2's
+reduce-scatter repeat for every micro-batch.
+
+**Approximate**: peak memory is taken as the sum of all terms, an upper bound (activations peak
+when backward starts, gradients when it ends); the activation formulas are Llama-style layers
+(other architectures, MoE, sliding windows and bias terms are not modelled); allocator
+fragmentation is not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import ToolkitError
+
+GIB = 1024**3
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+USABLE_FRACTION = 0.9  # of the GPU's memory; the rest: CUDA context, fragmentation, workspaces
+NVME_SUB_GROUP = 1_000_000_000  # deepspeed_configs/zero3_offload_nvme.json's sub_group_size
+
+
+@dataclass
+class ModelCounts:
+    """What the arithmetic needs from a model's config, counted on the meta device."""
+    name: str
+    params: int  # distinct parameters, LoRA adapters included
+    trainable: int
+    matmul: int  # weights of the base's linear layers (autocast copies these)
+    layer: int  # parameters of one decoder layer (what ZeRO-3 / FSDP gather at a time)
+    layers: int
+    hidden: int
+    heads: int
+    kv: int  # key/value heads x head dim
+    intermediate: int
+    vocab: int
+    head: int = 0  # trainable weights of the output layer (full fine-tuning: vocab x hidden)
+    query: int = 0  # attention heads x head dim (the width attention's matrix products run over)
+
+
+@dataclass
+class Setup:
+    model: ModelCounts
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_memory_gib: float | None = 80.0  # None: unknown (a CPU run)
+    precision: str = "bf16"
+    base_dtype: str = "fp32"  # storage of frozen LoRA base weights (model.dtype)
+    micro_batch: int = 1
+    seq_len: int = 2048
+    gradient_checkpointing: bool = False
+    attention: str = "sdpa"
+    loss: str = "chunked"  # train.loss
+    loss_chunk_tokens: int = 1024
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    launch_config: str  # the shipped accelerate config that runs it
+    deepspeed: bool
+    shards: str  # "" (replicated), "optimizer", "gradients" (and optimizer), "parameters" (all three)
+    offload: str = ""  # "", "optimizer", "parameters" (and optimizer)
+    device: str = "cpu"  # where offloaded states go: cpu or nvme
+    gathers_all: bool = False  # FSDP shard-grad-op: parameters stay gathered from forward to backward
+
+
+STRATEGIES = [
+    Strategy("DDP", "ddp.yaml", False, ""),
+    Strategy("ZeRO-1", "zero1.yaml", True, "optimizer"),
+    Strategy("ZeRO-2", "zero2.yaml", True, "gradients"),
+    Strategy("FSDP shard-grad-op", "fsdp_shard_grad_op.yaml", False, "gradients", gathers_all=True),
+    Strategy("ZeRO-3", "zero3.yaml", True, "parameters"),
+    Strategy("FSDP full-shard", "fsdp.yaml", False, "parameters"),
+    Strategy("ZeRO-2 + CPU optimizer", "zero2_offload.yaml", True, "gradients", "optimizer"),
+    Strategy("ZeRO-3 + CPU optimizer", "zero3_offload.yaml without offload_param", True, "parameters", "optimizer"),
+    Strategy("FSDP full-shard + CPU offload", "fsdp_offload.yaml", False, "parameters", "parameters"),
+    Strategy("ZeRO-3 + CPU params+optimizer", "zero3_offload.yaml", True, "parameters", "parameters"),
+    Strategy("ZeRO-3 + NVMe params+optimizer", "zero3_nvme.yaml", True, "parameters", "parameters", "nvme"),
+]
+BY_NAME = {s.name: s for s in STRATEGIES}
+
+
+@dataclass
+class Row:
+    strategy: Strategy
+    gpu: dict[str, float]  # params, gradients, optimizer, buffers, activations, logits, total
+    host_per_node: float
+    nvme_per_node: float
+    comm_per_step: float
+    fits: bool | None  # None: no GPU memory known
+
+    def as_json(self) -> dict:
+        return {"strategy": self.strategy.name, "launch_config": self.strategy.launch_config,
+                "gpu_bytes": {k: round(v) for k, v in self.gpu.items()}, "fits": self.fits,
+                "host_bytes_per_node": round(self.host_per_node), "nvme_bytes_per_node": round(self.nvme_per_node),
+                "comm_bytes_per_step": round(self.comm_per_step)}
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def read_config(source: str, *, revision: str | None = None, key: str = "--model"):
+    """A transformers config from a preset name, a model folder, a config.json or a cached Hub id."""
+    from transformers import AutoConfig
+
+    from .model import PRESETS, preset_names
+
+    path = Path(source).expanduser()
+    if (PRESETS / f"{source}.json").is_file() and not path.exists():
+        path = PRESETS / f"{source}.json"
+    elif path.is_dir():
+        path = path / "config.json"
+    elif not path.exists():
+        from .hub import is_hub_id
+
+        if not is_hub_id(source):
+            raise ToolkitError(f"{key}: not found: {source} (a model folder, a config.json, a cached Hub id or a "
+                               f"preset: {', '.join(preset_names())})")
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(source, "config.json", revision=revision))
+        except Exception as e:  # offline and not cached, unknown repo, no network
+            raise ToolkitError(f"{key}: cannot read the config.json of {source}: {str(e).splitlines()[0]}") from None
+    try:
+        data = json.loads(path.read_text())
+        return AutoConfig.for_model(**data)
+    except FileNotFoundError:
+        raise ToolkitError(f"{key}: {path.parent} has no config.json") from None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ToolkitError(f"{key}: {path} is not a model config: {str(e).splitlines()[0]}") from None
+
+
+def count_model(config, name: str, lora=None) -> ModelCounts:
+    """Parameter counts from the model built on the meta device (no memory, no weights). `lora`:
+    a config.LoraConfig; the adapters' parameters are counted by arithmetic, as peft adds them."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ToolkitError(f"{name}: no causal-LM class for model_type {config.model_type!r} in transformers") from None
+    with torch.device("meta"):
+        # The class itself, not from_config: inside a ZeRO-3 run from_config would build under zero.Init.
+        model = cls(config)
+    params = {id(p): p.numel() for p in model.parameters()}
+    output = model.get_output_embeddings()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    matmul = sum(m.weight.numel() for _, m in linears)
+    layer_type = next(iter(getattr(model, "_no_split_modules", None) or []), None)
+    layer = max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ == layer_type),
+                default=0)
+    total, trainable = sum(params.values()), sum(params.values())
+    if lora is not None and lora.enabled:
+        targets = None if lora.target_modules == "all-linear" else (
+            {lora.target_modules} if isinstance(lora.target_modules, str) else set(lora.target_modules))
+        adapted = [m for n, m in linears if m is not output and (targets is None or n.rsplit(".", 1)[-1] in targets)]
+        trainable = sum(lora.r * (m.in_features + m.out_features) + (m.out_features if lora.use_dora else 0)
+                        for m in adapted)
+        total += trainable
+    head = output.weight.numel() if trainable == total else 0
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return ModelCounts(name=name, params=total, trainable=trainable, matmul=matmul, layer=layer,
+                       layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
+                       kv=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+                       intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+                       vocab=text.vocab_size, head=head, query=heads * head_dim)
+
+
+# ----------------------------------------------------------------------------- the arithmetic
+
+
+def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
+    """Bytes autograd keeps for backward in the decoder layers (see the module docstring).
+    regime: "fp32", "autocast" (16-bit compute over fp32 weights) or "half" (16-bit weights)."""
+    h, kv, i, a, s = m.hidden, m.kv, m.intermediate, m.heads, setup.seq_len
+    e = 4 if regime == "fp32" else 2
+    stream = 2 if regime == "half" else 4  # the residual stream's dtype
+    if regime == "fp32":
+        rest = 4 * (6 * h + 4 * i)
+    elif regime == "autocast":
+        rest = 4 * 4 * h + 2 * (5 * h + 4 * i)
+    else:
+        rest = 4 * 2 * h + 2 * (4 * h + 4 * i)
+    if setup.attention == "eager":
+        attention = e * 4 * h + a * s * (4 + (2 if e == 2 else 0))
+    else:
+        attention = e * (2 * h + 2 * kv) + 4 * a
+    per_token_layer = rest + attention
+    tokens = setup.micro_batch * s
+    head = 3 * h * stream  # final norm and the lm_head's input
+    if setup.gradient_checkpointing:
+        return tokens * (m.layers * h * stream + per_token_layer + head)
+    return tokens * (m.layers * per_token_layer + head)
+
+
+def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
+    """fp32 log-probabilities, their gradient and the logits' gradient, alive together: for the
+    whole micro-batch at the start of backward (train.loss=full), or for one chunk (chunked).
+    Over several chunks autograd sums a trainable output layer's weight gradient: the running sum
+    and the new chunk's (`grad_bytes` each) are alive too."""
+    tokens = setup.micro_batch * setup.seq_len
+    if setup.loss == "full" or tokens <= setup.loss_chunk_tokens:
+        return 3 * tokens * m.vocab * 4
+    return 3 * setup.loss_chunk_tokens * m.vocab * 4 + 2 * m.head * grad_bytes
+
+
+def estimate(strategy: Strategy, setup: Setup) -> Row:
+    """Per-GPU bytes, host RAM and NVMe per node, and communication of one strategy."""
+    m, n = setup.model, setup.gpus
+    T, F = m.trainable, m.params - m.trainable
+    half = setup.precision != "fp32"
+    e = BYTES[setup.precision]
+    sharded = {"": 0, "optimizer": 1, "gradients": 2, "parameters": 3}[strategy.shards]
+    per = {k: 1 / n if sharded >= level else 1 for k, level in (("optimizer", 1), ("gradients", 2), ("parameters", 3))}
+    if strategy.deepspeed:
+        params = e * (T + F) * per["parameters"]
+        grads = e * T * per["gradients"]
+        optimizer = 4 * T / n + 8 * T / n  # fp32 master partition, AdamW moments
+        buffers = 4 * T / n if half else 0  # the fp32 gradient partition of the step
+        if strategy.shards == "parameters":
+            buffers += 2 * m.layer * e
+        regime = "half" if half else "fp32"
+    else:  # DDP, FSDP: the model as built, fp32 trainable weights; FSDP shards all of it
+        div = n if strategy.shards else 1
+        params = (4 * T + BYTES[setup.base_dtype] * F) / div
+        grads = 4 * T / div
+        optimizer = 8 * T / div
+        if not strategy.shards:
+            buffers = 4 * T if n > 1 else 0  # DDP's gradient buckets
+            fp32_weights = m.matmul if setup.base_dtype == "fp32" else T
+            buffers += 2 * fp32_weights if half else 0  # autocast's 16-bit weight copies
+            regime = "fp32" if not half else ("half" if setup.base_dtype != "fp32" else "autocast")
+        else:
+            buffers = e * (T + F) if strategy.gathers_all else 2 * m.layer * e
+            regime = "half" if half else "fp32"
+    host = nvme = 0.0
+    if strategy.offload:
+        if strategy.deepspeed:  # fp32 masters, moments and gradient, and the 16-bit gradient partition
+            host = 16 * T / n + e * T / n
+            buffers -= 4 * T / n if half else 0  # the step's fp32 gradient is on the host
+        else:
+            host = grads + optimizer
+        if strategy.offload == "parameters":
+            host, params = host + params, 0.0
+        grads = optimizer = 0.0
+        if strategy.device == "nvme":  # parameters and optimizer states on NVMe, swapped in by sub-group
+            nvme = host - 4 * T / n - e * T / n
+            host = e * T / n + 16 * min(T / n, NVME_SUB_GROUP)
+    activations = activation_bytes(m, setup, regime)
+    logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
+    gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
+           "activations": activations, "logits": logits}
+    gpu["total"] = sum(gpu.values())
+    fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
+    per_node = n / setup.nodes
+    return Row(strategy, gpu, host * per_node, nvme * per_node, communication(strategy, setup), fits)
+
+
+def communication(strategy: Strategy, setup: Setup) -> float:
+    """Bytes one process sends per optimizer step (ring collectives; see the module docstring)."""
+    m, n = setup.model, setup.gpus
+    if n == 1:
+        return 0.0
+    ring = (n - 1) / n
+    T, P, e = m.trainable, m.params, BYTES[setup.precision]
+    if not strategy.deepspeed and strategy.shards == "":
+        return 2 * ring * 4 * T  # DDP: all-reduce of the fp32 gradients
+    if strategy.shards == "parameters":
+        return ring * (2 * e * P + e * T)  # gather in forward, gather in backward, reduce-scatter
+    if strategy.gathers_all:
+        return ring * (e * P + e * T)
+    return ring * 2 * e * T  # ZeRO-1/2: reduce-scatter gradients, all-gather updated parameters
+
+
+def estimate_all(setup: Setup) -> list[Row]:
+    return [estimate(s, setup) for s in STRATEGIES]
+
+
+def recommend(setup: Setup) -> str:
+    """The first step along the usual path that fits: one GPU / DDP, then bf16 and activation
+    checkpointing, then sharding (ZeRO-2 / FSDP shard-grad-op), ZeRO-3 / FSDP full-shard, offload.
+    At each sharding step the settings as given come first, then with bf16 and checkpointing."""
+    if setup.gpu_memory_gib is None:
+        return "no GPU memory given"
+    changes = (["train.precision=bf16"] if setup.precision == "fp32" else []) + \
+              ([] if setup.gradient_checkpointing else ["model.gradient_checkpointing=true"])
+    changed = replace(setup, precision="bf16" if setup.precision == "fp32" else setup.precision,
+                      gradient_checkpointing=True)
+    tries = [(setup, "")] + ([(changed, f", with {' and '.join(changes)}")] if changes else [])
+    rows = [({r.strategy.name: r for r in estimate_all(s)}, text) for s, text in tries]
+    for by_name, text in rows:
+        if by_name["DDP"].fits:
+            if setup.gpus == 1:
+                return f"one GPU is enough: train without distribution (accelerate_configs/single.yaml){text}"
+            return f"DDP (accelerate_configs/ddp.yaml){text}: every GPU holds the whole model; the fastest when it fits"
+    for group in (["ZeRO-2", "FSDP shard-grad-op"], ["ZeRO-3", "FSDP full-shard"],
+                  ["ZeRO-2 + CPU optimizer", "ZeRO-3 + CPU optimizer", "ZeRO-3 + CPU params+optimizer",
+                   "ZeRO-3 + NVMe params+optimizer"]):
+        for by_name, text in rows:
+            fitting = [by_name[name] for name in group if by_name[name].fits]
+            if fitting:
+                best = min(fitting, key=lambda r: r.gpu["total"])
+                also = [r.strategy.name for r in fitting if r is not best]
+                found = f"{best.strategy.name} (accelerate_configs/{best.strategy.launch_config}){text}"
+                if best.host_per_node:
+                    found += f"; needs {best.host_per_node / GIB:.0f} GiB of host RAM per node"
+                return found + (f" (also fits: {', '.join(also)})" if also else "")
+    return (f"nothing fits {setup.gpus} x {setup.gpu_memory_gib:g} GiB{rows[-1][1]}: use more GPUs, LoRA, "
+            "or fewer tokens per micro-batch")
+
+
+# ----------------------------------------------------------------------------- launches and runs
+
+
+def launched_strategy(env, ds_config: dict | None) -> Strategy:
+    """The row a launch uses, from the environment `accelerate launch` gives its workers and the
+    DeepSpeed config (resolved in a run; as written, or the YAML's inline settings, before one)."""
+    from .launch_config import launch_kind
+
+    kind = launch_kind(env)
+    if kind == "fsdp":
+        reshard = env.get("FSDP_RESHARD_AFTER_FORWARD")
+        if reshard is None:
+            reshard = str(env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")).upper() not in ("SHARD_GRAD_OP", "2")
+        else:
+            reshard = reshard.lower() == "true"
+        if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            return BY_NAME["FSDP full-shard + CPU offload"]
+        return BY_NAME["FSDP full-shard" if reshard else "FSDP shard-grad-op"]
+    if kind != "deepspeed":
+        return BY_NAME["DDP"]
+    if ds_config is not None:
+        zero = ds_config.get("zero_optimization", {}) or {}
+        stage = int(zero.get("stage", 0))
+        optimizer = (zero.get("offload_optimizer") or {}).get("device", "cpu" if zero.get("cpu_offload") else "none")
+        param = (zero.get("offload_param") or {}).get("device", "cpu" if zero.get("cpu_offload_param") else "none")
+    else:
+        stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+        optimizer = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none")
+        param = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")
+    if stage == 3:
+        if "nvme" in (optimizer, param):
+            return BY_NAME["ZeRO-3 + NVMe params+optimizer"]
+        if param == "cpu":
+            return BY_NAME["ZeRO-3 + CPU params+optimizer"]
+        return BY_NAME["ZeRO-3 + CPU optimizer" if optimizer == "cpu" else "ZeRO-3"]
+    if stage == 2:
+        return BY_NAME["ZeRO-2 + CPU optimizer" if optimizer in ("cpu", "nvme") else "ZeRO-2"]
+    return BY_NAME["ZeRO-1" if stage == 1 else "DDP"]  # ZeRO-0: replicated like DDP
+
+
+def setup_from_recipe(recipe, **kwargs) -> Setup:
+    """The Setup a recipe trains with (model, LoRA, precision, micro-batch, sequence length,
+    checkpointing, attention); `kwargs` set the rest (GPUs, memory)."""
+    source = recipe.model.preset or recipe.model.path
+    config = read_config(source, revision=recipe.model.revision,
+                         key="model.preset" if recipe.model.preset else "model.path")
+    model = count_model(config, source, recipe.lora)
+    return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
+                 micro_batch=recipe.train.micro_batch_size, seq_len=recipe.data.max_seq_len,
+                 gradient_checkpointing=recipe.model.gradient_checkpointing,
+                 attention=recipe.model.attn_implementation, loss=recipe.train.loss,
+                 loss_chunk_tokens=recipe.train.loss_chunk_tokens, **kwargs)
+
+
+def size_text(b: float) -> str:
+    return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
+
+
+def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, str | None]:
+    """The start-of-run estimate for this launch: (a summary line, a warning when it will not fit).
+    Without a CUDA device no memory limit is known: the line gives the per-process bytes only."""
+    import torch
+
+    device = accelerator.device
+    memory = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+    world = accelerator.num_processes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    setup = setup_from_recipe(recipe, gpus_per_node=per_node, nodes=max(1, world // per_node), gpu_memory_gib=memory)
+    row = estimate(launched_strategy(os.environ, ds_config), setup)
+    g = row.gpu
+    name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name
+    line = (f"estimate per process ({name}, toolkit estimate): params {size_text(g['params'])}, gradients "
+            f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, activations "
+            f"{size_text(g['activations'] + g['logits'])} (micro-batch {setup.micro_batch} x {setup.seq_len} tokens) "
+            f"= {size_text(g['total'])}")
+    if row.host_per_node:
+        line += f"; host RAM {size_text(row.host_per_node)} per node"
+    if memory is None:
+        return line + f"; no memory limit known on {device.type}", None
+    line += f" of {memory:.1f} GiB on {device.type}"
+    if row.fits:
+        return line, None
+    return line, (f"the estimate ({size_text(g['total'])} per process) exceeds {USABLE_FRACTION:.0%} of this GPU's "
+                  f"{memory:.1f} GiB: this run will likely run out of memory; `toolkit estimate --recipe ...` lists "
+                  f"what fits: {recommend(setup)}")
+
+
+# ----------------------------------------------------------------------------- the command
