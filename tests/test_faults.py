@@ -321,3 +321,37 @@ def test_killed_pool_workers_are_not_replaced(tmp_path):
     code, stdout, err = finish(proc, timeout=60)
     assert code == 0, err[-2000:]
     assert stdout.strip() == "[]", stdout
+
+
+TERMINATE_PROBE = """
+import signal, sys, time
+import multiprocess
+from toolkit import stops
+
+def work(x):
+    time.sleep(30)
+
+if __name__ == "__main__":
+    stops.Preemption()  # the handler every run installs first
+    pool = multiprocess.Pool(2)
+    pool.map_async(work, range(4))
+    time.sleep(1.0)
+    began = time.monotonic()
+    pool.terminate()  # what datasets' map runs when a worker's write fails: SIGTERM to its workers, then join
+    print(f"{time.monotonic() - began:.1f}")
+"""
+
+
+def test_a_pool_terminates_its_workers_under_the_preemption_handler(tmp_path):
+    """`Pool.terminate()` ends workers with SIGTERM and joins them while holding the task queue's
+    lock. Workers that inherited the handler ignored SIGTERM, so a full datasets cache hung the run
+    (1 in 6 tries with the CPUs busy); here the join would never return."""
+    script = tmp_path / "probe.py"
+    script.write_text(TERMINATE_PROBE)
+    proc = start([sys.executable, str(script)])
+    try:
+        code, stdout, err = finish(proc, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Pool.terminate() did not return: its workers ignored SIGTERM")
+    assert code == 0, err[-2000:]
+    assert float(stdout.strip()) < 5, stdout

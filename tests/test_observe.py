@@ -154,7 +154,8 @@ def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_fi
     assert len(lines) == 2, proc.stderr[-3000:]
     assert lines[0].startswith("watchdog: step 3 has run ")
     # Under DDP the forward itself broadcasts buffers: rank 0 waits there, in the same phase.
-    assert "rank 1 is in the forward of micro-batch 1 of step 3 at toolkit/train.py:" in lines[0], lines[0]
+    # The seam sleeps in toolkit/faults.py (read once there, called from the step).
+    assert "rank 1 is in the forward of micro-batch 1 of step 3 at toolkit/faults.py:" in lines[0], lines[0]
     assert "in injected_hang while 0 is waiting in a collective (parallel/distributed.py:" in lines[0], lines[0]
     assert lines[1].startswith("watchdog: step 3 finished after 1")
     stacks = {r: (run / "hang" / f"step-3-rank{r}.txt").read_text() for r in (0, 1)}

@@ -66,3 +66,38 @@ FAULTS = Faults()  # read once, at import
 
 def at(phase: str) -> None:
     FAULTS.at(phase)
+
+
+class LoopSeams:
+    """Seams inside the training step, read once from the environment (off unless set):
+    TOOLKIT_FAULT_HANG=RANK:STEP:SECONDS makes that rank sleep before the forward of that step's
+    first micro-batch, as a rank stuck in its own work would; TOOLKIT_FAULT_NONFINITE_STEPS=3,4 makes
+    those optimizer steps' loss NaN on every rank, so the real skip / loss-scale / stop machinery runs
+    on real NaN gradients."""
+
+    def __init__(self, env=None):
+        env = os.environ if env is None else env
+        raw = env.get("TOOLKIT_FAULT_HANG")
+        self.hang = tuple(float(x) for x in raw.split(":")) if raw else None  # (rank, step, seconds)
+        self.nonfinite_steps = {int(x) for x in env.get("TOOLKIT_FAULT_NONFINITE_STEPS", "").split(",") if x.strip()}
+
+
+SEAMS = LoopSeams()
+
+
+def injected_hang(seconds: float) -> None:
+    time.sleep(seconds)  # named so: the watchdog's report shows the hung rank in here
+
+
+def before_forward(step: int, micro: int, rank: int) -> None:
+    """The forward of micro-batch `micro` of optimizer step `step` is about to run on `rank`."""
+    if micro == 0:
+        if SEAMS.hang is not None and SEAMS.hang[:2] == (rank, step):
+            injected_hang(SEAMS.hang[2])
+        if step == 2:
+            at("step")
+
+
+def nonfinite(step: int, micro: int) -> bool:
+    """Whether this micro-batch's loss is to be made NaN (the first micro-batch of a listed step)."""
+    return micro == 0 and step in SEAMS.nonfinite_steps

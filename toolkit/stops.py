@@ -17,9 +17,19 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; resume=auto continues from the sa
 _ABRUPT = False  # inside Preemption.abrupt(): a process forked now dies with its parent
 
 
-def _die_with_parent() -> None:
-    """In a child forked inside `abrupt()`: the kernel SIGKILLs it when its parent ends (Linux
-    PR_SET_PDEATHSIG), so no worker outlives an abrupt exit, even one forked during it."""
+def _in_forked_child() -> None:
+    """In every child forked from this process (`datasets`' tokenizing workers):
+
+    - SIGTERM takes its default action again, so the child ends. `Pool.terminate()`, which a
+      pool runs when `map` fails (a full datasets cache, say), holds the task queue's lock and
+      ends its workers with SIGTERM. A worker that inherited the preemption handler ignored it
+      and waited for that lock forever, and so did the pool's join (seen: 1 in 6 tries here with
+      the CPUs busy). A group-wide SIGTERM ending a worker is harmless: the parent then exits
+      abruptly (`Preemption.abrupt`) without tearing the pool down.
+    - Inside `abrupt()`, the kernel also SIGKILLs the child when its parent ends (Linux
+      PR_SET_PDEATHSIG), so no worker outlives an abrupt exit, even one forked during it.
+    SIGINT stays with the inherited handler, which ignores it in a child: Ctrl-C is its parent's."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if not _ABRUPT:
         return
     try:
@@ -31,7 +41,7 @@ def _die_with_parent() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_die_with_parent)
+    os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def _descendants(known: set[int]) -> set[int]:
@@ -112,10 +122,10 @@ class Preemption:
     once (a launcher relaying the same Ctrl-C or SIGTERM to its workers within that window counts
     as the same request). Inside `deferred()` (the final save) a signal waits for the block to end.
     The handler only records and writes with os.write: it may interrupt anything, including tqdm
-    holding its lock. A process forked from this one (a tokenizing worker of `datasets`) inherits
-    the handler; there it ignores the signal: its parent stops the work and ends its pool (a worker
-    that died at once could die holding the pool's queue lock, and the parent's teardown would then
-    wait for that lock forever). An abort ends this process's descendants with it."""
+    holding its lock. A process forked from this one (a tokenizing worker of `datasets`) ignores
+    SIGINT (its parent stops the work and ends it) and ends on SIGTERM, as `Pool.terminate()`
+    expects (see `_in_forked_child`). While such workers run, the parent is inside `abrupt()` and
+    exits without tearing their pool down. An abort ends this process's descendants with it."""
 
     def __init__(self, stop_text: str = "before training started; nothing was trained or saved. Run again to start over"):
         self.stop_text = stop_text  # what a signal before `arm` means, for its one line
@@ -167,7 +177,7 @@ class Preemption:
         return self.requested_at is not None
 
     def _handle(self, signum, frame) -> None:
-        if os.getpid() != self.owner:  # a forked worker: its parent ends it (see the class's note)
+        if os.getpid() != self.owner:  # a forked worker's SIGINT: its parent ends it (see the class's note)
             return
         now = time.monotonic()
         name = signal.Signals(signum).name

@@ -1,32 +1,37 @@
 """The training loop: build everything from the recipe, let Accelerate prepare it, train, save.
 
-`run()` builds; `fit()` is the loop and takes every object it uses as an argument. Neither names
-a backend: the launch config decides DDP, FSDP or DeepSpeed, and `backend.py` holds what differs.
+`build()` makes a `Run` (prepared model, optimizer, scheduler, loaders, state, objective, monitor);
+`fit()` is the loop over `train_step()`, one optimizer step. None of them names a backend: the
+launch config decides DDP, FSDP or DeepSpeed, and `backend.py` holds what differs. The loss of a
+batch comes from the objective (`objectives.py`); everything that watches the run without changing
+what it learns sits behind the monitor (`monitor.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, base_identity, checkpoint, disk, faults, observe, run_folder
+from . import backend, base_identity, checkpoint, disk, faults, objectives, observe, run_folder
 from .config import Recipe
 from .errors import ToolkitError
-from .data import (IGNORE, Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
+from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
                    remove_partial_data)
 from .sizing import count_model
 from .hub import is_hub_id, resolve_model
-from .loss import token_loss_sum, use_token_loss
+from .loss import use_token_loss
 from .model import (DTYPES, apply_lora, build_model, build_tokenizer, compile_layers, compiled_graphs,
                     count_parameters, isolation_probe)
+from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
 from .summary import run_summary
@@ -47,7 +52,49 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
         lock.release()  # also on a refusal: the folder is as it was (removed again if this run made it)
 
 
+@dataclass
+class Run:
+    """What `fit` trains with, built once by `build`: the prepared model, optimizer, scheduler and
+    loaders, the training state, the objective and the monitor. A test can build one and call `fit`."""
+    accelerator: Any
+    recipe: Recipe
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    sampler: EpochSampler
+    state: checkpoint.TrainerState
+    total_steps: int
+    out: Path
+    objective: objectives.Supervised
+    monitor: Monitor
+    preemption: Preemption
+    samples: Samples
+    speed: observe.Throughput
+
+
+
 def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.RunLock) -> dict:
+    run, tokenizer = build(accelerator, recipe, preemption, lock)
+    try:
+        preemption.arm()  # from here a signal finishes the step and saves a checkpoint
+        last = fit(run)
+    except TrainingStopped:
+        preemption.disarm()
+        end_trackers(accelerator)
+        backend.teardown(accelerator)  # every rank agreed to stop at the same step
+        raise
+    save_final(run, tokenizer)
+    end_trackers(accelerator)
+    backend.teardown(accelerator)
+    return last
+
+
+def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.RunLock) -> tuple[Run, Any]:
+    """Everything the recipe asks for, checked and prepared, the run folder opened (or resumed):
+    (the run, its tokenizer). Every check that can refuse the run comes before anything on disk
+    changes; an earlier run that `overwrite` replaces is removed only at the end, just before step 1."""
     from accelerate.utils import set_seed
 
     out = Path(recipe.output_dir)
@@ -66,6 +113,7 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens)  # in the forward, where every backend has whole weights
+    objective = objectives.for_recipe(recipe)
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(isolation_probe(model)):
         log("warning: this model lets packed documents attend to each other; padding instead of "
@@ -157,201 +205,195 @@ def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.R
     start_trackers(accelerator, recipe)  # after the overwrite: TensorBoard writes into output_dir
     watchdog = Watchdog(out, accelerator.process_index, world, accelerator.is_main_process, t.watchdog_seconds,
                         t.watchdog)
+    monitor = Monitor(accelerator, out, watchdog, t.profile_steps, first_step=state.step + 1)
     speed = observe.Throughput(flops, observe.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
-    try:
-        preemption.arm()  # from here a signal finishes the step and saves a checkpoint
-        last = fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe, state,
-                   total_steps=total_steps, sampler=sampler, run_dir=out, preemption=preemption,
-                   samples=samples, watchdog=watchdog, speed=speed)
-    except TrainingStopped:
-        preemption.disarm()
-        end_trackers(accelerator)
-        backend.teardown(accelerator)  # every rank agreed to stop at the same step
-        raise
-    # The run's result: a signal from here on waits for it (a second one more than 2 s later aborts).
+    return Run(accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler,
+               train_loader=train_loader, eval_loader=eval_loader, sampler=sampler, state=state,
+               total_steps=total_steps, out=out, objective=objective, monitor=monitor, preemption=preemption,
+               samples=samples, speed=speed), tokenizer
+
+
+def save_final(run: Run, tokenizer) -> None:
+    """The run's result, `final/`: a signal from here on waits for it (a second one more than 2 s
+    later aborts)."""
+    accelerator, recipe, out, preemption = run.accelerator, run.recipe, run.out, run.preemption
     with preemption.deferred():
         preemption.disarm()
-        if t.compile:  # the same count for a longer run: no step recompiled
-            log(f"compile: {compiled_graphs()} graphs built")
-        watchdog.begin("save", total_steps)
+        if recipe.train.compile:  # the same count for a longer run: no step recompiled
+            accelerator.print(f"compile: {compiled_graphs()} graphs built")
+        run.monitor.watchdog.begin("save", run.total_steps)
         base = None
         if recipe.lora.enabled and accelerator.is_main_process:  # which base the adapter belongs to
             folder = out / "base-model" if recipe.model.preset else resolve_model(recipe.model.path, recipe.model.revision)
             base = {base_identity.RECORD: base_identity.record(folder)}
-        backend.save_model(accelerator, model, tokenizer, out / "final", extra_files=base)
-        watchdog.done()
-    log(f"saved {out / 'final'}")
+        backend.save_model(accelerator, run.model, tokenizer, out / "final", extra_files=base)
+        run.monitor.watchdog.done()
+    accelerator.print(f"saved {out / 'final'}")
     if preemption.requested:
-        log(f"{preemption.signal_name} arrived after the last optimizer step; the run finished first: "
-            f"{out / 'final'} is complete")
-    end_trackers(accelerator)
-    backend.teardown(accelerator)
-    return last
+        accelerator.print(f"{preemption.signal_name} arrived after the last optimizer step; the run finished first: "
+                          f"{out / 'final'} is complete")
 
 
-def fit(accelerator, model, optimizer, scheduler, train_loader, eval_loader, recipe: Recipe,
-        state: checkpoint.TrainerState, *, total_steps: int, sampler, run_dir: Path,
-        preemption: Preemption, samples: Samples, watchdog: Watchdog, speed: observe.Throughput) -> dict:
-    t = recipe.train
-    metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator)
-    clock, first_step = observe.StepClock(accelerator.device), state.step + 1
-    trace = observe.Trace(t.profile_steps, run_dir, accelerator.process_index, accelerator.device)
-    outside = {"eval": 0.0, "checkpoints": 0.0}  # seconds spent outside steps, for the step profile
-    rank, world = accelerator.process_index, accelerator.num_processes
-    batches = global_batches(train_loader, sampler, t.gradient_accumulation_steps)
-    per_epoch = sampler.steps_per_epoch * sampler.global_batch  # samples an epoch trains on
-    clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
-    nan_steps = injected_nonfinite_steps()
+def fit(run: Run) -> dict:
+    """Train from `run.state.step` to `run.total_steps`; returns the last metrics row."""
+    acc, t, state, monitor = run.accelerator, run.recipe.train, run.state, run.monitor
+    batches = global_batches(run.train_loader, run.sampler, t.gradient_accumulation_steps)
     row = {}
     if state.step == 0:
-        row = {"step": 0, "epoch": 0.0, "eval_loss": evaluate(accelerator, model, eval_loader, watchdog, 0)}
-        if row["eval_loss"] is not None:
-            say(accelerator, f"step 0 | eval_loss {row['eval_loss']:.4f}")
-        if samples:
-            row["samples"] = show_samples(accelerator, samples(model), "step 0")
-        metrics.write(row)
-    progress = tqdm(total=total_steps, initial=state.step, disable=not accelerator.is_main_process,
+        row = monitor.metrics.write({"step": 0, "epoch": 0.0, **evaluation(run, 0)})
+    progress = tqdm(total=run.total_steps, initial=state.step, disable=not acc.is_main_process,
                     dynamic_ncols=True, desc="training",
                     mininterval=0.5 if sys.stderr.isatty() else 30)  # logs that are files get few updates
-
-    model.train()
+    run.model.train()
     try:
-        for step in range(state.step + 1, total_steps + 1):
-            watchdog.begin("step", step)
-            clock.start(step, first_step)
-            trace.before(step)
-            watchdog.at("data", step)
-            epoch, seen, micro_batches = next(batches)
-            # Exact accumulation: every target token of the global batch (all micro-batches, all ranks)
-            # weighs the same, so the loss is a sum divided by the global count of target tokens.
-            # Counted on the host, before the batches move: no device synchronisation for it.
-            local = torch.tensor(host_counts(micro_batches), dtype=torch.float64)
-            micro_batches = [to_device(b, accelerator.device) for b in micro_batches]
-            clock.lap("data")
-            watchdog.at("counts", step)
-            n_targets, n_tokens, squared_lengths = map(int, accelerator.reduce(local.to(accelerator.device), "sum").tolist())
-            clock.lap("sync")
-            # The backends average gradients over ranks and accelerate divides by the accumulation
-            # steps; this factor undoes both so the gradient is sum(token losses) / n_targets.
-            scale = accelerator.num_processes * t.gradient_accumulation_steps / n_targets
-            loss_sum = torch.zeros((), device=accelerator.device)
-            lr = optimizer.param_groups[0]["lr"]  # this step's (a DeepSpeed scheduler steps inside the last backward)
-            try:
-                for i, batch in enumerate(micro_batches):
-                    with accelerator.accumulate(model):
-                        watchdog.at("forward", step, i)
-                        injected_hang(step, i, rank)
-                        if step == 2 and i == 0:
-                            faults.at("step")
-                        token_losses = token_loss_sum(model, batch)
-                        if step in nan_steps and i == 0:  # test seam: a non-finite loss and gradient
-                            token_losses = token_losses * float("nan")
-                        clock.lap("forward")
-                        watchdog.at("backward", step, i)
-                        accelerator.backward(token_losses * scale)
-                        loss_sum += token_losses.detach()
-                        clock.lap("backward")
-                        if accelerator.sync_gradients:  # the last micro-batch of this optimizer step
-                            watchdog.at("optimizer", step)
-                            grad_norm = as_float(accelerator.clip_grad_norm_(model.parameters(), clip))
-                            applied = backend.optimizer_step(accelerator, model, optimizer, grad_norm)
-                            if applied:  # a skipped step does not advance the schedule
-                                scheduler.step()
-                            optimizer.zero_grad(set_to_none=True)
-                            clock.lap("optimizer")
-            except Exception as e:
-                reason = backend.step_failure(e)
-                if reason is None:
-                    raise
-                kept = checkpoint.complete_checkpoints(run_dir)
-                raise TrainingStopped(f"train: {reason} at step {step}; stopped. Last good checkpoint: "
-                                      f"{kept[-1] if kept else 'none'}", EXIT_NONFINITE) from None
-
-            # One reduction for the loss, "a rank was asked to stop" (so all ranks agree) and each
-            # rank's peak memory (in its own slot).
-            watchdog.at("sync", step)
-            flags = torch.zeros(1 + world, dtype=torch.float64)
-            flags[0], flags[1 + rank] = float(preemption.requested), observe.peak_memory_gib(accelerator.device)
-            totals = accelerator.reduce(torch.cat([loss_sum.double().reshape(1), flags.to(accelerator.device)]),
-                                        reduction="sum").tolist()
-            loss, stop_requested, peaks = totals[0] / n_targets, totals[1] > 0, totals[2:]
-            clock.lap("sync")
-            scale_now = backend.loss_scale(accelerator, model)
-            state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
-            state.skipped_steps += not applied
-            diverging = counts_toward_stop(loss, grad_norm, scale_now, applied)
-            state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if diverging else 0
-            elapsed = clock.end()
-            watchdog.done()
-            row = {"step": step, "epoch": round(epoch + seen / per_epoch, 4),
-                   "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
-                   **speed.row(step, elapsed, tokens=n_tokens, targets=n_targets, rows=sampler.global_batch,
-                               squared_lengths=squared_lengths, peaks_gib=peaks),
-                   "skipped_steps": state.skipped_steps, "loss_scale": scale_now, "time": round(time.time(), 3)}
-            if line := trace.after(step):
-                say(accelerator, line)
-            if step % t.log_every_steps == 0 or step == total_steps:
-                say(accelerator, f"step {step}/{total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                                 f"grad_norm {grad_norm:.3f} | {speed_text(row)}")
+        for step in range(state.step + 1, run.total_steps + 1):
+            row, stop_requested = train_step(run, step, batches)
+            if step % t.log_every_steps == 0 or step == run.total_steps:
+                say(acc, f"step {step}/{run.total_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+                         f"grad_norm {row['grad_norm']:.3f} | {speed_text(row)}")
             if state.nonfinite_in_a_row >= t.max_nonfinite_steps:
-                metrics.write(row)
-                kept = checkpoint.complete_checkpoints(run_dir)
+                monitor.metrics.write(row)
                 raise TrainingStopped(
                     f"train: loss or gradient not finite for {state.nonfinite_in_a_row} optimizer steps in a row "
                     f"(steps {step - state.nonfinite_in_a_row + 1}-{step}, none applied); stopped. Last good checkpoint: "
-                    f"{kept[-1] if kept else 'none'}", EXIT_NONFINITE)
-            if (t.eval_every_steps and step % t.eval_every_steps == 0) or step == total_steps:
-                began = time.perf_counter()
-                row["eval_loss"] = evaluate(accelerator, model, eval_loader, watchdog, step)
-                if row["eval_loss"] is not None:
-                    say(accelerator, f"step {step}/{total_steps} | eval_loss {row['eval_loss']:.4f}")
-                if samples:
-                    row["samples"] = show_samples(accelerator, samples(model), f"step {step}/{total_steps}")
-                outside["eval"] += time.perf_counter() - began
-            metrics.write(row)
-            progress.set_postfix_str(f"loss {loss:.4f} | {speed_text(row, short=True)}", refresh=False)
+                    f"{last_checkpoint(run.out)}", EXIT_NONFINITE)
+            if (t.eval_every_steps and step % t.eval_every_steps == 0) or step == run.total_steps:
+                row.update(evaluation(run, step))
+            monitor.metrics.write(row)
+            progress.set_postfix_str(f"loss {row['loss']:.4f} | {speed_text(row, short=True)}", refresh=False)
             progress.update(1)
-            every = recipe.checkpoint.every_steps
-            if (every and (step % every == 0 or step == total_steps)) or stop_requested:
-                path = checkpoint.checkpoint_dir(run_dir) / f"step-{step:06d}"
-                watchdog.begin("checkpoint", step)
-                took = checkpoint.save(accelerator, path, state, recipe.checkpoint, model, optimizer, scheduler)
-                watchdog.done()
-                outside["checkpoints"] += took["total"]
-                say(accelerator, f"checkpoint {path.name} in {took.pop('total'):.2f} s ("
-                                 + ", ".join(f"{part} {s:.2f} s" for part, s in took.items()) + ")")
+            every = run.recipe.checkpoint.every_steps
+            if (every and (step % every == 0 or step == run.total_steps)) or stop_requested:
+                path = save_checkpoint(run, step)
                 if stop_requested:
                     raise TrainingStopped(f"preempted: checkpoint {path} saved at step {step}; "
                                           "run again with resume=auto to continue", EXIT_PREEMPTED)
     finally:
         progress.close()  # before any stop message, so the bar does not trail it
-    line, profile = observe.profile_report(clock, outside, recipe.model.gradient_checkpointing)
-    say(accelerator, line)
-    if accelerator.is_main_process and profile:
-        observe.write_profile(run_dir, profile)
+    line, profile = monitor.profile_report(run.recipe.model.gradient_checkpointing)
+    say(acc, line)
+    if acc.is_main_process and profile:
+        observe.write_profile(run.out, profile)
     return row
 
 
+def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
+    """One optimizer step over the micro-batches of one global batch; returns (its metrics row,
+    whether any rank was asked to stop)."""
+    acc, t, state, monitor, model = run.accelerator, run.recipe.train, run.state, run.monitor, run.model
+    rank, world = acc.process_index, acc.num_processes
+    monitor.begin_step(step)
+    with monitor.phase("data", step):
+        epoch, seen, micro_batches = next(batches)
+        # Exact accumulation: every unit of the global batch (all micro-batches, all ranks) weighs
+        # the same, so the loss is a sum divided by the global count of units. Counted on the
+        # host, before the batches move: no device synchronisation for it.
+        local = torch.tensor(run.objective.host_counts(micro_batches), dtype=torch.float64)
+        micro_batches = [to_device(b, acc.device) for b in micro_batches]
+    with monitor.phase("counts", step, lap="sync"):
+        n_units, n_tokens, squared_lengths = map(int, acc.reduce(local.to(acc.device), "sum").tolist())
+    # The backends average gradients over ranks and accelerate divides by the accumulation
+    # steps; this factor undoes both so the gradient is sum(unit losses) / n_units.
+    scale = world * t.gradient_accumulation_steps / n_units
+    clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
+    loss_sum = torch.zeros((), device=acc.device)
+    lr = run.optimizer.param_groups[0]["lr"]  # this step's (a DeepSpeed scheduler steps inside the last backward)
+    try:
+        for i, batch in enumerate(micro_batches):
+            with acc.accumulate(model):
+                with monitor.phase("forward", step, i):
+                    faults.before_forward(step, i, rank)
+                    losses = run.objective.loss_sum(model, batch)
+                    if faults.nonfinite(step, i):  # test seam: a non-finite loss and gradient
+                        losses = losses * float("nan")
+                with monitor.phase("backward", step, i):
+                    acc.backward(losses * scale)
+                    loss_sum += losses.detach()
+                if acc.sync_gradients:  # the last micro-batch of this optimizer step
+                    with monitor.phase("optimizer", step):
+                        grad_norm = as_float(acc.clip_grad_norm_(model.parameters(), clip))
+                        applied = backend.optimizer_step(acc, model, run.optimizer, grad_norm)
+                        if applied:  # a skipped step does not advance the schedule
+                            run.scheduler.step()
+                        run.optimizer.zero_grad(set_to_none=True)
+    except Exception as e:
+        reason = backend.step_failure(e)
+        if reason is None:
+            raise
+        raise TrainingStopped(f"train: {reason} at step {step}; stopped. Last good checkpoint: "
+                              f"{last_checkpoint(run.out)}", EXIT_NONFINITE) from None
+
+    # One reduction for the loss, "a rank was asked to stop" (so all ranks agree) and each rank's
+    # peak memory (in its own slot).
+    with monitor.phase("sync", step):
+        flags = torch.zeros(1 + world, dtype=torch.float64)
+        flags[0], flags[1 + rank] = float(run.preemption.requested), observe.peak_memory_gib(acc.device)
+        totals = acc.reduce(torch.cat([loss_sum.double().reshape(1), flags.to(acc.device)]), reduction="sum").tolist()
+        loss, stop_requested, peaks = totals[0] / n_units, totals[1] > 0, totals[2:]
+    scale_now = backend.loss_scale(acc, model)
+    state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
+    state.skipped_steps += not applied
+    diverging = counts_toward_stop(loss, grad_norm, scale_now, applied)
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if diverging else 0
+    elapsed, trace_line = monitor.end_step(step)
+    if trace_line:
+        say(acc, trace_line)
+    per_epoch = run.sampler.steps_per_epoch * run.sampler.global_batch  # samples an epoch trains on
+    row = {"step": step, "epoch": round(epoch + seen / per_epoch, 4),
+           "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
+           **run.speed.row(step, elapsed, tokens=n_tokens, targets=n_units, rows=run.sampler.global_batch,
+                           squared_lengths=squared_lengths, peaks_gib=peaks),
+           "skipped_steps": state.skipped_steps, "loss_scale": scale_now, "time": round(time.time(), 3)}
+    return row, stop_requested
+
+
+def evaluation(run: Run, step: int) -> dict:
+    """The eval loss (and the samples of train.sample_prompts) at `step`, said and returned as metrics."""
+    where = "step 0" if step == 0 else f"step {step}/{run.total_steps}"
+    found = {}
+    with run.monitor.outside_steps("eval", step, "eval"):
+        found["eval_loss"] = evaluate(run.accelerator, run.model, run.eval_loader, run.objective, run.monitor, step)
+        if found["eval_loss"] is not None:
+            say(run.accelerator, f"{where} | eval_loss {found['eval_loss']:.4f}")
+        if run.samples:
+            found["samples"] = show_samples(run.accelerator, run.samples(run.model), where)
+    return found
+
+
+def save_checkpoint(run: Run, step: int) -> Path:
+    path = checkpoint.checkpoint_dir(run.out) / f"step-{step:06d}"
+    run.monitor.watchdog.begin("checkpoint", step)
+    took = checkpoint.save(run.accelerator, path, run.state, run.recipe.checkpoint, run.model, run.optimizer,
+                           run.scheduler)
+    run.monitor.watchdog.done()
+    run.monitor.outside["checkpoints"] += took["total"]
+    say(run.accelerator, f"checkpoint {path.name} in {took.pop('total'):.2f} s ("
+                         + ", ".join(f"{part} {s:.2f} s" for part, s in took.items()) + ")")
+    return path
+
+
+def last_checkpoint(out: Path) -> str:
+    kept = checkpoint.complete_checkpoints(out)
+    return str(kept[-1]) if kept else "none"
+
+
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader, watchdog: Watchdog | None = None, step: int = 0) -> float | None:
-    """Token-weighted mean loss over the whole eval set (each rank holds a disjoint share)."""
+def evaluate(accelerator, model, eval_loader, objective, monitor: Monitor | None = None, step: int = 0) -> float | None:
+    """Unit-weighted mean loss over the whole eval set (each rank holds a disjoint share)."""
     if len(eval_loader.dataset) == 0:
         return None
-    if watchdog is not None:
-        watchdog.begin("eval", step)
-        watchdog.at("eval", step)
+    if monitor is not None:
+        monitor.watchdog.at("eval", step)
     if step > 0:
         faults.at("eval")
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in eval_loader:
         batch = to_device(batch, accelerator.device)
-        totals[0] += token_loss_sum(model, batch).double()
-        totals[1] += (batch["labels"][:, 1:] != IGNORE).sum()
+        totals[0] += objective.loss_sum(model, batch).double()
+        totals[1] += objective.units(batch)
     model.train()
     totals = accelerator.reduce(totals, reduction="sum")
-    if watchdog is not None:
-        watchdog.done()
     return (totals[0] / totals[1]).item()
 
 
@@ -366,16 +408,6 @@ def global_batches(loader, sampler, accumulation: int):
         for i in range(sampler.steps_in(epoch)):
             yield epoch, start + (i + 1) * sampler.global_batch, [next(it) for _ in range(accumulation)]
         epoch += 1
-
-
-def host_counts(micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
-    """Target tokens, processed tokens (packed rows carry no mask, so their little padding counts
-    too) and the sum of squared document lengths (attention's FLOPs) of one step's host batches."""
-    targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro_batches)
-    tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-                 for b in micro_batches)
-    squared = sum(int(observe.document_lengths(b).pow(2).sum()) for b in micro_batches)
-    return [targets, tokens, squared]
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -459,43 +491,3 @@ def end_trackers(accelerator) -> None:
     which backend.teardown does in the order each backend needs)."""
     for tracker in accelerator.trackers:
         tracker.finish()
-
-
-def injected_hang(step: int, micro: int, rank: int) -> None:
-    """Test seam: TOOLKIT_FAULT_HANG=RANK:STEP:SECONDS makes that rank sleep before the forward of
-    that step's first micro-batch, as a rank stuck in its own work would."""
-    import os
-
-    raw = os.environ.get("TOOLKIT_FAULT_HANG")
-    if raw and micro == 0:
-        r, s, seconds = raw.split(":")
-        if int(r) == rank and int(s) == step:
-            time.sleep(float(seconds))
-
-
-def injected_nonfinite_steps() -> set[int]:
-    """Test seam: TOOLKIT_FAULT_NONFINITE_STEPS=3,4 makes those optimizer steps' loss NaN on
-    every rank, so the real skip / loss-scale / stop machinery runs on real NaN gradients."""
-    import os
-
-    raw = os.environ.get("TOOLKIT_FAULT_NONFINITE_STEPS", "")
-    return {int(x) for x in raw.split(",") if x.strip()}
-
-
-class MetricsLog:
-    """metrics.jsonl: one JSON object per optimizer step (and the step-0 eval), main process only;
-    the numbers also go to the trackers of train.report_to."""
-
-    def __init__(self, path: Path, accelerator):
-        self.path, self.accelerator, self.enabled = path, accelerator, accelerator.is_main_process
-
-    def write(self, row: dict) -> dict:
-        if self.enabled:
-            with disk.writing("metrics", self.path, remove=False), open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if self.accelerator.trackers:
-                scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                           and k not in ("step", "time")}
-                scalars.update({f"peak_memory_gib/rank{i}": v for i, v in enumerate(row.get("peak_memory_gib", []))})
-                self.accelerator.log(scalars, step=row["step"])
-        return row
