@@ -80,15 +80,28 @@ def check_plan() -> list[str]:
 
 
 def install_wheels(env: dict) -> str:
-    """Wheels in .whl/ (make gpu-wheels) into a temporary folder ahead of the image's own packages."""
-    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    """Wheels in .whl/ (make gpu-wheels) whose package this Python lacks or holds in another version,
+    installed into a temporary folder ahead of the image's own packages."""
+    from importlib import metadata
+
+    def differs(wheel: Path) -> bool:
+        name, version = wheel.name.split("-")[:2]
+        try:
+            return metadata.version(name) != version
+        except metadata.PackageNotFoundError:
+            return True
+
+    wheels = [w for w in sorted((ROOT / ".whl").glob("*.whl")) if differs(w)]
     if not wheels:
-        return "no .whl/ wheels: the image's own packages"
+        return "no wheels needed from .whl/ (none there, or the installed versions match them)"
     site = tempfile.mkdtemp(prefix="gpu_check_site_")
-    subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-                    "--target", site, *map(str, wheels)], check=True)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, str(ROOT), env.get("PYTHONPATH")]))
-    return f"{len(wheels)} wheels from .whl/ installed into {site}"
+    proc = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                           "--target", site, *map(str, wheels)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return f"installing {len(wheels)} wheels from .whl/ failed ({last}): the image's own packages"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+    return f"{len(wheels)} wheels from .whl/ installed into {site}: " + ", ".join(w.name.split("-")[0] for w in wheels)
 
 
 def versions(env: dict) -> str:
@@ -147,6 +160,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="with --plan: as JSON")
     p.add_argument("--only", nargs="+", choices=[n for n, *_ in PIECES], help="these pieces only")
     p.add_argument("--log-dir", default=os.environ.get("OUT"), help="where the full logs go (default $OUT or a temp folder)")
+    p.add_argument("--allow-cpu", action="store_true", help="run on a host without CUDA too (the script's own check)")
     p.add_argument("--notes", default=str(ROOT / "benchmarks" / "NOTES.md"), help="the notes file the section is appended to")
     a = p.parse_args()
     problems = check_plan()
@@ -170,6 +184,10 @@ def main() -> int:
     env["TOOLKIT_GPU_FIGURES"] = str(logs / "gpu_figures.jsonl")
     setup = versions(env)
     print(f"gpu_check: {setup}", flush=True)
+    if setup.startswith("no CUDA GPU") and not a.allow_cpu:
+        print("error: gpu_check: no CUDA GPU here; its GPU tests would only skip (--allow-cpu runs them anyway)",
+              file=sys.stderr)
+        return 2
     results = [run_piece(n, c, t, env, logs) for n, c, t, _ in PIECES if not a.only or n in a.only]
     section = notes_section(results, setup, wheels)
     with open(a.notes, "a") as f:

@@ -53,3 +53,19 @@ def test_a_wrong_benchmark_argument_is_a_problem_of_the_plan(monkeypatch):
 def test_the_wheels_it_carries_are_pinned():
     names = re.search(r"^GPU_WHEELS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
     assert {normalized(n) for n in names} - pins().keys() == set()
+
+
+def test_a_piece_runs_and_its_section_is_appended(tmp_path):
+    """On this CPU host: refused in one line without --allow-cpu; with it, one piece runs (its GPU
+    tests skip, and the section says so) and a dated section with versions and the command is appended."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only", "gpu-other",
+              "--log-dir", str(tmp_path / "logs"), "--notes", str(tmp_path / "NOTES.md")]
+    refused = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: gpu_check: no CUDA GPU"), refused.stderr
+    assert not (tmp_path / "NOTES.md").exists()
+    proc = subprocess.run(script + ["--allow-cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    section = (tmp_path / "NOTES.md").read_text()
+    assert "## GPU check " in section and "torch " in section and "transformers " in section
+    assert "`python -m pytest -s -q -m gpu tests/test_gpu.py -k 'not bf16'`: exit 0" in section
+    assert "skipped" in section and (tmp_path / "logs" / "gpu-other.log").is_file()
