@@ -12,7 +12,7 @@ RECIPE ?= examples/recipes/quickstart_full.yaml
 # `slow` cases (the full config-corpus launch sweep) are run by hand: make test PYTEST_ARGS="-m slow"
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup train test data clean constraints gpu-check gpu-wheels
+.PHONY: setup train test data clean constraints gpu-check gpu-wheels docs
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# docs/recipe-keys.md from the docstrings of toolkit/config.py (tests/test_config.py keeps the two in sync).
+docs: $(STAMP)
+	$(BIN)/python -c "from toolkit.config import key_reference; print(key_reference(), end='')" > docs/recipe-keys.md
 
 # Every GPU test and GPU benchmark, in pieces of under 10 minutes, figures appended to benchmarks/NOTES.md.
 # On a GPU host with `make setup` done it uses .venv; on a bare image (a lent device machine) its python3,

@@ -107,3 +107,17 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
 def test_cli_invalid_yaml_gives_line(tmp_path):
     proc = run_toolkit("train", write(tmp_path, "output_dir: out\nmodel: [unclosed\n"))
     assert proc.returncode == 2 and "line" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_key_reference_is_generated_from_the_docstrings_and_in_sync():
+    """docs/recipe-keys.md is `key_reference()` (run `make docs` after changing a key), and every key
+    in it says what it does."""
+    from toolkit.config import key_reference
+
+    text = key_reference()
+    assert (ROOT / "docs" / "recipe-keys.md").read_text() == text, "run `make docs`"
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 60
+    assert [r for r in rows if r.rstrip().endswith("|  |")] == [], "a key without a docstring"
+    for key in ("train.max_steps", "data.padding_free", "checkpoint.portable", "lora.use_dora", "resume"):
+        assert f"| `{key}` |" in text

@@ -43,6 +43,8 @@ class ModelConfig:
     varlen kernel on CUDA in bf16/fp16, one SDPA call per document elsewhere (toolkit/varlen.py).
     `sdpa` and `eager` build a dense block-diagonal mask for packed rows."""
     gradient_checkpointing: bool = False
+    """Activation checkpointing: each decoder layer's activations are recomputed in backward instead
+    of kept (less memory, one more forward of each layer)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
     train.precision). Trainable parameters and optimizer states are always fp32."""
@@ -57,8 +59,11 @@ class LoraConfig:
     enabled: bool = False
     """False: full fine-tuning of every parameter."""
     r: int = 8
+    """LoRA rank: the inner dimension of each adapter's two matrices."""
     alpha: float = 16.0
+    """LoRA scale: the update is multiplied by alpha / r (alpha / sqrt(r) with use_rslora)."""
     dropout: float = 0.0
+    """Dropout on the adapters' input."""
     target_modules: Union[str, list[str]] = "all-linear"
     """Module names to adapt, or `all-linear` for every linear layer but the output head."""
     use_dora: bool = False
@@ -92,10 +97,14 @@ class DataConfig:
     """Local .json, .jsonl, .parquet or .csv files, folders or globs of them, Hub dataset ids,
     or mappings (see DataSource) with a weight or max_rows per entry."""
     eval_files: list[Union[str, DataSource]] = field(default_factory=list)
+    """Held-out data, the same kinds of entries as train_files; its loss is the eval loss."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
     format: Literal["alpaca", "messages", "text"] = "alpaca"
+    """`alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
+    template; ShareGPT `conversations` too), or `text` (a `text` field, every token of it trained on, eos appended)."""
     max_seq_len: int = 512
+    """Longest example in tokens (see overlong); with packing, the length of a packed row."""
     packing: bool = False
     """Concatenate examples into rows of max_seq_len; documents never attend to each other."""
     padding_free: bool = False
@@ -115,18 +124,28 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Examples per device per forward pass."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; the global batch is micro_batch_size x this x processes."""
     max_steps: Optional[int] = None
     """Optimizer steps; when unset, `epochs` passes over the data decide."""
     epochs: int = 1
+    """Passes over the training data when max_steps is unset."""
     learning_rate: float = 2e-4
+    """AdamW's peak learning rate, after linear warmup, before cosine decay."""
     weight_decay: float = 0.0
+    """AdamW weight decay, on matrices only (never norms or biases)."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
     adam_beta2: float = 0.999
+    """AdamW's second-moment decay."""
     adam_epsilon: float = 1e-8
+    """AdamW's epsilon."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to learning_rate; then cosine decay to the end."""
     min_lr_ratio: float = 0.0
     """Cosine decay ends at learning_rate * min_lr_ratio."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: `fp32`, `bf16` or `fp16` (fp16 only where a backend scales the loss: CUDA).
+    Sets accelerate's autocast and DeepSpeed's bf16/fp16 sections alike."""
     initial_loss_scale: float = 65536.0
     """fp16 only: the dynamic loss scale's starting value, a power of two (accelerate's GradScaler
     init_scale; DeepSpeed's fp16.initial_scale_power is filled from it). A step whose gradients
@@ -147,11 +166,14 @@ class TrainConfig:
     eval_every_steps: int = 0
     """0: evaluate only before training and at the end."""
     eval_batch_size: Optional[int] = None
+    """Examples per device per eval forward (default: micro_batch_size; at most one rank's share)."""
     sample_prompts: list[str] = field(default_factory=list)
     """Prompts answered (greedily) at every evaluation, rendered as the data format renders a
     prompt; the answers are printed and kept in metrics.jsonl (`samples`)."""
     sample_max_new_tokens: int = 32
+    """Longest answer to a sample prompt, in tokens."""
     log_every_steps: int = 10
+    """Print a step line every N optimizer steps (metrics.jsonl gets every step)."""
     report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Trackers besides metrics.jsonl (always written), through accelerate: `tensorboard` (event files in
     output_dir/tensorboard/; `pip install 'toolkit[tensorboard]'`) and/or `wandb` (needs `pip install
@@ -189,9 +211,13 @@ class CheckpointConfig:
 @dataclass
 class Recipe:
     output_dir: str = ""
+    """The run folder (`~` is your home folder): metrics, checkpoints, final/. A non-empty one is
+    refused unless overwrite=true; a run holds its lock (.toolkit.lock) while it writes."""
     seed: int = 42
+    """Same seed and global batch: the same run, on every backend and process count."""
     overwrite: bool = False
-    """Allow writing into a non-empty output_dir (its old contents are removed first)."""
+    """Let this run replace an earlier toolkit run in output_dir. The old run is removed only once
+    this one has passed every check, just before step 1; a folder holding anything else is refused."""
     resume: Optional[str] = None
     """`auto`: continue from the latest complete checkpoint in output_dir (start fresh if none);
     or the path of a checkpoint (or of a run folder) to continue from."""
@@ -200,10 +226,15 @@ class Recipe:
     processes): the data continues at the samples the checkpoint had seen, the schedule at its
     optimizer step (its length from this recipe). Off: another global batch is refused."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model and its tokenizer."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA through peft; enabled: false is full fine-tuning."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Training and eval data, how it is rendered, labelled and batched."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimization, precision, evaluation, logging and what watches the run."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints of the full training state."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -460,3 +491,60 @@ def validate(r: Recipe, source: str) -> None:
 
 def dump_recipe(r: Recipe) -> str:
     return yaml.safe_dump(r.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- key reference
+
+
+def key_reference() -> str:
+    """Every recipe key with its type, default and meaning, as Markdown (docs/recipe-keys.md is this,
+    kept in sync by a test). The meanings are the attribute docstrings of the dataclasses above."""
+    import ast
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    nodes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def docs(cls_name: str) -> dict[str, str]:
+        body, found = nodes[cls_name].body, {}
+        for node, after in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                found[node.target.id] = " ".join(after.value.value.split())
+        return found
+
+    def shown(kind) -> str:
+        text = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+        return "`" + text.replace("toolkit.config.", "").replace("|", "\\|") + "`"
+
+    def default(f: dataclasses.Field) -> str:
+        if f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+            return "" if dataclasses.is_dataclass(value) else f"`{value!r}`"
+        return f"`{f.default!r}`"
+
+    lines = ["# Recipe keys", "",
+             "Generated from the docstrings of `toolkit/config.py` by `make docs`; a test keeps it in sync.",
+             "Set a key in the recipe YAML or on the command line as a dotted override (`train.max_steps=20`).", ""]
+
+    def table(cls, prefix: str, title: str) -> None:
+        meaning = docs(cls.__name__)
+        lines.extend([f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"])
+        nested = []
+        for f in dataclasses.fields(cls):
+            kind = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(kind):
+                nested.append((kind, f"{prefix}{f.name}.", f"`{f.name}`: {meaning.get(f.name, '')}"))
+                continue
+            text = meaning.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{prefix}{f.name}` | {shown(kind)} | {default(f)} | {text} |")
+        lines.append("")
+        for kind, sub, sub_title in nested:
+            table(kind, sub, sub_title)
+
+    table(Recipe, "", "Top level")
+    lines.extend(["## Entries of data.train_files / data.eval_files written as mappings", ""])
+    lines.extend(["| key | type | default | meaning |", "|---|---|---|---|"])
+    meaning = docs("DataSource")
+    for f in dataclasses.fields(DataSource):
+        text = meaning.get(f.name, "").replace("|", "\\|")
+        lines.append(f"| `{f.name}` | {shown(typing.get_type_hints(DataSource)[f.name])} | {default(f)} | {text} |")
+    return "\n".join(lines) + "\n"
