@@ -217,3 +217,24 @@ def test_clipping_scales_the_update(tmp_path, data_files):
     assert delta["off"].norm().item() == pytest.approx(lr * norm / eps, rel=1e-4)
     assert delta["clipped"].norm().item() == pytest.approx(lr * max_norm / eps, rel=1e-4)
     torch.testing.assert_close(delta["clipped"], delta["off"] * (max_norm / norm), rtol=0, atol=1e-6)
+
+
+def test_another_objective_plugs_in_without_touching_the_loop(tmp_path, data_files):
+    """tests/objective_driver.py swaps in an objective whose loss is twice the supervised one; the
+    loop, unchanged, must report exactly twice the eval loss before training and twice the first
+    step's loss (both come from the same initial weights and the same batch)."""
+    import subprocess
+    import sys
+
+    train_f, eval_f = data_files
+    plain = write_recipe(tmp_path / "plain.yaml", **base_recipe(tmp_path, train_f, eval_f, out="plain",
+                                                               train__max_steps=1, train__warmup_steps=0))
+    doubled = write_recipe(tmp_path / "doubled.yaml", **base_recipe(tmp_path, train_f, eval_f, out="doubled",
+                                                                   train__max_steps=1, train__warmup_steps=0))
+    assert run_toolkit("train", plain).returncode == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "objective_driver.py"), str(doubled)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "doubled")
+    assert a[0]["step"] == b[0]["step"] == 0 and b[0]["eval_loss"] == 2 * a[0]["eval_loss"]
+    assert a[1]["step"] == b[1]["step"] == 1 and b[1]["loss"] == 2 * a[1]["loss"]
