@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import ROOT, alpaca_rows, write_jsonl
+from helpers import ROOT, alpaca_rows, write_jsonl
 
 CORPUS = ROOT / "tests" / "config_corpus"
 NPROC = 2
@@ -108,7 +108,7 @@ def resolve_outcome(entry: dict, tmp: Path) -> str:
     """"trains" or "refused: <the error line>", from the same code a launch and `config show` run."""
     import torch
 
-    from conftest import write_recipe
+    from helpers import write_recipe
     from toolkit.config import load_recipe
     from toolkit.errors import ToolkitError
     from toolkit.launch_config import plan, worker_env

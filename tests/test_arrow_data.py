@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import DataConfig, DataSource
 from toolkit.errors import ToolkitError
 from toolkit.data import Collator, EpochSampler, build_datasets, cache_root, tokenize_example

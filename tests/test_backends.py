@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (MODES, ROOT, STEPS, finish, load_weights, read_metrics, recipe_for, require_op, run_command,
+from helpers import (MODES, ROOT, STEPS, finish, load_weights, read_metrics, recipe_for, require_op, run_command,
                       run_toolkit, start, train_losses, write_recipe)
 
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",

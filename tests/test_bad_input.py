@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
+from helpers import ROOT, alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
 
 
 @pytest.fixture(scope="module")

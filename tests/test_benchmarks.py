@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 TINY = ["--hidden", "64", "--layers", "2", "--seq", "64", "--micro", "2", "--steps", "6", "--warmup", "2",
         "--repeats", "1"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import ROOT
+from helpers import ROOT
 from toolkit.config import ConfigError, LoraConfig, ModelConfig, load_recipe
 from toolkit.errors import ToolkitError
 from toolkit.data import IGNORE

@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from conftest import base_recipe, read_metrics, run_toolkit, user_error_line, write_recipe
+from helpers import base_recipe, read_metrics, run_toolkit, user_error_line, write_recipe
 from test_padding_free import messages_recipe
 
 
@@ -37,7 +37,7 @@ def test_compiled_layers_train_as_eager_without_recompiling(tmp_path):
 
 def test_compile_is_refused_under_zero3(tmp_path, data_files):
     from test_backends import accelerate_launch
-    from conftest import ROOT
+    from helpers import ROOT
 
     train_f, eval_f = data_files
     recipe = base_recipe(tmp_path, train_f, eval_f, train__compile=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_toolkit
+from helpers import ROOT, run_toolkit
 from toolkit.config import ConfigError, Recipe, load_recipe
 
 SHIPPED = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))

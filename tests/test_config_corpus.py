@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import read_metrics, run_toolkit, write_recipe
+from helpers import read_metrics, run_toolkit, write_recipe
 from corpus import CORPUS, STEPS, agreeing_recipe, entries, launch_args, launch_yaml, resolve_outcome
 
 ENTRIES = entries()
@@ -97,7 +97,7 @@ def check_launch(entry, tmp_path, proc):
 
 
 def needs_ops(entry, request):
-    from conftest import require_op
+    from helpers import require_op
 
     text = (CORPUS / entry["file"]).read_text()
     if entry.get("references"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import write_jsonl
+from helpers import write_jsonl
 from toolkit.config import DataConfig, ModelConfig
 from toolkit.errors import ToolkitError
 from toolkit.data import IGNORE, Collator, Examples, _bins_dataset, build_datasets, packing_is_isolated, tokenize_example

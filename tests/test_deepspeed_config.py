@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
+from helpers import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
 from toolkit.deepspeed_config import load_json, resolve

@@ -6,7 +6,7 @@ import socket
 import sys
 import time
 
-from conftest import ROOT, run_toolkit, user_error_line
+from helpers import ROOT, run_toolkit, user_error_line
 
 CHECKS = ("versions", "devices", "launch", "ranks", "all-reduce (sum) on 2 ranks", "broadcast from rank 0 on 2 ranks",
           "all-gather on 2 ranks", "reduce-scatter on 2 ranks", "bandwidth (gloo)", "gradient sync (DDP, 2 ranks)")

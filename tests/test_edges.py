@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import (alpaca_rows, base_recipe, finish, load_weights, read_metrics, run_toolkit, start,
+from helpers import (alpaca_rows, base_recipe, finish, load_weights, read_metrics, run_toolkit, start,
                       user_error_line, write_jsonl, write_recipe)
 from test_bad_input import snapshot
 from test_deepspeed_config import TRAINER_STYLE

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_command, run_toolkit, write_recipe
+from helpers import ROOT, run_command, run_toolkit, write_recipe
 from test_backends import accelerate_launch, launch_config_for
 
 LLAMA_7B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 11008,
@@ -180,7 +180,7 @@ def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
      "error: --config_file: only with --recipe"),
 ])
 def test_mistakes_are_one_line(args, message):
-    from conftest import user_error_line
+    from helpers import user_error_line
 
     assert user_error_line(run_toolkit("estimate", *args)).startswith(message)
 
@@ -188,7 +188,7 @@ def test_mistakes_are_one_line(args, message):
 def test_bad_launch_config_is_one_line(tmp_path, matrix_dir):
     recipe = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
                           data={"train_files": [str(matrix_dir / "train.jsonl")]})
-    from conftest import user_error_line
+    from helpers import user_error_line
 
     line = user_error_line(run_toolkit("estimate", "--recipe", recipe, "--config_file", tmp_path / "missing.yaml"))
     assert line == f"error: accelerate config not found: {tmp_path / 'missing.yaml'}"
@@ -197,7 +197,7 @@ def test_bad_launch_config_is_one_line(tmp_path, matrix_dir):
 def test_a_run_logs_its_estimate(tmp_path, data_files):
     """The start of every run prints the same estimate for its launch (here one CPU process: the
     per-process bytes, no memory limit to judge against)."""
-    from conftest import base_recipe
+    from helpers import base_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, *data_files, train__max_steps=2))
     proc = run_toolkit("train", recipe)

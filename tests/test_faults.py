@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import alpaca_rows, base_recipe, finish, load_weights, read_metrics, start, write_jsonl, write_recipe
+from helpers import alpaca_rows, base_recipe, finish, load_weights, read_metrics, start, write_jsonl, write_recipe
 
 STEPS = 4
 PHASES_BEFORE = ("data", "model", "prepare")  # nothing trained yet
@@ -272,7 +272,7 @@ def test_sigterm_under_accelerate_launch_on_two_processes(work, tmp_path, phase)
     """The signal reaches rank 0 only (as a node's scheduler signals one process): in the loop the
     ranks agree in the step's reduction and both save and stop; while rank 0 tokenizes it exits
     at once and the launcher ends rank 1. Either way no process is left and resume=auto finishes."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m"]

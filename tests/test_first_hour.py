@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, alpaca_rows, base_recipe, finish, run_toolkit, start, user_error_line, write_jsonl,
+from helpers import (ROOT, alpaca_rows, base_recipe, finish, run_toolkit, start, user_error_line, write_jsonl,
                       write_recipe)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.cli import main
 from toolkit.data import ALPACA_PROMPT_WITH_INPUT
 from toolkit.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
@@ -100,7 +100,7 @@ def cli(capsys, *args) -> tuple[int, str, str]:
 
 def refused(capsys, *args) -> str:
     """The one `error: ...` line of a command refused in this process: exit 2, nothing on stdout,
-    no traceback, the error the last line of stderr (the same checks as conftest.user_error_line)."""
+    no traceback, the error the last line of stderr (the same checks as helpers.user_error_line)."""
     code, out, err = cli(capsys, *args)
     assert code == 2 and out == "" and "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]

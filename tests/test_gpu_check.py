@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 from test_installs import normalized, pins
 
 

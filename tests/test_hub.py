@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import (alpaca_rows, base_recipe, read_metrics, run_command, run_toolkit, train_losses,
+from helpers import (alpaca_rows, base_recipe, read_metrics, run_command, run_toolkit, train_losses,
                       user_error_line, write_jsonl, write_recipe)
 from toolkit.errors import ToolkitError
 from toolkit.hub import is_hub_id, load_hub_dataset, resolve_model

@@ -5,7 +5,7 @@ import re
 import tomllib
 from importlib import metadata
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 def normalized(name: str) -> str:

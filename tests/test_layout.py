@@ -5,9 +5,8 @@ lives in `errors.py`. Run by hand: `python -m pytest tests/test_layout.py -q`.""
 
 import ast
 import re
-from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 PACKAGE = ROOT / "toolkit"
 
@@ -97,3 +96,14 @@ def test_the_user_error_type_lives_in_errors():
     defined = [name for name, tree in modules().items() for node in ast.walk(tree)
                if isinstance(node, ast.ClassDef) and node.name == "ToolkitError"]
     assert defined == ["errors"]
+
+
+def test_test_modules_take_helpers_from_helpers_not_conftest():
+    """conftest.py holds fixtures and hooks only; what test modules import lives in tests/helpers.py."""
+    wrong = [p.name for p in (ROOT / "tests").glob("*.py") if re.search(r"^\s*(from conftest import|import conftest)",
+                                                                        p.read_text(), re.M)]
+    assert wrong == []
+    conftest = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    plain = [n.name for n in conftest.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("pytest_")
+             and not any("fixture" in ast.unparse(d) for d in n.decorator_list)]
+    assert plain == [], "helpers belong in tests/helpers.py"

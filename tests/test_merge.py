@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import alpaca_rows, load_weights, run_toolkit, write_jsonl, write_recipe
+from helpers import alpaca_rows, load_weights, run_toolkit, write_jsonl, write_recipe
 from toolkit.cli import main
 from toolkit.config import load_recipe
 from toolkit.errors import ToolkitError

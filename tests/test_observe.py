@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
+from helpers import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
 from toolkit import observe
 from toolkit.watchdog import who_is_behind
 
@@ -167,7 +167,7 @@ def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_fi
 
 def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
     """Every token a target in a prompt format: the audit refuses it in one line naming the file and row."""
-    from conftest import user_error_line, write_jsonl
+    from helpers import user_error_line, write_jsonl
     from test_bad_input import tiny_model_folder
     from transformers import AutoTokenizer
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import alpaca_rows, base_recipe, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import alpaca_rows, base_recipe, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ORANGE = np.array([1.0, 0.498, 0.055])  # C1: the second run's lines

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (alpaca_rows, finish, load_weights, read_metrics, run_command, start, write_jsonl,
+from helpers import (alpaca_rows, finish, load_weights, read_metrics, run_command, start, write_jsonl,
                       write_recipe)
 from test_backends import launch_config_for
 from test_bad_input import snapshot

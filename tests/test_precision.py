@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_weights, read_metrics, run_toolkit, train_losses, write_recipe
+from helpers import load_weights, read_metrics, run_toolkit, train_losses, write_recipe
 from test_backends import accelerate_launch, launch_config_for, recipe_for
 from test_backends import workdir  # noqa: F401  (the same data files as the backend matrix)
 from test_train import eval_loss_with_plain_libraries, initial_weights
@@ -153,7 +153,7 @@ def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa
     import os
     import sys
 
-    from conftest import ROOT, run_command
+    from helpers import ROOT, run_command
 
     name = f"prec_fp16_scaler_{backend or 'single'}"
     shutil.rmtree(workdir / name, ignore_errors=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (ROOT, alpaca_rows, base_recipe, finish, load_weights, read_metrics, read_output, run_toolkit,
+from helpers import (ROOT, alpaca_rows, base_recipe, finish, load_weights, read_metrics, read_output, run_toolkit,
                       start, user_error_line, write_jsonl, write_recipe)
 from toolkit import checkpoint
 
@@ -56,7 +56,7 @@ def work(tmp_path_factory):
 
 
 def recipe(work: Path, out: str, **overrides) -> dict:
-    """conftest's base recipe (tiny-llama-mini, micro 4 x accumulation 2, fp32) on this module's data."""
+    """helpers' base recipe (tiny-llama-mini, micro 4 x accumulation 2, fp32) on this module's data."""
     return base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=out, **overrides)
 
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, load_weights, read_metrics, run_toolkit, train_losses, write_jsonl, write_recipe
+from helpers import ROOT, load_weights, read_metrics, run_toolkit, train_losses, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.real_model
 

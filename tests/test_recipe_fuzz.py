@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
+from helpers import alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
 from toolkit.config import ConfigError, Recipe, load_recipe
 
 VALUES = ["0", "-1", "inf", "-inf", ".nan", "1e30", "1000000000000"]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (alpaca_rows, descendants, finish, load_weights, read_metrics, read_output, start, write_jsonl,
+from helpers import (alpaca_rows, descendants, finish, load_weights, read_metrics, read_output, start, write_jsonl,
                       write_recipe)
 from toolkit import checkpoint
 from test_backends import launch_config_for

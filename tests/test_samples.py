@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, require_op, run_toolkit, write_recipe
+from helpers import ROOT, read_metrics, require_op, run_toolkit, write_recipe
 
 PROMPTS = ["Last letter. plum", "Count the letters. abcde", "Even or odd? 12"]
 

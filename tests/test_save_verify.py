@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
+from helpers import ROOT, alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
 from toolkit import checkpoint
 from toolkit.verify import first_mismatch, tree_mismatch
 
@@ -74,7 +74,7 @@ def test_the_check_names_missing_empty_reshaped_and_changed_tensors(tmp_path):
 def test_zero3_lora_save_is_verified_on_two_ranks(tmp_path, deepspeed_ops):
     """The peers' commonest save bug: ZeRO-3 writing an empty or partial adapter. Here the gathered
     adapter passes the read-back, and a changed tensor stops both ranks (each rank's code is 4)."""
-    from conftest import require_op
+    from helpers import require_op
 
     require_op(deepspeed_ops, "cpu_adam")
     train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from toolkit.config import Recipe, load_recipe
 from toolkit.launch_config import plan, worker_env
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, train_losses, write_recipe
+from helpers import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, train_losses, write_recipe
 
 
 def train(tmp_path, recipe: dict, name: str, *overrides):

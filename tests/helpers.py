@@ -1,0 +1,262 @@
+"""Test helpers: real launches of `python -m toolkit` / `accelerate launch`, real files on disk,
+recipes of the shared reference runs. Imported by the test modules; the fixtures that use them
+live in conftest.py."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_toolkit(*args, cwd=ROOT, env=None, timeout=900, launcher=None) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process (optionally under `accelerate launch ...`)."""
+    cmd = (launcher or [sys.executable, "-m"]) + ["toolkit", *map(str, args)]
+    return run_command(cmd, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_command(cmd, cwd=ROOT, env=None, timeout=900) -> subprocess.CompletedProcess:
+    """subprocess.run in a process group of its own, killed with all its descendants however the
+    test ends (a timeout, a failed assertion, pytest-timeout): a launch leaves no workers behind."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _STARTED.append(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def kill_started() -> None:
+    """End every process group a helper started (conftest calls this after each test)."""
+    while _STARTED:
+        kill_group(_STARTED.pop())
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`, its process group and every process descended from it, then reap it.
+    torchrun starts each worker in a process group of its own, so the group alone is not enough:
+    the descendants are found (from /proc) before anything is killed, while they are still linked."""
+    doomed = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def start(cmd, env=None) -> subprocess.Popen:
+    """Start a run in the background (its own session), its output going to files, not pipes: a run
+    nobody reads from while it trains would block once a pipe's 64 KiB are full (ZeRO-3 warns on
+    every collective). `finish` waits and returns (returncode, stdout, stderr)."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=err, text=True,
+                            start_new_session=True)
+    proc.output = (out, err)
+    _STARTED.append(proc)
+    return proc
+
+
+def read_output(proc) -> tuple[str, str]:
+    texts = []
+    for f in proc.output:
+        f.seek(0)
+        texts.append(f.read())
+    return texts[0], texts[1]
+
+
+def finish(proc, timeout=900):
+    proc.wait(timeout=timeout)
+    return (proc.returncode, *read_output(proc))
+
+
+LAUNCHER_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def user_error_line(proc, launched: bool = False, code: int = 2) -> str:
+    """The one `error: ...` line of a refused run, checked: exit `code`, no traceback from the
+    toolkit's processes. Under `accelerate launch` the launcher process itself (not the toolkit)
+    ends with its report of a failed worker, a ChildFailedError traceback, and exits 1; that report
+    must name `code` as the root cause's exit code and is the only traceback allowed."""
+    ours, report = proc.stderr, ""
+    if launched:
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        end = proc.stderr.index(LAUNCHER_FAILURE)
+        start = proc.stderr.rindex("Traceback (most recent call last):", 0, end)
+        ours, report = proc.stderr[:start], proc.stderr[start:]
+        assert "Root Cause" in report and f"exitcode  : {code} " in report.split("Root Cause", 1)[1], report[-2000:]
+    else:
+        assert proc.returncode == code, proc.stderr[-3000:]
+    assert "Traceback" not in ours, ours[-3000:]
+    errors = [line for line in ours.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, ours[-3000:]
+    if not launched:
+        assert [line for line in ours.splitlines() if line.strip()][-1] == errors[0], ours[-3000:]
+    return errors[0]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def load_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def alpaca_rows(n: int, seed: int = 0) -> list[dict]:
+    """Examples of deliberately unequal lengths."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 14)))
+        rows.append({"instruction": "Reverse" + "!" * rng.randint(0, 6), "input": word, "output": word[::-1]})
+    return rows
+
+
+def write_recipe(path: Path, **sections) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(sections, sort_keys=False))
+    return path
+
+
+# DeepSpeed's just-in-time ops are built into a folder of this checkout (not ~/.cache), so a
+# fresh clone never meets a lock or a half-built op left there by another run; every launch the
+# tests start inherits the setting.
+EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions")))
+
+
+OP_SCRIPT = """
+import os, sys, time
+os.environ["DS_ACCELERATOR"] = "cpu"
+from deepspeed.ops import op_builder
+builder = getattr(op_builder, sys.argv[1])()
+if not builder.is_compatible(verbose=True):
+    print("INCOMPATIBLE", flush=True)
+    sys.exit(0)
+start = time.time()
+builder.load(verbose=True)
+print(f"BUILT in {time.time() - start:.0f} s", flush=True)
+"""
+
+
+def build_op(builder: str, timeout: int) -> tuple[str, str]:
+    """("built" | "incompatible" | "failed", log tail). The build's output goes to a log file
+    next to the ops, so a slow or stuck build can be read while it runs and after."""
+    EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    log = EXTENSIONS / f"{builder}.log"
+    with log.open("w") as f:
+        try:
+            proc = subprocess.run([sys.executable, "-c", OP_SCRIPT, builder], stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = f"timed out after {timeout} s"
+    text = log.read_text()
+    tail = f"{log}:\n" + text[-3000:]
+    if code == 0 and "INCOMPATIBLE" in text:
+        return "incompatible", tail
+    return ("built" if code == 0 else "failed"), f"exit {code}; {tail}"
+
+
+def require_op(ops: dict, name: str) -> None:
+    """Fail (with the build log) when an op that can be built here did not build; skip only
+    when this host cannot build it at all."""
+    status, tail = ops[name]
+    if status == "incompatible":
+        pytest.skip(f"DeepSpeed {name} cannot be built on this host (for async_io: Debian's libaio-dev)")
+    assert status == "built", f"DeepSpeed {name} did not build: {tail}"
+
+
+def base_recipe(tmp_path, train, evaluation, out="run", **overrides) -> dict:
+    recipe = {
+        "output_dir": str(tmp_path / out),
+        "seed": 7,
+        "model": {"preset": "tiny-llama-mini"},
+        "lora": {"enabled": False},
+        "data": {"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "alpaca",
+                 "max_seq_len": 96},
+        "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 8,
+                  "learning_rate": 1e-3, "warmup_steps": 2, "precision": "fp32", "log_every_steps": 4},
+    }
+    for key, value in overrides.items():
+        section, _, name = key.partition("__")
+        if name:
+            recipe[section][name] = value
+        else:
+            recipe[section] = value
+    return recipe
+
+
+# The backend matrix's data and single-process references, shared by every module that compares
+# against them (backends, precision, GPU): one reference run per configuration per session.
+MODES = {"full": {"enabled": False},
+         "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}}
+
+
+STEPS = 8
+
+
+def recipe_for(workdir, mode, out, micro):
+    return {
+        "output_dir": str(workdir / out), "seed": 11,
+        "model": {"preset": "tiny-llama-mini"},
+        "lora": MODES[mode],
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "alpaca", "max_seq_len": 96},
+        "train": {"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": STEPS,
+                  "learning_rate": 3e-3, "warmup_steps": 2, "precision": "fp32", "eval_every_steps": 4},
+    }
