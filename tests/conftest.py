@@ -1,5 +1,7 @@
-"""Fixtures shared by the test modules (the helpers they use are in helpers.py) and the hook that
-reports `gpu` tests as skipped where there is no CUDA."""
+"""Fixtures shared by the test modules (the helpers they use are in helpers.py), and the hooks that
+order the suite in tiers (tests that start no process first, then the `launch` tier), check that
+every test that starts a process is marked `launch`, build DeepSpeed's ops beside the first tier,
+and report `gpu` tests as skipped where there is no CUDA."""
 
 import subprocess
 import sys
@@ -7,31 +9,31 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (EXTENSIONS, MODES, ROOT, alpaca_rows, build_op, kill_started, recipe_for, run_toolkit,
-                     write_jsonl, write_recipe)
+import helpers
+from helpers import (MODES, ROOT, alpaca_rows, kill_group, kill_started, op_results, recipe_for, run_toolkit,
+                     start_op_builds, write_jsonl, write_recipe)
+
+OP_BUILDS: list = []  # the background build of DeepSpeed's ops, when this session needs them
 
 
 @pytest.fixture(autouse=True)
-def no_orphans():
-    """Whatever a test started dies with the test, passed or failed."""
+def no_orphans(request):
+    """Whatever a test started dies with the test, passed or failed; a test that started a process
+    (itself or through a fixture it asked for) must be marked `launch`, so the unit tier stays one."""
+    before = helpers.LAUNCHES[0]
     yield
     kill_started()
+    if helpers.LAUNCHES[0] > before and request.node.get_closest_marker("launch") is None:
+        pytest.fail("this test starts processes: mark it @pytest.mark.launch (the launch tier)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def deepspeed_ops() -> dict[str, tuple[str, str]]:
-    """Build DeepSpeed's ops once, one at a time, before any launch needs them.
-
-    Two ranks reaching a first-time build together wait on a lock file; a build killed midway
-    leaves that lock behind and every later launch waits forever. So: clear locks of unfinished
-    builds, then build each op here, under a timeout of its own, logging to a file.
-    Returns {op: (status, log tail)}; "async_io" (NVMe offload) needs Debian's libaio-dev.
-    """
-    if EXTENSIONS.is_dir():
-        for lock in EXTENSIONS.glob("*/lock"):
-            if not list(lock.parent.glob("*.so")):
-                lock.unlink()
-    return {"cpu_adam": build_op("CPUAdamBuilder", 600), "async_io": build_op("AsyncIOBuilder", 600)}
+    """DeepSpeed's ops, built once (in the background since collection; see start_op_builds):
+    {op: (status, log tail)}; "async_io" (NVMe offload) needs Debian's libaio-dev."""
+    if not OP_BUILDS:
+        OP_BUILDS.append(start_op_builds())
+    return op_results(OP_BUILDS[0])
 
 
 @pytest.fixture
@@ -41,8 +43,12 @@ def data_files(tmp_path):
     return train, evaluation
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA; without it they are reported as skipped (never as passed)."""
+    """Tiers: every test that starts no process first, then the `launch` tier, each in its collected
+    order (so a module's launch tests stay together with their module-scoped runs). `gpu` tests
+    need CUDA; without it they are reported as skipped (never as passed)."""
+    items.sort(key=lambda item: item.get_closest_marker("launch") is not None)  # stable: the order within a tier
     import torch
 
     if torch.cuda.is_available():
@@ -51,6 +57,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start building DeepSpeed's ops now when a selected launch test may need them: the build
+    (minutes) then runs beside the unit tier, on the core it leaves free."""
+    needs = [item for item in session.items if item.get_closest_marker("launch") is not None
+             and "deepspeed_ops" in item.module.__dict__.get("__file__", "") + _source(item.module)]
+    if needs and not OP_BUILDS and not session.config.option.collectonly:
+        OP_BUILDS.append(start_op_builds())
+
+
+def _source(module) -> str:
+    return Path(module.__file__).read_text() if getattr(module, "__file__", None) else ""
+
+
+def pytest_sessionfinish(session):
+    for builds in OP_BUILDS:
+        if builds.poll() is None:
+            kill_group(builds)  # a build killed midway leaves its lock: the next session clears it
 
 
 @pytest.fixture(scope="session")

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from toolkit import backend
+from toolkit import backends
 from toolkit.config import load_recipe
 from toolkit.model import DTYPES, apply_lora, build_model
 from toolkit.loss import token_loss_sum, use_token_loss
-from toolkit.backend import param_groups
 
 
 class Ledger:
@@ -65,16 +64,17 @@ def main(recipe_path: str, out_dir: str) -> None:
     from accelerate.utils import set_seed
 
     recipe = load_recipe(recipe_path)
+    backend = backends.for_launch()
     accelerator = backend.make_accelerator(recipe)
     set_seed(recipe.seed)
     model = build_model(recipe.model, DTYPES[recipe.model.dtype])
     if recipe.lora.enabled:
         model = apply_lora(model, recipe.lora)
-    use_token_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens)
-    optimizer = backend.make_optimizer(accelerator, param_groups(model, recipe.train.weight_decay), recipe)
-    backend.finalize_config(accelerator, model, recipe, total_steps=1)
+    use_token_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens, backend)
+    optimizer = backend.make_optimizer(backend.param_groups(model, recipe.train.weight_decay), recipe)
+    backend.finalize_config(model, recipe, total_steps=1)
     model, optimizer = accelerator.prepare(model, optimizer)
-    backend.check_prepared(accelerator, model)
+    backend.check_prepared(model)
 
     t = recipe.train
     ids = torch.randint(3, 200, (t.micro_batch_size, recipe.data.max_seq_len),
@@ -103,7 +103,7 @@ def main(recipe_path: str, out_dir: str) -> None:
         held["optimizer"] = ledger.bytes_of(flat(list(optimizer.optimizer.state.values())))
     held["world_size"] = accelerator.num_processes
     Path(out_dir, f"rank{os.environ['RANK']}.json").write_text(json.dumps(held))
-    backend.teardown(accelerator)
+    backend.teardown()
 
 
 if __name__ == "__main__":

@@ -13,16 +13,17 @@ import sys
 
 import torch
 
-from toolkit import backend, cli
+from toolkit import cli
+from toolkit.backends import Backend
 
-build = backend.make_accelerator
+build = Backend.make_accelerator
 
 
-def make_fp16_accelerator(recipe, source="recipe"):
+def make_fp16_accelerator(self, recipe, source="recipe"):
     assert recipe.train.precision == "fp16" and not torch.cuda.is_available()
     recipe.train.precision = "fp32"  # past the CPU refusal
     try:
-        accelerator = build(recipe, source)
+        accelerator = build(self, recipe, source)
     finally:
         recipe.train.precision = "fp16"
     accelerator.state._mixed_precision = "fp16"
@@ -31,6 +32,6 @@ def make_fp16_accelerator(recipe, source="recipe"):
     return accelerator
 
 
-backend.make_accelerator = make_fp16_accelerator
+Backend.make_accelerator = make_fp16_accelerator  # every backend's, all build it here
 if __name__ == "__main__":
     sys.exit(cli.main(["train", *sys.argv[1:]]))

@@ -31,6 +31,7 @@ def run_command(cmd, cwd=ROOT, env=None, timeout=900) -> subprocess.CompletedPro
     proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _STARTED.append(proc)
+    LAUNCHES[0] += 1
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -39,6 +40,7 @@ def run_command(cmd, cwd=ROOT, env=None, timeout=900) -> subprocess.CompletedPro
 
 
 _STARTED: list[subprocess.Popen] = []
+LAUNCHES = [0]  # processes the helpers have started in this session (conftest checks the `launch` mark with it)
 
 
 def kill_started() -> None:
@@ -92,6 +94,7 @@ def start(cmd, env=None) -> subprocess.Popen:
                             start_new_session=True)
     proc.output = (out, err)
     _STARTED.append(proc)
+    LAUNCHES[0] += 1
     return proc
 
 
@@ -193,23 +196,58 @@ print(f"BUILT in {time.time() - start:.0f} s", flush=True)
 """
 
 
-def build_op(builder: str, timeout: int) -> tuple[str, str]:
-    """("built" | "incompatible" | "failed", log tail). The build's output goes to a log file
-    next to the ops, so a slow or stuck build can be read while it runs and after."""
-    EXTENSIONS.mkdir(parents=True, exist_ok=True)
-    log = EXTENSIONS / f"{builder}.log"
-    with log.open("w") as f:
+OPS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
+OP_TIMEOUT = 600
+BUILD_ALL = """
+import subprocess, sys
+from pathlib import Path
+extensions, timeout, script = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+for builder in sys.argv[4:]:
+    with (extensions / f"{builder}.log").open("w") as log:
         try:
-            proc = subprocess.run([sys.executable, "-c", OP_SCRIPT, builder], stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
-            code = proc.returncode
+            code = subprocess.run([sys.executable, "-c", script, builder], stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = f"timed out after {timeout} s"
-    text = log.read_text()
-    tail = f"{log}:\n" + text[-3000:]
-    if code == 0 and "INCOMPATIBLE" in text:
-        return "incompatible", tail
-    return ("built" if code == 0 else "failed"), f"exit {code}; {tail}"
+    (extensions / f"{builder}.exit").write_text(str(code))
+"""
+
+
+def start_op_builds() -> subprocess.Popen:
+    """Build DeepSpeed's ops one after the other, each under a timeout of its own, in a background
+    process of its own (conftest starts it when the session will need them, so the build runs
+    beside the unit tier instead of before the first launch). Two ranks reaching a first-time build
+    together wait on a lock file, and a build killed midway leaves that lock behind, on which every
+    later launch would wait forever: locks of unfinished builds are cleared first. Each op logs to
+    EXTENSIONS/<builder>.log and ends with EXTENSIONS/<builder>.exit."""
+    EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    for lock in EXTENSIONS.glob("*/lock"):
+        if not list(lock.parent.glob("*.so")):
+            lock.unlink()
+    for builder in OPS.values():
+        (EXTENSIONS / f"{builder}.exit").unlink(missing_ok=True)
+    return subprocess.Popen([sys.executable, "-c", BUILD_ALL, str(EXTENSIONS), str(OP_TIMEOUT), OP_SCRIPT,
+                             *OPS.values()], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def op_results(builds: subprocess.Popen) -> dict[str, tuple[str, str]]:
+    """Wait for `start_op_builds`: {op: ("built" | "incompatible" | "failed", log tail)}."""
+    try:
+        builds.wait(timeout=OP_TIMEOUT * len(OPS) + 60)
+    except subprocess.TimeoutExpired:
+        kill_group(builds)
+    results = {}
+    for op, builder in OPS.items():
+        log, exit_file = EXTENSIONS / f"{builder}.log", EXTENSIONS / f"{builder}.exit"
+        text = log.read_text() if log.is_file() else ""
+        code = exit_file.read_text() if exit_file.is_file() else "none (the build process ended first)"
+        tail = f"{log}:\n" + text[-3000:]
+        if code == "0":
+            results[op] = ("incompatible" if "INCOMPATIBLE" in text else "built", tail)
+        else:
+            results[op] = ("failed", f"exit {code}; {tail}")
+    return results
 
 
 def require_op(ops: dict, name: str) -> None:

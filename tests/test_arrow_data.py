@@ -191,6 +191,7 @@ def test_mixing_weights_give_the_requested_proportions(tmp_path, tok):
     assert len(set(small_rows)) == len(distinct)  # every row of the upsampled file is used, each ~4.5 times
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("entry, override, expected", [
     ("glob without matches", "data.train_files=[{path: DIR/none-*.jsonl}]", "data.train_files[0]: no files match"),
     ("missing shard", "data.train_files=[DIR/train.jsonl, DIR/missing.jsonl]", "data.train_files[1]: file not found"),
@@ -213,6 +214,7 @@ def test_a_bad_data_entry_stops_at_start_in_one_line(tmp_path, data_files, entry
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.launch
 def test_prepared_data_in_a_run_reports_rows_tokens_and_fill(tmp_path, data_files):
     train, evaluation = data_files
     path = write_recipe(tmp_path / "run.yaml", **base_recipe(tmp_path, train, evaluation, data__packing=True,

@@ -15,6 +15,8 @@ import torch
 from helpers import (MODES, ROOT, STEPS, finish, load_weights, read_metrics, recipe_for, require_op, run_command,
                       run_toolkit, start, train_losses, write_recipe)
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
             "zero3_nvme"]
 
@@ -180,11 +182,12 @@ GUARD_SCRIPT = """
 import os, sys
 sys.stdout = open(os.path.join(os.path.dirname(__file__), "rank" + os.environ["RANK"] + ".txt"), "w")
 from accelerate import Accelerator
-from toolkit.backend import check_distributed
+from toolkit.backends import for_launch
 from toolkit.errors import ToolkitError
-accelerator = Accelerator()  # what a plain script gets on a CPU host: not distributed
+backend = for_launch()
+backend.accelerator = Accelerator()  # what a plain script gets on a CPU host: not distributed
 try:
-    check_distributed(accelerator)
+    backend.check_distributed()
     print("not refused", accelerator.distributed_type.name, accelerator.num_processes)
 except ToolkitError as e:
     print("refused:", e)

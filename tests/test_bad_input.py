@@ -171,6 +171,7 @@ def snapshot(root):
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_fails_in_one_line(case, tmp_path, existing_run):
     make, expected = CASES[case]

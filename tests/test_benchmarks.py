@@ -11,6 +11,8 @@ import pytest
 
 from helpers import ROOT
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 TINY = ["--hidden", "64", "--layers", "2", "--seq", "64", "--micro", "2", "--steps", "6", "--warmup", "2",
         "--repeats", "1"]
 

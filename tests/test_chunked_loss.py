@@ -198,6 +198,7 @@ def test_recipe_options(tmp_path):
     assert learning_relevant(r) == learning_relevant(write(tmp_path, "train.loss=full", "train.loss_chunk_tokens=8"))
 
 
+@pytest.mark.launch
 def test_memory_benchmark_runs():
     """benchmarks/loss_memory.py --tiny: both losses in their own processes, the same values."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_memory.py"), "--tiny"], cwd=ROOT,

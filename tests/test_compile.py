@@ -5,8 +5,12 @@ import re
 
 import torch
 
+import pytest
+
 from helpers import base_recipe, read_metrics, run_toolkit, user_error_line, write_recipe
 from test_padding_free import messages_recipe
+
+pytestmark = pytest.mark.launch  # every test here starts processes
 
 
 def graphs(proc) -> int:

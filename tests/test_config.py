@@ -94,6 +94,7 @@ def test_bad_override_names_command_line(tmp_path):
         load_recipe(write(tmp_path, GOOD), ["train.max_steps"])
 
 
+@pytest.mark.launch
 def test_cli_config_error_is_one_line_exit_2(tmp_path):
     path = write(tmp_path, GOOD + "train: {micro_batch_size: -4}\n")
     proc = run_toolkit("train", path)
@@ -104,6 +105,7 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
     assert str(path) in lines[0] and "train.micro_batch_size" in lines[0]
 
 
+@pytest.mark.launch
 def test_cli_invalid_yaml_gives_line(tmp_path):
     proc = run_toolkit("train", write(tmp_path, "output_dir: out\nmodel: [unclosed\n"))
     assert proc.returncode == 2 and "line" in proc.stderr and "Traceback" not in proc.stderr

@@ -107,6 +107,7 @@ def needs_ops(entry, request):
         require_op(request.getfixturevalue("deepspeed_ops"), "cpu_adam")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e["file"].split("/", 1)[1] in REPRESENTATIVE],
                          ids=lambda e: e["file"].split("/", 1)[1])
 def test_representative_corpus_launch(entry, tmp_path, request):
@@ -114,6 +115,7 @@ def test_representative_corpus_launch(entry, tmp_path, request):
     check_launch(entry, tmp_path, launch(entry, tmp_path))
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e["file"].split("/", 1)[1] not in REPRESENTATIVE],
                          ids=lambda e: e["file"].split("/", 1)[1])

@@ -122,6 +122,7 @@ def launch(tmp_path, ds: dict, recipe_dict: dict, nproc=2):
                                                 str(tmp_path / "launch.yaml"), "--main_process_port", "0", "-m"])
 
 
+@pytest.mark.launch
 def test_trainer_style_json_with_optimizer_and_scheduler_trains(tmp_path, data_files):
     train_f, eval_f = data_files
     proc = launch(tmp_path, TRAINER_STYLE, base_recipe(tmp_path, train_f, eval_f))
@@ -132,6 +133,7 @@ def test_trainer_style_json_with_optimizer_and_scheduler_trains(tmp_path, data_f
     assert max(lrs) == pytest.approx(1e-3, rel=1e-6)  # DeepSpeed's WarmupDecayLR, peaking at the recipe's lr
 
 
+@pytest.mark.launch
 def test_contradicting_json_stops_before_training_with_one_line(tmp_path, data_files):
     """The workers of a 2-process launch exit 2 without a traceback, after one line from rank 0.
     torchrun itself then exits 1 and prints its own traceback (ChildFailedError) with each worker's
@@ -160,6 +162,7 @@ def test_contradicting_json_stops_before_training_with_one_line(tmp_path, data_f
     assert shown.stderr.strip().splitlines() == errors, shown.stderr[-2000:]
 
 
+@pytest.mark.launch
 def test_config_show_prints_resolved_json(tmp_path):
     path = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "o"), model={"preset": "tiny-llama"},
                         data={"train_files": ["a.jsonl"]},
@@ -286,6 +289,7 @@ ZERO0 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "
          "gradient_clipping": "auto", "zero_optimization": {"stage": 0}}
 
 
+@pytest.mark.launch
 def test_zero0_trains_with_finite_grad_norms_and_skips_what_is_not_finite(tmp_path, data_files):
     """ZeRO-0 in fp32 steps a plain torch optimizer and recorded no gradient norm: every step was
     logged as not finite and a healthy run stopped with exit 3. Now: finite norms, equal to what

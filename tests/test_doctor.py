@@ -6,6 +6,8 @@ import socket
 import sys
 import time
 
+import pytest
+
 from helpers import ROOT, run_toolkit, user_error_line
 
 CHECKS = ("versions", "devices", "launch", "ranks", "all-reduce (sum) on 2 ranks", "broadcast from rank 0 on 2 ranks",
@@ -33,6 +35,7 @@ def verdicts(stdout: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.launch
 def test_two_processes_pass_and_measure_bandwidth():
     proc, _ = doctor(config="ddp")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -46,6 +49,7 @@ def test_two_processes_pass_and_measure_bandwidth():
     assert proc.stdout.splitlines()[-1] == f"doctor: all {len(lines)} checks passed", proc.stdout
 
 
+@pytest.mark.launch
 def test_a_rank_sending_wrong_values_fails_naming_it():
     proc, elapsed = doctor(config="ddp", env={"TOOLKIT_FAULT_DOCTOR_WRONG_RANK": "1"})
     assert proc.returncode != 0, proc.stdout
@@ -59,6 +63,7 @@ def test_a_rank_sending_wrong_values_fails_naming_it():
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.launch
 def test_a_rank_that_stops_answering_fails_within_the_timeout():
     proc, elapsed = doctor("--timeout", "5", config="ddp", env={"TOOLKIT_FAULT_DOCTOR_HANG_RANK": "1"})
     assert proc.returncode != 0, proc.stdout
@@ -67,6 +72,7 @@ def test_a_rank_that_stops_answering_fails_within_the_timeout():
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.launch
 def test_a_rank_that_never_comes_fails_the_rendezvous():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,6 +85,7 @@ def test_a_rank_that_never_comes_fails_the_rendezvous():
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.launch
 def test_one_process_passes():
     proc, _ = doctor()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -88,6 +95,7 @@ def test_one_process_passes():
     assert proc.stdout.splitlines()[-1].startswith("doctor: all"), proc.stdout
 
 
+@pytest.mark.launch
 def test_zero2_offload_reports_cpu_adam_without_building_it(tmp_path):
     """An empty extensions folder: the op is not built, and the doctor says so instead of compiling it."""
     proc, elapsed = doctor(config="zero2_offload", env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
@@ -118,6 +126,7 @@ def test_op_status_built_unbuilt_and_stale_lock(tmp_path, monkeypatch):
     assert ok and text == f"compatible, built ({tmp_path / 'cpu_adam'})", text
 
 
+@pytest.mark.launch
 def test_bad_arguments_are_one_error_line():
     proc, _ = doctor("--timeout", "0")
     assert "--timeout and --size-mb must be positive" in user_error_line(proc)

@@ -71,6 +71,7 @@ def ds_launch(tmp_path, name: str, ds: dict, recipe: dict):
                                                 str(tmp_path / f"{name}.yaml"), "--main_process_port", "0", "-m"])
 
 
+@pytest.mark.launch
 def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))
     evaluation = write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(9, seed=2))  # rank 1's last eval batch: padding only
@@ -121,6 +122,7 @@ def finished_run(tmp_path_factory):
     return d, recipe
 
 
+@pytest.mark.launch
 def test_resume_by_path_never_writes_into_another_run(finished_run):
     d, recipe = finished_run
     step2 = d / "a" / "checkpoints" / "step-000002"
@@ -145,6 +147,7 @@ def test_resume_by_path_never_writes_into_another_run(finished_run):
     assert a.keys() == c.keys() and all(a[k].equal(c[k]) for k in a)
 
 
+@pytest.mark.launch
 def test_interrupted_saves_are_finished_or_removed_on_resume(finished_run):
     """The states a kill can leave inside checkpoint.save / replace_dir / save_model."""
     d, recipe = finished_run
@@ -170,6 +173,7 @@ def test_interrupted_saves_are_finished_or_removed_on_resume(finished_run):
 # ----------------------------------------------------------------------------- signals and typos
 
 
+@pytest.mark.launch
 def test_sigterm_before_training_is_one_line_and_exit_75(tmp_path, data_files):
     """While torch imports (well before the loop): the handler is installed by the CLI first."""
     path = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, *data_files))
@@ -202,12 +206,13 @@ def test_deepspeed_min_loss_scale_is_a_stop_not_a_crash():
     recognised as a stop (exit 3 in the loop; tests/test_gpu.py runs it on CUDA)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from toolkit import backend
+    from toolkit.backends import Backend, DeepSpeed
 
     scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
                                consecutive_hysteresis=False, raise_error_at_min_scale=True)
     with pytest.raises(Exception) as e:
         scaler.update_scale(overflow=True)
-    assert backend.step_failure(e.value) == ("fp16 gradients still overflow with the loss scale at its minimum "
-                                             "(DeepSpeed fp16.min_loss_scale)")
-    assert backend.step_failure(RuntimeError("shape mismatch")) is None
+    assert DeepSpeed("deepspeed").step_failure(e.value) == (
+        "fp16 gradients still overflow with the loss scale at its minimum (DeepSpeed fp16.min_loss_scale)")
+    assert DeepSpeed("deepspeed").step_failure(RuntimeError("shape mismatch")) is None
+    assert Backend().step_failure(e.value) is None  # only DeepSpeed's scaler says it this way

@@ -64,6 +64,7 @@ def test_lora_trainable_parameters_match_peft():
 # ------------------------------------------------------------------ estimate vs bytes held per rank
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "zero2", "zero3"])
 def test_estimate_matches_bytes_each_rank_holds(backend, matrix_dir, tmp_path):
     """2 gloo processes, fp32 (what runs on a CPU host), full fine-tuning: the parameters, gradients
@@ -121,6 +122,7 @@ print(json.dumps({"growth": peak - before}))
 """
 
 
+@pytest.mark.launch
 @pytest.mark.real_model
 @pytest.mark.parametrize("seq_len,loss,chunk", [(512, "full", 0), (1024, "full", 0), (1024, "chunked", 128)])
 def test_activation_estimate_matches_rss_of_a_real_model(seq_len, loss, chunk, real_model_dir):
@@ -146,6 +148,7 @@ def test_activation_estimate_matches_rss_of_a_real_model(seq_len, loss, chunk, r
 # ------------------------------------------------------------------ the command
 
 
+@pytest.mark.launch
 def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
     table = run_toolkit("estimate", "--model", "tiny-llama", "--gpus", "2", "--throughput", "1000", "--tokens", "1e6",
                         "--price", "2.5")
@@ -171,6 +174,7 @@ def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
     assert report["recommendation"].startswith("FSDP shard-grad-op") and report["epoch"] is None
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model"], "error: --model: not found: /no/such/model"),
     (["--model", "tiny-llama", "--gpus", "0"], "error: --gpus: must be at least 1, got 0"),
@@ -185,6 +189,7 @@ def test_mistakes_are_one_line(args, message):
     assert user_error_line(run_toolkit("estimate", *args)).startswith(message)
 
 
+@pytest.mark.launch
 def test_bad_launch_config_is_one_line(tmp_path, matrix_dir):
     recipe = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
                           data={"train_files": [str(matrix_dir / "train.jsonl")]})
@@ -194,6 +199,7 @@ def test_bad_launch_config_is_one_line(tmp_path, matrix_dir):
     assert line == f"error: accelerate config not found: {tmp_path / 'missing.yaml'}"
 
 
+@pytest.mark.launch
 def test_a_run_logs_its_estimate(tmp_path, data_files):
     """The start of every run prints the same estimate for its launch (here one CPU process: the
     per-process bytes, no memory limit to judge against)."""

@@ -13,6 +13,8 @@ from test_generate import (EVAL_FILE, QUICKSTART_STEPS, alpaca_prompts, answers_
                            answers_run, cli, quickstart_run, refused, trained_run)  # (fixtures, shared)
 from toolkit.inference import generate_answers, load_for_inference
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 MESSAGES_EVAL_FILE = ROOT / "examples" / "data" / "tasks_messages_eval.jsonl"
 
 

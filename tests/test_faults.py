@@ -28,6 +28,8 @@ import torch
 
 from helpers import alpaca_rows, base_recipe, finish, load_weights, read_metrics, start, write_jsonl, write_recipe
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 STEPS = 4
 PHASES_BEFORE = ("data", "model", "prepare")  # nothing trained yet
 PHASES_IN_LOOP = ("step", "eval", "checkpoint")

@@ -15,6 +15,8 @@ import pytest
 from helpers import (ROOT, alpaca_rows, base_recipe, finish, run_toolkit, start, user_error_line, write_jsonl,
                       write_recipe)
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 
 def snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -19,6 +19,8 @@ from toolkit.cli import main
 from toolkit.data import ALPACA_PROMPT_WITH_INPUT
 from toolkit.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 EVAL_FILE = ROOT / "examples" / "data" / "tasks_eval.jsonl"
 QUICKSTART_STEPS = 4  # the eval-loss checks need a trained model, not a good one
 # A model that answers in a few dozen steps: the answer depends on the instruction only. Rows are

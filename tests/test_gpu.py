@@ -27,7 +27,7 @@ from test_backends import accelerate_launch, launch_config_for, recipe_for
 from test_backends import workdir  # noqa: F401
 from test_precision import BF16_LOSS_RTOL
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.launch]  # every test here starts processes
 
 BACKENDS = [None, "zero2"]  # fp16 (issue: mixed precision)
 BF16_BACKENDS = [None, "zero1", "zero2", "zero3", "zero3_offload"]  # bf16 (issue: backends)
@@ -174,11 +174,13 @@ def test_varlen_flash_kernel_matches_masked_sdpa_on_cuda():
 def test_fused_adamw_and_compile_on_cuda(workdir):  # noqa: F811
     """On CUDA the optimizer is torch's fused AdamW; train.compile with padding-free bf16 batches
     learns what the eager run learns and builds no new graphs after the first steps."""
-    from toolkit.backend import make_optimizer
+    from toolkit.backends import Backend
     from toolkit.config import Recipe
     from accelerate import Accelerator
 
-    opt = make_optimizer(Accelerator(), [{"params": [torch.nn.Parameter(torch.zeros(2, device="cuda"))]}], Recipe())
+    backend = Backend()
+    backend.accelerator = Accelerator()
+    opt = backend.make_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2, device="cuda"))]}], Recipe())
     assert opt.defaults["fused"] is True
     losses = {}
     for name, compiled in (("eager_bf16", False), ("compiled_bf16", True)):

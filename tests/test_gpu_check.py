@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
 from test_installs import normalized, pins
 
@@ -25,6 +27,7 @@ def collected(*selection: str) -> list[str]:
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.launch
 def test_pieces_fit_the_limits_and_every_gpu_test_runs_once():
     plan = the_plan()
     assert plan["problems"] == []
@@ -55,6 +58,7 @@ def test_the_wheels_it_carries_are_pinned():
     assert {normalized(n) for n in names} - pins().keys() == set()
 
 
+@pytest.mark.launch
 def test_a_piece_runs_and_its_section_is_appended(tmp_path):
     """On this CPU host: refused in one line without --allow-cpu; with it, one piece runs (its GPU
     tests skip, and the section says so) and a dated section with versions and the command is appended."""

@@ -94,6 +94,7 @@ def test_resolve_model_from_the_cache(hub):
     assert resolve_model(str(hub.main), None) == str(hub.main)  # a local folder, as before
 
 
+@pytest.mark.launch
 def test_hf_hub_cache_is_respected(hub, tmp_path):
     """In a fresh process: HF_HUB_CACHE wins over HF_HOME, as in huggingface_hub."""
     code = "from toolkit.hub import resolve_model; print(resolve_model('org/name', None))"
@@ -134,6 +135,7 @@ def test_a_partly_downloaded_model_resolves(hub):
         load_hub_dataset("org/data", "train", None, "data.train_files")
 
 
+@pytest.mark.launch
 def test_an_unreachable_hub_falls_back_to_the_cache(hub):
     """Not offline, but the Hub refuses connections: the cache answers; a repo it lacks is one line."""
     code = ("from toolkit.hub import load_hub_dataset, resolve_model\nfrom toolkit.errors import ToolkitError\n"
@@ -178,6 +180,7 @@ def test_revision_of_a_local_folder_is_refused(hub):
 # ----------------------------------------------------------------------------- through the CLI
 
 
+@pytest.mark.launch
 def test_training_from_a_hub_id(hub, tmp_path):
     """model.path: org/name trains, offline, exactly like the preset whose weights the cache holds."""
     train, evaluation = (write_jsonl(tmp_path / f"{n}.jsonl", alpaca_rows(16, seed=i)) for i, n in enumerate("te"))
@@ -195,6 +198,7 @@ def test_training_from_a_hub_id(hub, tmp_path):
     assert "path: org/name" in (runs["hub"] / "config.yaml").read_text()
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("model, key", [
     ({"path": "org/missing"}, "model.path: 'org/missing' is neither a local folder nor a Hub model in the cache"),
     ({"path": "org/name", "revision": "v9"}, "model.revision: revision 'v9' of Hub model 'org/name'"),
@@ -207,6 +211,7 @@ def test_cli_refuses_in_one_line(hub, tmp_path, data_files, model, key):
     assert "HF_HUB_OFFLINE=1" in line or "set model.trust_remote_code=true" in line, line
 
 
+@pytest.mark.launch
 def test_remote_code_runs_only_when_trusted(hub, tmp_path, data_files):
     """With trust_remote_code=true the model's own Python file is imported (here it raises)."""
     recipe = base_recipe(tmp_path, *data_files, model={"path": "org/custom", "trust_remote_code": True})
@@ -217,6 +222,7 @@ def test_remote_code_runs_only_when_trusted(hub, tmp_path, data_files):
 # ----------------------------------------------------------------------------- datasets
 
 
+@pytest.mark.launch
 def test_load_hub_dataset_offline(hub):
     """In a fresh process (datasets reads HF_HOME at import): both splits of org/data, from the cache."""
     code = ("import json; from toolkit.hub import load_hub_dataset\n"

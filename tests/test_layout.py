@@ -1,7 +1,9 @@
 """The package's layout, checked by reading its source (no process, no import of torch): no import
 circle, counting imports placed inside functions; the runtime (the loop and what it uses) never
 imports a CLI verb's module; no module reaches for another's private names; the user's error type
-lives in `errors.py`. Run by hand: `python -m pytest tests/test_layout.py -q`."""
+lives in `errors.py`; what only one backend has (DeepSpeed's partitioned parameters, FSDP's
+modules, the accelerate plugins) is named only in `toolkit/backends/`. Modules are named by their
+dotted path under `toolkit` (`backends.deepspeed`). Run by hand: `python -m pytest tests/test_layout.py -q`."""
 
 import ast
 import re
@@ -11,8 +13,17 @@ from helpers import ROOT
 PACKAGE = ROOT / "toolkit"
 
 
+def name_of(path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(), str(p)) for p in PACKAGE.glob("*.py")}
+    return {name_of(p): ast.parse(p.read_text(), str(p)) for p in PACKAGE.rglob("*.py")}
+
+
+def package_of(name: str, tree_is_package: bool) -> list[str]:
+    return name.split(".") if tree_is_package else name.split(".")[:-1]
 
 
 def verbs() -> set[str]:
@@ -22,21 +33,29 @@ def verbs() -> set[str]:
     return set(re.findall(r'\("(\w+)", "', block)) | {"cli", "__main__"}
 
 
-def imports(tree: ast.Module, known: set[str]) -> list[tuple[str, list[str]]]:
-    """(module imported, names taken from it) for each `from . import x` / `from .x import y`."""
+def imports(name: str, tree: ast.Module, known: set[str]) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for each relative import of module `name`
+    (`from . import x`, `from .x import y`, `from ..x import y`), as dotted names under toolkit."""
+    is_package = (PACKAGE / name.replace(".", "/") / "__init__.py").is_file() if name else True
+    here = package_of(name, is_package) if name else []
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.append((node.module.split(".")[0], [a.name for a in node.names]))
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            base = here[:len(here) - (node.level - 1)]
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            names = [a.name for a in node.names]
+            submodules = [f"{target}.{n}" if target else n for n in names]
+            if any(m in known for m in submodules):  # `from . import x`: x is a module
+                found += [(m, []) for m in submodules if m in known]
             else:
-                found += [(a.name, []) for a in node.names if a.name in known]
+                found.append((target, names))
     return found
 
 
 def graph() -> dict[str, set[str]]:
     mods = modules()
-    return {name: {m for m, _ in imports(tree, set(mods)) if m in mods} for name, tree in mods.items()}
+    return {name: {m for m, _ in imports(name, tree, set(mods)) if m in mods and m != name}
+            for name, tree in mods.items()}
 
 
 def cycle(edges: dict[str, set[str]]) -> list[str]:
@@ -81,14 +100,40 @@ def test_no_private_name_crosses_a_module():
     mods = modules()
     wrong = []
     for name, tree in mods.items():
-        for module, names in imports(tree, set(mods)):
+        for module, names in imports(name, tree, set(mods)):
             wrong += [f"{name}: from .{module} import {n}" for n in names if n.startswith("_") and n != "__version__"]
-        aliases = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+        aliases = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level >= 1
                    and not node.module for a in node.names}
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
                     and node.attr.startswith("_") and not node.attr.startswith("__"):
                 wrong.append(f"{name}: {node.value.id}.{node.attr}")
+    assert wrong == []
+
+
+def test_the_graph_sees_subpackages():
+    edges = graph()
+    assert {"backends.base", "backends.deepspeed", "backends.fsdp", "backends.ddp"} <= edges["backends"]
+    assert "backends" in edges["train"] and "deepspeed_config" in edges["backends.deepspeed"]
+    assert "launch_config" in edges["backends.base"]
+
+
+# What only one backend has; outside toolkit/backends/ only the modules that read the configs users
+# bring (their JSON and YAML, before any launch) may say these words.
+BACKEND_WORDS = re.compile(r"\b(ds_id|ds_shape|ds_tensor|zero_optimization_stage|deepspeed_plugin|fsdp_plugin|"
+                           r"FSDPModule|DeepSpeedEngine|safe_get_full_\w+|safe_set_full_\w+|was_step_applied)\b")
+READS_CONFIGS = {"launch_config", "deepspeed_config", "doctor", "estimate", "sizing"}
+
+
+def test_backend_specifics_live_in_backends():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        name = name_of(path)
+        if name.startswith("backends") or name in READS_CONFIGS:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if BACKEND_WORDS.search(line.split("#")[0]):
+                wrong.append(f"{name}:{i}: {line.strip()}")
     assert wrong == []
 
 

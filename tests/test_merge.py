@@ -145,6 +145,7 @@ def test_dora_and_rslora_options_reach_peft(tmp_path):
         load_recipe(recipe_path, ["lora.use_dorra=true"])
 
 
+@pytest.mark.launch
 def test_preset_run_dora_rslora(preset_run, tmp_path, capsys):
     adapter = preset_run / "final"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -236,6 +237,7 @@ def test_quantized_base_is_refused(local_base, small_adapter, tmp_path, capsys):
     assert not (tmp_path / "merged").exists() and not (tmp_path / "merged.tmp").exists()
 
 
+@pytest.mark.launch
 def test_full_model_folder_is_refused_by_the_cli(local_base, tmp_path):
     proc = run_toolkit("merge", local_base, "--out", tmp_path / "merged", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -243,6 +245,7 @@ def test_full_model_folder_is_refused_by_the_cli(local_base, tmp_path):
     assert not (tmp_path / "merged").exists()
 
 
+@pytest.mark.launch
 def test_run_folder_points_at_its_adapter(preset_run, tmp_path, capsys):
     code, _, err = merge(preset_run, "--out", tmp_path / "merged", capsys=capsys)
     assert code == 2 and f"its adapter is {preset_run / 'final'}" in one_error_line(err)

@@ -67,6 +67,7 @@ def test_the_watchdog_names_the_rank_behind_the_others():
 # ----------------------------------------------------------------------------- runs
 
 
+@pytest.mark.launch
 def test_metrics_carry_throughput_mfu_and_peak_memory(tmp_path, data_files):
     """With a stated peak (a CPU has none), MFU = achieved TFLOP/s / peak; the achieved figure is
     the dense term for the tokens counted plus an attention term no longer than max_seq_len allows."""
@@ -117,6 +118,7 @@ def test_metrics_carry_throughput_mfu_and_peak_memory(tmp_path, data_files):
     assert prompt.endswith("### Response:\\n") and answer == f"{word[::-1]}</s>]]", audit
 
 
+@pytest.mark.launch
 def test_two_ranks_report_their_own_peak_memory(tmp_path, data_files):
     run, _ = train(tmp_path, data_files, "train.max_steps=3", "train.warmup_steps=1", launcher=DDP)
     rows = [r for r in read_metrics(run) if "loss" in r]
@@ -124,6 +126,7 @@ def test_two_ranks_report_their_own_peak_memory(tmp_path, data_files):
     assert rows[0]["mfu"] is None  # no known peak on a CPU host
 
 
+@pytest.mark.launch
 def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path, data_files):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -144,6 +147,7 @@ def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path, data_files):
     assert hparams and "train.learning_rate: 0.001" in hparams[0].read_text()
 
 
+@pytest.mark.launch
 def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_files):
     """Rank 1 sleeps 15 s before its forward at step 3; the limit is 3 s. Every rank writes its
     stacks, the main process names rank 1, and the run then finishes normally."""
@@ -165,6 +169,7 @@ def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_fi
     assert (run / "final").is_dir()
 
 
+@pytest.mark.launch
 def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
     """Every token a target in a prompt format: the audit refuses it in one line naming the file and row."""
     from helpers import user_error_line, write_jsonl

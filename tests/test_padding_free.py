@@ -142,6 +142,7 @@ def messages_recipe(tmp_path, out, packing):
                       "warmup_steps": 1, "log_every_steps": 3, "eval_every_steps": 3}}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("packing", [False, True], ids=["documents", "packed"])
 def test_padding_free_trains_as_padded(tmp_path, packing):
     """Same recipe, data.padding_free false and true: the same losses, eval losses, gradient norms
@@ -156,6 +157,7 @@ def test_padding_free_trains_as_padded(tmp_path, packing):
     assert_same_run(tmp_path, "padded", "free", padded, free, fewer_tokens=packing)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("backend", ["ddp", "zero3"])
 def test_two_ranks_padding_free_equal_one_process_padded(tmp_path, data_files, backend):
     """DDP and ZeRO-3 (every tensor partitioned) on 2 gloo processes with padding-free micro-batches
@@ -168,6 +170,7 @@ def test_two_ranks_padding_free_equal_one_process_padded(tmp_path, data_files, b
     assert_same_run(tmp_path, "one", "two", padded, free)
 
 
+@pytest.mark.launch
 def test_a_sliding_window_model_is_refused(tmp_path, data_files):
     """varlen does causal attention only: a model with a sliding window is refused in one line."""
     config = MistralConfig(vocab_size=262, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

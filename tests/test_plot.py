@@ -62,6 +62,7 @@ def snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.launch
 def test_one_run(runs):
     run = runs[0]
     before = snapshot(run)
@@ -74,6 +75,7 @@ def test_one_run(runs):
     assert after.pop("plot.png") and after == before  # the PNG is all it wrote, no temporary file left
 
 
+@pytest.mark.launch
 def test_two_runs_overlaid(runs, tmp_path):
     out = tmp_path / "compare.png"
     proc = run_toolkit("plot", *runs, "--out", out)
@@ -83,6 +85,7 @@ def test_two_runs_overlaid(runs, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.png"]
 
 
+@pytest.mark.launch
 def test_a_line_cut_short_is_skipped(runs, tmp_path):
     """A run killed mid-write leaves half a line at the end; the rest is plotted."""
     run = shutil.copytree(runs[0], tmp_path / "killed")
@@ -114,6 +117,7 @@ def test_the_image_checks_can_fail(tmp_path):
         check_drawn(tmp_path / "fake.png")
 
 
+@pytest.mark.launch
 def test_refusals(runs, tmp_path):
     """Each user mistake: exit 2, one `error:` line naming the path, no traceback, nothing written."""
     empty = tmp_path / "empty"

@@ -76,6 +76,7 @@ def losses(run):
     return {r["step"]: (r.get("loss"), r.get("eval_loss")) for r in read_metrics(run)}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("source,target,lora", MOVES,
                          ids=[f"{a}-to-{b}-{'lora' if lora else 'full'}" for a, b, lora in MOVES])
 def test_resume_under_another_layout(source, target, lora, workdir, uninterrupted):
@@ -114,6 +115,7 @@ def test_resume_under_another_layout(source, target, lora, workdir, uninterrupte
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=k)  # as the backend matrix
 
 
+@pytest.mark.launch
 def test_another_global_batch_is_refused_in_one_line(workdir, uninterrupted):
     written = uninterrupted("ddp", False) / "checkpoints" / f"step-{RESUME_AT:06d}"
     before = snapshot(written.parent.parent)
@@ -133,6 +135,7 @@ def convert(*args):
     return run_command([sys.executable, "-m", "toolkit", "checkpoint", "convert", *map(str, args)])
 
 
+@pytest.mark.launch
 def test_convert_a_zero3_checkpoint_to_a_plain_folder(workdir, uninterrupted):
     """The last checkpoint of a 2-process ZeRO-3 run, converted by one process: the weights of its
     final/ bit for bit, in a folder transformers loads alone."""
@@ -154,6 +157,7 @@ def test_convert_a_zero3_checkpoint_to_a_plain_folder(workdir, uninterrupted):
     assert load_weights(out).keys() == want.keys()
 
 
+@pytest.mark.launch
 def test_convert_a_lora_checkpoint_to_its_adapter_and_to_a_merged_model(workdir, uninterrupted):
     run = uninterrupted("fsdp", True)
     step = run / "checkpoints" / f"step-{STEPS:06d}"
@@ -170,6 +174,7 @@ def test_convert_a_lora_checkpoint_to_its_adapter_and_to_a_merged_model(workdir,
     AutoModelForCausalLM.from_pretrained(workdir / "fsdp_merged")
 
 
+@pytest.mark.launch
 def test_a_checkpoint_without_its_portable_state_is_refused_in_one_line(workdir):
     path = recipe(workdir, "not_portable", "single", False, max_steps=2)
     rc, _, err = finish(start(command(workdir, "single", path, "checkpoint.portable=false")))
@@ -208,6 +213,7 @@ def test_a_new_global_batch_continues_at_the_samples_seen():
         assert list(new) == order[48:48 + 48 // global_batch * global_batch]
 
 
+@pytest.mark.launch
 def test_resume_new_global_batch_continues_by_samples_and_optimizer_steps(workdir, uninterrupted):
     written = uninterrupted("single", False) / "checkpoints" / f"step-{RESUME_AT:06d}"
     path = recipe(workdir, "new_batch", "single", False, micro_batch_size=2)  # global batch 4 instead of 8
@@ -224,6 +230,7 @@ def test_resume_new_global_batch_continues_by_samples_and_optimizer_steps(workdi
     assert state["data_position"] == [0, 40] and state["global_batch"] == 4
 
 
+@pytest.mark.launch
 def test_a_portable_state_that_does_not_read_back_stops_the_run(workdir):
     path = recipe(workdir, "bad_portable", "single", False, max_steps=2)
     rc, out, err = finish(start(command(workdir, "single", path), env={"TOOLKIT_FAULT_CORRUPT_PORTABLE": "1"}))
@@ -234,6 +241,7 @@ def test_a_portable_state_that_does_not_read_back_stops_the_run(workdir):
     assert "Traceback" not in err and not (workdir / "bad_portable" / "checkpoints" / "step-000002").exists()
 
 
+@pytest.mark.launch
 def test_each_checkpoint_says_what_it_cost(workdir, uninterrupted):
     lines = [line for line in (uninterrupted("ddp", False) / "train.log").read_text().splitlines()
              if line.startswith("checkpoint step-")]
@@ -241,6 +249,7 @@ def test_each_checkpoint_says_what_it_cost(workdir, uninterrupted):
     assert all(" s (backend state " in line and ", portable " in line and ", read-back " in line for line in lines)
 
 
+@pytest.mark.launch
 def test_checkpoint_cost_benchmark_runs():
     """benchmarks/checkpoint_cost.py at its smallest, so the script cannot rot."""
     proc = run_command([sys.executable, "benchmarks/checkpoint_cost.py", "--preset", "tiny-llama-mini", "--steps", "3",

@@ -62,6 +62,7 @@ def fp32_start(matrix_dir, references):
     return start
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b or "single")
 def test_bf16_matches_fp32_within_tolerance(backend, workdir, fp32_reference, fp32_start):  # noqa: F811
     name = f"prec_bf16_{backend or 'single'}"
@@ -110,6 +111,7 @@ def test_lora_adapters_stay_fp32_over_a_half_precision_base(dtype):
     assert frozen and all(d == DTYPES[dtype] for d in frozen.values()), set(frozen.values())
 
 
+@pytest.mark.launch
 def test_lora_over_a_bf16_base_trains_and_saves_fp32_adapters(workdir):  # noqa: F811
     recipe = recipe_for(workdir, "lora", "prec_lora_bf16_base", micro=4)
     recipe["model"]["dtype"] = "bf16"
@@ -144,6 +146,7 @@ def test_which_steps_count_toward_the_nonfinite_stop(loss, grad_norm, scale, cou
     assert counts_toward_stop(loss, grad_norm, scale) is counts
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("backend", [None, "ddp"], ids=lambda b: b or "single")
 def test_fp16_loss_scaling_skips_overflows_and_trains(backend, workdir):  # noqa: F811
     """fp16 with a real torch GradScaler, started at 2^30 so the first steps overflow. CPU stands in

@@ -29,6 +29,8 @@ from helpers import (ROOT, alpaca_rows, base_recipe, finish, load_weights, read_
                       start, user_error_line, write_jsonl, write_recipe)
 from toolkit import checkpoint
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 TRAIN_ROWS = 44  # global batch 4 x 2 = 8: floor(44 / 8) = 5 steps per epoch, 4 rows left over
 PRESET = json.loads((ROOT / "toolkit" / "presets" / "tiny-llama-mini.json").read_text())
 

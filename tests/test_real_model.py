@@ -16,7 +16,7 @@ import torch
 
 from helpers import ROOT, load_weights, read_metrics, run_toolkit, train_losses, write_jsonl, write_recipe
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.launch]  # every test here starts processes
 
 END_OF_TURN = "<|im_end|>"  # SmolLM2's ChatML end of turn, also its eos token
 

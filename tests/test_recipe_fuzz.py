@@ -106,11 +106,13 @@ def check_launch(work, override: str, tmp_path: Path, timeout: int = 300):
             assert key.split(".")[-1] in lines[0] and not (tmp_path / "run").exists(), (override, lines[0])
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("override", CI_LAUNCHES)
 def test_odd_values_that_load_train_or_stop_in_one_line(work, override, tmp_path):
     check_launch(work, override, tmp_path)
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_every_odd_value_that_loads_trains_or_stops_in_one_line(work, tmp_path_factory):
     for override in accepted_odd_values(work[1]) + ["train.max_grad_norm=0", "data.max_seq_len=1000000000000"]:
@@ -144,6 +146,7 @@ def path_cases(d: Path) -> dict:
 CI_PATH_CASES = {0, 2, 4, 8}  # spaces, a file where a folder belongs, a missing file, a file as model.path
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("case", [pytest.param(i, marks=() if i in CI_PATH_CASES else pytest.mark.slow) for i in range(11)])
 def test_path_keys_are_one_line_or_a_run(work, case, tmp_path):
     d, path = work
@@ -159,6 +162,7 @@ def test_path_keys_are_one_line_or_a_run(work, case, tmp_path):
     assert (d / "a file").read_text() == "x"
 
 
+@pytest.mark.launch
 def test_tilde_in_output_dir_is_the_home_folder(work, tmp_path, monkeypatch):
     _, path = work
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -24,6 +24,8 @@ from helpers import (alpaca_rows, descendants, finish, load_weights, read_metric
 from toolkit import checkpoint
 from test_backends import launch_config_for
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 STEPS = 8
 CASES = {  # name: (accelerate config or None for one plain process, lora dropout or None for full)
     "single": (None, None),

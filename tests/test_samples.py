@@ -8,6 +8,8 @@ import pytest
 
 from helpers import ROOT, read_metrics, require_op, run_toolkit, write_recipe
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 PROMPTS = ["Last letter. plum", "Count the letters. abcde", "Even or odd? 12"]
 
 

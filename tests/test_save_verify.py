@@ -25,6 +25,7 @@ def stop_line(proc) -> str:
     return lines[0]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_corrupted_final_save_stops_the_run_in_one_line(tmp_path, data_files, lora):
     recipe = base_recipe(tmp_path, *data_files, lora={"enabled": lora}, train__max_steps=2)
@@ -39,6 +40,7 @@ def test_a_corrupted_final_save_stops_the_run_in_one_line(tmp_path, data_files, 
     assert (tmp_path / "run" / "final.tmp").is_dir()  # kept for inspection
 
 
+@pytest.mark.launch
 def test_a_bad_save_never_replaces_an_earlier_final(tmp_path, data_files):
     """A resumed run with nothing left to train saves final/ again: a bad save must leave the
     earlier final/ exactly as it was."""
@@ -71,6 +73,7 @@ def test_the_check_names_missing_empty_reshaped_and_changed_tensors(tmp_path):
     assert "no safetensors file" in first_mismatch(tmp_path, weights)
 
 
+@pytest.mark.launch
 def test_zero3_lora_save_is_verified_on_two_ranks(tmp_path, deepspeed_ops):
     """The peers' commonest save bug: ZeRO-3 writing an empty or partial adapter. Here the gathered
     adapter passes the read-back, and a changed tensor stops both ranks (each rank's code is 4)."""
@@ -111,6 +114,7 @@ CHECKPOINT_CASES = {  # launch config (None: one process), LoRA
 }
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
 def test_a_checkpoint_that_does_not_read_back_is_never_marked_complete(case, tmp_path, data_files):
     """Every rank reads its share of each checkpoint back (weights or adapter, ZeRO's fp32
@@ -156,6 +160,7 @@ def test_the_read_back_names_the_first_state_that_differs():
     assert tree_mismatch({"state": {}}, live, "f") == "f.state.0: missing from the saved file"
 
 
+@pytest.mark.launch
 def test_a_zero3_checkpoint_with_the_shipped_config_reads_back(tmp_path, data_files):
     """accelerate_configs/zero3.yaml as shipped: persistence threshold "auto" (10 x hidden), so the
     norm weights stay whole on every rank but ZeRO-3 writes them as empty placeholders in its model

@@ -5,6 +5,8 @@ import torch
 
 from helpers import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, train_losses, write_recipe
 
+pytestmark = pytest.mark.launch  # every test here starts processes
+
 
 def train(tmp_path, recipe: dict, name: str, *overrides):
     path = write_recipe(tmp_path / f"{name}.yaml", **recipe)

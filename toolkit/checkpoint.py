@@ -28,7 +28,6 @@ from . import disk, faults
 from .errors import ToolkitError
 from .verify import corrupt_checkpoint
 from . import portable
-from .backend import checkpoint_problem, loss_scale
 from .stops import TrainingStopped
 from .verify import EXIT_SAVE_MISMATCH
 
@@ -51,7 +50,7 @@ class TrainerState:
     data_fingerprint: str = ""
     recipe: dict | None = None
     layout: str = ""
-    """How the training state is sharded on disk (backend.checkpoint_layout); empty in old checkpoints."""
+    """How the training state is sharded on disk (the backend's `layout()`); empty in old checkpoints."""
     data_position: list[int] = field(default_factory=lambda: [0, 0])
     """[epoch, samples of its permutation seen]; older checkpoints lack it (then: from step x global batch)."""
 
@@ -133,12 +132,13 @@ def read_state(path: Path, rows: int | None = None) -> TrainerState:
     return TrainerState(**fields)
 
 
-def save(accelerator, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> dict:
+def save(backend, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> dict:
     """Write a checkpoint from every rank; visible under its final name only once complete: the
     backend's own state, the portable state (`config.portable`) and every rank's RNG. Each rank's
-    share is read back (`backend.checkpoint_problem`, and the portable files on the main process):
+    share is read back (the backend's `checkpoint_problem`, and the portable files on the main process):
     a checkpoint any rank cannot read back as it was saved is never marked complete, and the run
     stops. Returns the seconds each part took (main process's clock)."""
+    accelerator = backend.accelerator
     seconds, started = {}, time.perf_counter()
     tmp = path_final.with_name(".tmp-" + path_final.name)
     kept = complete_checkpoints(path_final.parent.parent)
@@ -152,7 +152,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
         seconds["backend state"] = time.perf_counter() - started
         written = None
         if config.portable:
-            written = portable.save(accelerator, model, optimizer, scheduler, tmp, loss_scale(accelerator, model))
+            written = portable.save(backend, model, optimizer, scheduler, tmp)
             seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
         with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
             pickle.dump(rng_states(), f)
@@ -165,7 +165,7 @@ def save(accelerator, path_final: Path, state: TrainerState, config, model, opti
             corrupt_checkpoint(tmp)  # test seam, off unless asked
         accelerator.wait_for_everyone()
         read_from = time.perf_counter()
-        problem = checkpoint_problem(accelerator, model, optimizer, tmp) or portable.files_problem(tmp, written)
+        problem = backend.checkpoint_problem(model, optimizer, tmp) or portable.files_problem(tmp, written)
         del written
         _stop_unless_read_back(accelerator, problem, path_final)
         seconds["read-back"] = time.perf_counter() - read_from
@@ -210,19 +210,20 @@ def _stop_unless_loaded(accelerator, problem: str | None, path: Path) -> None:
               "and step, learning rates, scheduler)", file=sys.stderr)
 
 
-def load(accelerator, path: Path, now: TrainerState, moved: bool, model, optimizer, scheduler,
+def load(backend, path: Path, now: TrainerState, moved: bool, model, optimizer, scheduler,
          rows: int | None = None) -> TrainerState:
     """Restore what `save` wrote, on every rank, including this rank's RNG states; returns its
     counters with this launch's facts (`now`: process count, layout, recipe). `moved`: the
     checkpoint was written under another layout (backend or process count): the portable state
     is loaded, and a rank that did not exist then takes rank 0's RNG states (as every rank of a
     fresh run starts from the same seed)."""
+    accelerator = backend.accelerator
     if moved:
-        portable.load(accelerator, model, optimizer, scheduler, path)
-        _stop_unless_loaded(accelerator, portable.read_back(accelerator, model, optimizer, scheduler, path), path)
+        portable.load(backend, model, optimizer, scheduler, path)
+        _stop_unless_loaded(accelerator, portable.read_back(backend, model, optimizer, scheduler, path), path)
         seen = os.environ.get("TOOLKIT_FAULT_PORTABLE_AFTER_LOAD")  # test seam: what this launch holds now
         if seen:
-            portable.save(accelerator, model, optimizer, scheduler, Path(seen), loss_scale(accelerator, model))
+            portable.save(backend, model, optimizer, scheduler, Path(seen))
     else:
         accelerator.load_state(str(path))
     rng = Path(path) / f"rng_rank{accelerator.process_index}.pkl"

@@ -52,6 +52,11 @@ def report_user_error(e: ToolkitError, wait_for_main_s: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Before anything slow (building the parser imports every verb, and a verb may import torch): a
+    # signal while torch imports or data tokenizes still ends in one line.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    preemption = Preemption(STOP_TEXTS[command]) if command in STOP_TEXTS else None
     parser = argparse.ArgumentParser(prog="toolkit", description="Fine-tune causal LMs with one Accelerate loop.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a YAML recipe")
@@ -67,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (_, text) in VERBS.items():
         verb_module(name).add_arguments(sub.add_parser(name, help=text, description=text))
     args = parser.parse_args(argv)
-    preemption = None
     try:
-        # Before anything slow: a signal while torch imports or data tokenizes still ends in one line.
-        if args.command in STOP_TEXTS:
-            preemption = Preemption(STOP_TEXTS[args.command])
         if args.command in VERBS:
             return verb_module(args.command).run(args)
         if args.command == "config" and args.num_processes is not None and args.num_processes < 1:

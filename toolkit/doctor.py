@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import deepspeed_config, launch_config
-from .backend import end_process_group
+from .backends import end_process_group
 from .errors import ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")

@@ -89,7 +89,7 @@ def run(args) -> int:
         parts = measure(args, state, rows, where, source.format, max_seq_len, train_on_prompt)
     finally:
         if state is not None:
-            from .backend import end_process_group
+            from .backends import end_process_group
 
             end_process_group()
     if parts is None:  # not the main process

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import backend
 from .errors import ToolkitError
 from .data import IGNORE
 
@@ -36,15 +35,19 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**inputs, token_loss_labels=batch["labels"])
 
 
-def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024) -> None:
+def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backend=None) -> None:
     """Make `model(..., token_loss_labels=labels)` return the loss sum (`kind`: "chunked" or
     "full", as train.loss); without that argument the model does what it did (generation, the
     packing check). Call it before `accelerator.prepare`. A model whose forward does more after
-    its output layer than the chunked loss knows (a logit scale, say) is refused."""
+    its output layer than the chunked loss knows (a logit scale, say) is refused. `backend`: the
+    run's (`backends.for_launch()`), which says whether calling the output layer is a collective
+    (then every rank calls it equally often) and whether the weights are partitioned already;
+    None: one process."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the HF model inside
     original = type(model).forward.__get__(model)
+    calls = backend.same_call_count if backend is not None else None
     if kind == "chunked":
-        check_chunked_loss(model)
+        check_chunked_loss(model, backend is not None and backend.partitioned_before_prepare(model))
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
     def forward(self, *args, token_loss_labels=None, **kwargs):
@@ -52,7 +55,7 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024) -> No
             return original(*args, **kwargs)
         if kind == "full":
             return full_loss_sum(original(*args, **{**kwargs, "use_cache": False}).logits, token_loss_labels)
-        return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, **kwargs)
+        return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls, **kwargs)
 
     model.forward = types.MethodType(forward, model)
 
@@ -62,9 +65,12 @@ def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
-def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, **kwargs) -> torch.Tensor:
+def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
+                     **kwargs) -> torch.Tensor:
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
-    positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward."""
+    positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
+    `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
+    calls (the backend's `same_call_count`; None: `n`)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     hidden = model.get_decoder()(*args, **{**kwargs, "use_cache": False}).last_hidden_state
     targets = labels[:, 1:] != IGNORE
@@ -81,7 +87,9 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, *
     # At least one call, so that the output layer takes part in every backward (DDP expects a
     # gradient for every parameter, zero or not); where each call is a collective (ZeRO-3
     # gathers the layer), as many calls on every rank.
-    chunks = backend.same_call_count(head, max(1, math.ceil(len(labels) / chunk_tokens)), hidden.device)
+    chunks = max(1, math.ceil(len(labels) / chunk_tokens))
+    if same_calls is not None:
+        chunks = same_calls(head, chunks, hidden.device)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(chunks):
         h, y = hidden[i * chunk_tokens:(i + 1) * chunk_tokens], labels[i * chunk_tokens:(i + 1) * chunk_tokens]
@@ -90,14 +98,14 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, *
     return total
 
 
-def check_chunked_loss(model) -> None:
+def check_chunked_loss(model, partitioned: bool = False) -> None:
     """The chunked loss must equal the model's own forward's on a short sequence (on a small copy
     of the architecture where the weights are partitioned: `isolation_probe`). Models that scale
     or cut their logits after the output layer differently from what `chunked_loss_sum` does
     fail here, not silently."""
     from .model import isolation_probe
 
-    probe = isolation_probe(model)
+    probe = isolation_probe(model, partitioned)
     vocab = probe.get_input_embeddings().num_embeddings
     device = next(probe.parameters()).device
     # No random numbers drawn (the run's stream stays as it was); eval mode: no dropout either.

@@ -134,13 +134,13 @@ def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> Toolk
     return ToolkitError(f"model.path: cannot load {what} from {where}: {first_line}")
 
 
-def isolation_probe(model: torch.nn.Module) -> torch.nn.Module:
+def isolation_probe(model: torch.nn.Module, partitioned: bool = False) -> torch.nn.Module:
     """A model to run the packing and chunked-loss checks on: `model` itself, or, when its weights
-    are partitioned before prepare() (ZeRO-3's zero.Init leaves every parameter an empty
-    placeholder), a randomly initialised copy of its architecture cut to one layer and a small
+    are `partitioned` before prepare() (ZeRO-3's zero.Init leaves every parameter an empty
+    placeholder: the backend's `partitioned_before_prepare`), a randomly initialised copy of its architecture cut to one layer and a small
     vocabulary. Whether packed documents stay apart depends on how the architecture builds its
     attention mask, and what follows the output layer on the architecture too, not on weights."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+    if not partitioned:
         return model
     import copy
 

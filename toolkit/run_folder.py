@@ -280,13 +280,14 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
     return moved
 
 
-def resume(accelerator, path: Path, now: checkpoint.TrainerState, model, optimizer, scheduler, recipe: Recipe,
+def resume(backend, path: Path, now: checkpoint.TrainerState, model, optimizer, scheduler, recipe: Recipe,
            rows: int) -> checkpoint.TrainerState:
     """Load checkpoint `path` into the prepared objects (its own layout's state, or the portable
     state when it was written under another) and return the counters to continue from."""
+    accelerator = backend.accelerator
     saved = checkpoint.read_state(path, rows)
     moved = check_resumable(saved, now, path, recipe.resume_new_global_batch)
-    state = checkpoint.load(accelerator, path, now, moved, model, optimizer, scheduler, rows)
+    state = checkpoint.load(backend, path, now, moved, model, optimizer, scheduler, rows)
     accelerator.print(f"resumed from {path} at step {state.step}" + (
         f" (written by {saved.world_size} process(es) under {saved.layout or saved.launch}: its portable state)"
         if moved else ""))

@@ -5,17 +5,18 @@ manifest; a line starting with `warning: ` (the estimate does not fit the GPU) i
 
 from __future__ import annotations
 
-from . import backend, deepspeed_config
+from . import deepspeed_config
 from .config import Recipe
 from .sizing import estimate_for_run
 
 
-def run_summary(recipe: Recipe, accelerator, ds_config: dict | None, *, rows: int, eval_rows: int,
+def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, eval_rows: int,
                 steps_per_epoch: int, total_steps: int) -> list[str]:
+    accelerator = backend.accelerator
     t, world = recipe.train, accelerator.num_processes
     ds = ds_config or {}
     json_name = deepspeed_config.config_source() or "the accelerate config's deepspeed_config"
-    lines = [f"backend {backend.describe(accelerator)}"]
+    lines = [f"backend {backend.describe()}"]
 
     precision = f"precision {t.precision} (train.precision)"
     if recipe.lora.enabled and recipe.model.dtype != "fp32":

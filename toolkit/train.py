@@ -2,7 +2,8 @@
 
 `build()` makes a `Run` (prepared model, optimizer, scheduler, loaders, state, objective, monitor);
 `fit()` is the loop over `train_step()`, one optimizer step. None of them names a backend: the
-launch config decides DDP, FSDP or DeepSpeed, and `backend.py` holds what differs. The loss of a
+launch config decides DDP, FSDP or DeepSpeed, and the run's backend object (`backends/`, chosen
+once from the launch) holds what differs. The loss of a
 batch comes from the objective (`objectives.py`); everything that watches the run without changing
 what it learns sits behind the monitor (`monitor.py`).
 """
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backend, base_identity, checkpoint, disk, faults, objectives, observe, run_folder
+from . import backends, base_identity, checkpoint, disk, faults, objectives, observe, run_folder
 from .config import Recipe
 from .errors import ToolkitError
 from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
@@ -44,18 +45,21 @@ def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = 
     The run holds `output_dir`'s lock from the start to the end, whatever the end."""
     out = Path(recipe.output_dir)
     preemption = preemption or Preemption()
-    accelerator = backend.make_accelerator(recipe, source)
+    backend = backends.for_launch()
+    backend.make_accelerator(recipe, source)
     lock = run_folder.RunLock(out)
     try:
-        return _run(accelerator, recipe, preemption, lock)
+        return _run(backend, recipe, preemption, lock)
     finally:
         lock.release()  # also on a refusal: the folder is as it was (removed again if this run made it)
 
 
 @dataclass
 class Run:
-    """What `fit` trains with, built once by `build`: the prepared model, optimizer, scheduler and
-    loaders, the training state, the objective and the monitor. A test can build one and call `fit`."""
+    """What `fit` trains with, built once by `build`: the backend and its accelerator, the prepared
+    model, optimizer, scheduler and loaders, the training state, the objective and the monitor. A
+    test can build one and call `fit`."""
+    backend: backends.Backend
     accelerator: Any
     recipe: Recipe
     model: Any
@@ -75,28 +79,31 @@ class Run:
 
 
 
-def _run(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.RunLock) -> dict:
-    run, tokenizer = build(accelerator, recipe, preemption, lock)
+def _run(backend: backends.Backend, recipe: Recipe, preemption: Preemption, lock: run_folder.RunLock) -> dict:
+    accelerator = backend.accelerator
+    run, tokenizer = build(backend, recipe, preemption, lock)
     try:
         preemption.arm()  # from here a signal finishes the step and saves a checkpoint
         last = fit(run)
     except TrainingStopped:
         preemption.disarm()
         end_trackers(accelerator)
-        backend.teardown(accelerator)  # every rank agreed to stop at the same step
+        backend.teardown()  # every rank agreed to stop at the same step
         raise
     save_final(run, tokenizer)
     end_trackers(accelerator)
-    backend.teardown(accelerator)
+    backend.teardown()
     return last
 
 
-def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.RunLock) -> tuple[Run, Any]:
+def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
+          lock: run_folder.RunLock) -> tuple[Run, Any]:
     """Everything the recipe asks for, checked and prepared, the run folder opened (or resumed):
     (the run, its tokenizer). Every check that can refuse the run comes before anything on disk
     changes; an earlier run that `overwrite` replaces is removed only at the end, just before step 1."""
     from accelerate.utils import set_seed
 
+    accelerator = backend.accelerator
     out = Path(recipe.output_dir)
     log = accelerator.print
     t = recipe.train
@@ -112,10 +119,11 @@ def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
-    use_token_loss(model, t.loss, t.loss_chunk_tokens)  # in the forward, where every backend has whole weights
+    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
     objective = objectives.for_recipe(recipe)
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
-    if (packing or padding_free) and not packing_is_isolated(isolation_probe(model)):
+    if (packing or padding_free) and not packing_is_isolated(
+            isolation_probe(model, backend.partitioned_before_prepare(model))):
         log("warning: this model lets packed documents attend to each other; padding instead of "
             + ("packing" if packing else "data.padding_free"))
         packing = padding_free = False
@@ -132,7 +140,7 @@ def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.
         elif not is_hub_id(recipe.model.path):  # absolute: the adapter loads from any working directory
             model.peft_config["default"].base_model_name_or_path = str(Path(recipe.model.path).resolve())
     if t.compile:
-        backend.check_compile(accelerator, recipe)
+        backend.check_compile(recipe)
         log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
@@ -155,9 +163,9 @@ def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.
     if sampler.steps_per_epoch == 0:
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {world} processes)")
-    state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.launch_kind(),
+    state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.kind,
                                     data_fingerprint=data.train_fingerprint, recipe=run_folder.learning_relevant(recipe),
-                                    layout=backend.checkpoint_layout(accelerator))
+                                    layout=backend.layout())
     if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
         run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
     collate = Collator(tokenizer.pad_token_id, packed=packing, padding_free=padding_free,
@@ -177,20 +185,20 @@ def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.
         raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer steps "
                            f"that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch {global_batch})")
 
-    optimizer = backend.make_optimizer(accelerator, backend.param_groups(model, t.weight_decay), recipe)
-    scheduler = backend.make_scheduler(accelerator, optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
+    optimizer = backend.make_optimizer(backend.param_groups(model, t.weight_decay), recipe)
+    scheduler = backend.make_scheduler(optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
                                        total_steps, t.warmup_steps)
-    ds_config = backend.finalize_config(accelerator, model, recipe, total_steps)
+    ds_config = backend.finalize_config(model, recipe, total_steps)
     # The loop moves batches itself, after counting their tokens on the host (no device sync for counts).
     train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)
     faults.at("prepare")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    backend.check_prepared(accelerator, model)
+    backend.check_prepared(model)
 
     if resume_from is not None:
-        state = run_folder.resume(accelerator, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
+        state = run_folder.resume(backend, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
         sampler.resume_at(*state.data_position)
-    summary = run_summary(recipe, accelerator, ds_config, rows=len(data.train), eval_rows=len(data.eval),
+    summary = run_summary(recipe, backend, ds_config, rows=len(data.train), eval_rows=len(data.eval),
                           steps_per_epoch=sampler.steps_per_epoch, total_steps=total_steps)
     if accelerator.is_main_process:
         for line in summary:
@@ -207,7 +215,7 @@ def build(accelerator, recipe: Recipe, preemption: Preemption, lock: run_folder.
                         t.watchdog)
     monitor = Monitor(accelerator, out, watchdog, t.profile_steps, first_step=state.step + 1)
     speed = observe.Throughput(flops, observe.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
-    return Run(accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler,
+    return Run(backend=backend, accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler,
                train_loader=train_loader, eval_loader=eval_loader, sampler=sampler, state=state,
                total_steps=total_steps, out=out, objective=objective, monitor=monitor, preemption=preemption,
                samples=samples, speed=speed), tokenizer
@@ -226,7 +234,7 @@ def save_final(run: Run, tokenizer) -> None:
         if recipe.lora.enabled and accelerator.is_main_process:  # which base the adapter belongs to
             folder = out / "base-model" if recipe.model.preset else resolve_model(recipe.model.path, recipe.model.revision)
             base = {base_identity.RECORD: base_identity.record(folder)}
-        backend.save_model(accelerator, run.model, tokenizer, out / "final", extra_files=base)
+        run.backend.save_model(run.model, tokenizer, out / "final", extra_files=base)
         run.monitor.watchdog.done()
     accelerator.print(f"saved {out / 'final'}")
     if preemption.requested:
@@ -312,12 +320,12 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
                 if acc.sync_gradients:  # the last micro-batch of this optimizer step
                     with monitor.phase("optimizer", step):
                         grad_norm = as_float(acc.clip_grad_norm_(model.parameters(), clip))
-                        applied = backend.optimizer_step(acc, model, run.optimizer, grad_norm)
+                        applied = run.backend.optimizer_step(model, run.optimizer, grad_norm)
                         if applied:  # a skipped step does not advance the schedule
                             run.scheduler.step()
                         run.optimizer.zero_grad(set_to_none=True)
     except Exception as e:
-        reason = backend.step_failure(e)
+        reason = run.backend.step_failure(e)
         if reason is None:
             raise
         raise TrainingStopped(f"train: {reason} at step {step}; stopped. Last good checkpoint: "
@@ -330,7 +338,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         flags[0], flags[1 + rank] = float(run.preemption.requested), observe.peak_memory_gib(acc.device)
         totals = acc.reduce(torch.cat([loss_sum.double().reshape(1), flags.to(acc.device)]), reduction="sum").tolist()
         loss, stop_requested, peaks = totals[0] / n_units, totals[1] > 0, totals[2:]
-    scale_now = backend.loss_scale(acc, model)
+    scale_now = run.backend.loss_scale(model)
     state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
     state.skipped_steps += not applied
     diverging = counts_toward_stop(loss, grad_norm, scale_now, applied)
@@ -363,7 +371,7 @@ def evaluation(run: Run, step: int) -> dict:
 def save_checkpoint(run: Run, step: int) -> Path:
     path = checkpoint.checkpoint_dir(run.out) / f"step-{step:06d}"
     run.monitor.watchdog.begin("checkpoint", step)
-    took = checkpoint.save(run.accelerator, path, run.state, run.recipe.checkpoint, run.model, run.optimizer,
+    took = checkpoint.save(run.backend, path, run.state, run.recipe.checkpoint, run.model, run.optimizer,
                            run.scheduler)
     run.monitor.watchdog.done()
     run.monitor.outside["checkpoints"] += took["total"]
@@ -488,6 +496,6 @@ def as_float(x) -> float:
 
 def end_trackers(accelerator) -> None:
     """Flush and close the trackers (accelerate's end_training would also tear down the process group,
-    which backend.teardown does in the order each backend needs)."""
+    which the backend's teardown does in the order each backend needs)."""
     for tracker in accelerator.trackers:
         tracker.finish()

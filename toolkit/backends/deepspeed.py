@@ -1,0 +1,300 @@
+"""DeepSpeed ZeRO-0/1/2/3, with CPU and NVMe offload, from the user's DeepSpeed JSON (or the
+accelerate YAML's inline settings). The prepared model is a DeepSpeed engine: it steps (or skips)
+the optimizer inside its backward, keeps fp32 masters of 16-bit weights in its optimizer, and under
+ZeRO-3 holds each parameter as a flat partition (`ds_id`, `ds_shape`, `ds_tensor`) that its forward
+hooks gather. `deepspeed_config.py` reads and fills the JSON; this file is the run's side of it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .. import deepspeed_config
+from ..errors import ToolkitError
+from ..verify import read_back, tree_mismatch
+from .base import MOMENTS, Backend, adam_step, launched_world_size
+
+MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
+
+
+class DeepSpeed(Backend):
+    cpu_flag = False  # DeepSpeed runs on its CPU accelerator, over gloo, even as one process
+
+    def accelerator_options(self, recipe, notes) -> dict:
+        if not self.cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""  # settled by launch_config.check, not refused by accelerate
+        return {"deepspeed_plugin": deepspeed_config.make_plugin(recipe, launched_world_size(), notes)}
+
+    @property
+    def config(self) -> dict:
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config
+
+    @property
+    def stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    def check_prepared(self, model) -> None:
+        import deepspeed
+
+        if not isinstance(model, deepspeed.DeepSpeedEngine):
+            raise ToolkitError("launch: DeepSpeed was configured but the model is not a DeepSpeed engine")
+        if hasattr(model.optimizer, "check_grad_overflow"):
+            # ZeRO-1/2 check bf16 gradients for inf/NaN only when asked; a non-finite step must
+            # be skipped, never applied.
+            model.optimizer.check_grad_overflow = True
+        if isinstance(model.optimizer, torch.optim.Optimizer) and not hasattr(model.optimizer, "_global_grad_norm"):
+            measure_plain_optimizer_steps(model)
+
+    # -- what the run is ---------------------------------------------------------------------------
+
+    def layout(self) -> str:
+        return f"DeepSpeed ZeRO-{self.stage}"
+
+    def offload(self) -> list[str]:
+        zero = self.config.get("zero_optimization", {})
+        return [f"{what} to {zero[f'offload_{what}'].get('device')}" for what in ("optimizer", "param")
+                if zero.get(f"offload_{what}", {}).get("device", "none") != "none"]
+
+    def resolved_config(self) -> dict | None:
+        return self.config
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    def full_shape(self, p) -> torch.Size:
+        return getattr(p, "ds_shape", p.shape)  # ZeRO-3 leaves each rank a flat part
+
+    def partitioned_before_prepare(self, model) -> bool:
+        return any(hasattr(p, "ds_id") for p in model.parameters())
+
+    def call_is_collective(self, module) -> bool:
+        return any(hasattr(p, "ds_id") for p in module.parameters())
+
+    def module_of(self, model) -> torch.nn.Module:
+        return model.module
+
+    # -- optimizer and schedule --------------------------------------------------------------------
+
+    def make_optimizer(self, params, recipe):
+        """A placeholder when the DeepSpeed JSON brings its own optimizer. (Under optimizer offload
+        accelerate swaps in DeepSpeed's CPU Adam for the recipe's AdamW.)"""
+        if "optimizer" in self.config:
+            from accelerate.utils import DummyOptim
+
+            return DummyOptim(params, lr=recipe.train.learning_rate)
+        return super().make_optimizer(params, recipe)
+
+    def check_compile(self, recipe) -> None:
+        if recipe.train.compile and self.stage == 3:
+            raise ToolkitError("train.compile: not supported with DeepSpeed ZeRO-3 (its parameter gathering runs "
+                               "inside every compiled layer); set train.compile=false or use ZeRO-1/2 or FSDP")
+
+    def make_scheduler(self, optimizer, lr_lambda, total_steps, warmup_steps):
+        """A placeholder when the JSON brings its own scheduler; when it brings only an optimizer,
+        the recipe's schedule attached to the optimizer DeepSpeed builds (accelerate's
+        `lr_scheduler_callable`)."""
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        if "scheduler" in self.config:
+            return DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps)
+        if isinstance(optimizer, DummyOptim):
+            return DummyScheduler(optimizer,
+                                  lr_scheduler_callable=lambda real: torch.optim.lr_scheduler.LambdaLR(real, lr_lambda))
+        return super().make_scheduler(optimizer, lr_lambda, total_steps, warmup_steps)
+
+    def finalize_config(self, model, recipe, total_steps) -> dict:
+        """DeepSpeed's "auto" values: bucket sizes from the model, the scheduler's length."""
+        config = getattr(model, "config", None)
+        deepspeed_config.finalize(self.config, recipe, self.accelerator.num_processes, total_steps,
+                                  getattr(config, "hidden_size", None))
+        return self.config
+
+    def step_was_skipped(self, model) -> bool:
+        """The engine has already stepped (or skipped, on a non-finite norm) inside `backward`."""
+        return not model.was_step_applied()
+
+    def loss_scale(self, model) -> float | None:
+        if self.accelerator.scaler is not None:
+            return super().loss_scale(model)
+        if model.fp16_enabled():
+            optimizer = model.optimizer
+            return float(getattr(optimizer, "loss_scale", getattr(optimizer, "cur_scale", float("nan"))))
+        return None
+
+    def step_failure(self, error: Exception) -> str | None:
+        """DeepSpeed's fp16 loss scaler raises a bare Exception once the scale is at its minimum and
+        the gradients still overflow."""
+        if MIN_LOSS_SCALE_ERROR in str(error):
+            return "fp16 gradients still overflow with the loss scale at its minimum (DeepSpeed fp16.min_loss_scale)"
+        return None
+
+    # -- saving ------------------------------------------------------------------------------------
+
+    def full_state_dict(self, model) -> dict:
+        """The module's state (ZeRO-3: gathered; None off the main rank), with the fp32 masters in
+        place of 16-bit weights: under bf16/fp16 the masters are what was learned, so a bf16 ZeRO
+        run saves fp32 weights, as every other backend does."""
+        state_dict = super().full_state_dict(model)
+        masters = fp32_masters(model)  # a collective too
+        if self.accelerator.is_main_process:
+            state_dict.update({k: v for k, v in masters.items() if k in state_dict})
+        return state_dict
+
+    def saved_state_problem(self, model, optimizer, folder: Path) -> str | None:
+        rank = self.accelerator.process_index
+        problems = []
+        states = folder / "pytorch_model"
+        own = states / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        module_file = own if own.is_file() else states / "mp_rank_00_model_states.pt" if rank == 0 else None
+        if module_file is not None:
+            saved = read_back(module_file)
+            live = model.module_state_dict()
+            if model.zero_optimization_stage() == 3:
+                # ZeRO-3 writes empty placeholders for its partitioned weights (for the persistent
+                # small ones too, which are whole again once the save is over); they are in the
+                # fp32 partitions of the optimizer files, compared below.
+                live = {k: v for k, v in live.items()
+                        if not (torch.is_tensor(saved["module"].get(k)) and saved["module"][k].numel() == 0)}
+            problems.append(tree_mismatch(saved["module"], live, module_file.name))
+            if saved.get("frozen_param_fragments"):  # frozen (LoRA base) weights: this rank's part
+                frozen = {n: p.ds_tensor if hasattr(p, "ds_id") else p
+                          for n, p in model.module.named_parameters() if not p.requires_grad}
+                problems.append(tree_mismatch(saved["frozen_param_fragments"], frozen, module_file.name))
+            if saved.get("optimizer") is not None:
+                problems.append(tree_mismatch(saved["optimizer"], model.optimizer.state_dict(), module_file.name))
+        for f in states.glob(f"*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"):
+            saved = read_back(f)["optimizer_state_dict"]
+            problems.append(tree_mismatch(saved, model.optimizer.state_dict(), f.name))
+        return next((p for p in problems if p), None)
+
+    # -- the portable state ------------------------------------------------------------------------
+
+    def portable_state(self, model, optimizer):
+        """With DeepSpeed's own full-state tools (`safe_get_full_fp32_param`,
+        `safe_get_full_optimizer_state`): each tensor is a collective, every rank receives it whole,
+        only the main process keeps it."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        link_zero12_states(model.optimizer)
+        weights, moments = {}, {}
+        for name, p in self.trainable(model):  # same order on every rank
+            full = safe_get_full_fp32_param(p)
+            states = [safe_get_full_optimizer_state(p, key) for key in MOMENTS]
+            if not self.accelerator.is_main_process:
+                continue
+            weights[name] = full.detach().float().cpu()
+            for key, m in zip(MOMENTS, states):
+                moments[f"{key}/{name}"] = torch.zeros_like(weights[name]) if m is None else m.detach().float().cpu()
+        base = model.optimizer.optimizer  # the torch optimizer over ZeRO's fp32 partitions
+        return weights, moments, adam_step(base.state.values(), base.param_groups), \
+            self.named_groups(model.module, base.param_groups)
+
+    def set_portable_state(self, model, optimizer, weights, moments, step, by_name) -> None:
+        """`safe_set_full_fp32_param` and `safe_set_full_optimizer_state`, then the 16-bit working
+        copies refreshed from the fp32 masters the way DeepSpeed's universal-checkpoint loader does."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        zero = model.optimizer
+        # Before its first step ZeRO holds no optimizer state: make it, zeros, for the load to fill.
+        flats = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", ())
+        for i, flat in enumerate(flats):
+            state = zero.optimizer.state[flat]
+            if "exp_avg" not in state:
+                if getattr(zero, "_swappable_optimizer_subgroup", lambda i: False)(i):
+                    raise ToolkitError("resume: this launch offloads the optimizer state to NVMe, which a checkpoint "
+                                       "of another layout cannot be loaded into; resume under CPU offload or none")
+                adam = isinstance(zero.optimizer, (torch.optim.Adam, torch.optim.AdamW))  # torch's: a tensor step
+                state.update(step=torch.tensor(float(step)) if adam else step,
+                             **{key: torch.zeros_like(flat) for key in MOMENTS})
+        link_zero12_states(zero)
+        for name, p in self.trainable(model):
+            safe_set_full_fp32_param(p, weights[name])
+            for key in MOMENTS:
+                safe_set_full_optimizer_state(p, moments[f"{key}/{name}"], key)
+        base = zero.optimizer
+        for st in base.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(float(step)) if torch.is_tensor(st["step"]) else step
+        for group in base.param_groups:
+            if "step" in group:
+                group["step"] = step
+        # Hyperparameters by group: ZeRO keeps the torch optimizer's groups in the order it was given them.
+        for group, ours in zip(base.param_groups, self.named_groups(model.module, base.param_groups)):
+            saved = by_name[ours["names"][0]] if ours["names"] else None
+            if saved:
+                group.update({k: v for k, v in saved.items()
+                              if k in ("lr", "initial_lr", "betas", "eps", "weight_decay")})
+        if hasattr(zero, "update_lp_params") and not hasattr(zero, "fp16_partitioned_groups_flat"):
+            zero.update_lp_params()  # ZeRO-1/2: the working weights from the fp32 masters
+        else:  # ZeRO-3: each sub-group's partition from its fp32 master, as DeepSpeed's own loader does
+            for i, flat in enumerate(zero.fp16_partitioned_groups_flat):
+                if flat is not None and zero.fp32_partitioned_groups_flat[i].numel():
+                    flat.data.copy_(zero.fp32_partitioned_groups_flat[i].data)
+                    zero._unflatten_partitioned_parameters(i)
+
+    def named_groups(self, module, param_groups) -> list[dict]:
+        """The optimizer's groups with parameter names in place of tensors (DeepSpeed's base optimizer
+        holds flat partitions: its groups follow the order of the groups it was built from)."""
+        built = self.param_groups(module, 0.0)
+        if len(built) != len(param_groups):
+            raise ToolkitError(f"checkpoint: the optimizer holds {len(param_groups)} parameter groups where the "
+                               f"toolkit builds {len(built)}; its portable state cannot name them")
+        names = {id(p): n for n, p in module.named_parameters()}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "names": [names[id(p)] for p in b["params"]]}
+                for g, b in zip(param_groups, built)]
+
+
+def measure_plain_optimizer_steps(engine) -> None:
+    """ZeRO-0 in fp32 steps a plain torch optimizer: DeepSpeed then records no gradient norm (the
+    loop saw NaN and stopped a healthy run) and applies a non-finite step. Measure the norm here,
+    before DeepSpeed's clipping, and skip the step (DeepSpeed's `overflow`) when it is not finite."""
+    optimizer = engine.optimizer
+    max_norm = engine.gradient_clipping() or math.inf
+
+    def measure_clip_or_skip(opt, args, kwargs):
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        opt._global_grad_norm, opt.overflow = norm, not math.isfinite(norm)
+        if opt.overflow:  # a parameter without a gradient is not updated: the step is skipped
+            for p in params:
+                p.grad = None
+
+    engine.clip_fp32_gradients = lambda: None  # clipped above, after the norm is measured
+    optimizer.register_step_pre_hook(measure_clip_or_skip)
+
+
+def fp32_masters(model) -> dict:
+    """Under bf16/fp16 the module holds low-precision weights and the optimizer their fp32 master
+    copies (partitioned across ranks): gathered (every rank, the same order), by every name a tied
+    weight has."""
+    if not (model.bfloat16_enabled() or model.fp16_enabled()):
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    names: dict[int, list[str]] = {}
+    for name, p in model.module.named_parameters(remove_duplicate=False):  # tied weights: several names
+        names.setdefault(id(p), []).append(name)
+    masters = {}
+    for _, p in model.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = safe_get_full_fp32_param(p)
+        if full is not None:
+            for name in names[id(p)]:
+                masters[name] = full.detach().to("cpu", copy=True)
+    return masters
+
+
+def link_zero12_states(zero) -> None:
+    """ZeRO-1/2 links each parameter to its optimizer-state fragments once, right after the first
+    group's first step, so the parameters of every later group are left without (DeepSpeed 0.19:
+    `safe_get_full_optimizer_state` then fails with "exp_avg not found"). Link again, now that
+    every group has its state."""
+    if hasattr(zero, "_hp_optimizer_states_linked") and all(zero.optimizer.state[f] for f in
+                                                            zero.single_partition_of_fp32_groups):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()

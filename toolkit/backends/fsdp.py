@@ -1,0 +1,108 @@
+"""FSDP (1 and 2, from the accelerate YAML's fsdp_* keys): parameters, gradients and optimizer
+state sharded across ranks; a wrapped module unshards its parameters inside its own forward."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..errors import ToolkitError
+from ..verify import blank_like, read_back, tree_mismatch
+from .base import Backend
+
+
+def _fsdp_classes():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return FSDPModule, FSDP1
+
+
+class FSDP(Backend):
+    def accelerator_options(self, recipe, notes) -> dict:
+        if not self.cuda:
+            # Both only matter when ranks load different weights onto a GPU; here they query one and fail.
+            os.environ["FSDP_SYNC_MODULE_STATES"] = os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+        return {}
+
+    def after_accelerator(self) -> None:
+        if self.accelerator.state.distributed_type.name != "FSDP":
+            self.force_on_cpu()
+
+    def force_on_cpu(self) -> None:
+        """accelerate never selects FSDP on a CPU host; FSDP2 itself runs on gloo."""
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
+
+        plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* settings the launcher exported
+        # Offload copies parameters to the accelerator for compute and fails without one ("Cannot
+        # access accelerator device"); on a CPU-only host they are in CPU memory anyway (said in
+        # launch_config.check).
+        if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+            plugin.cpu_offload = OffloadPolicy()
+        elif isinstance(plugin.cpu_offload, CPUOffload) and plugin.cpu_offload.offload_params:
+            plugin.cpu_offload = CPUOffload(offload_params=False)
+        state = self.accelerator.state
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        # Every later AcceleratorState() copies PartialState's fields over its own (accelerate does
+        # that inside prepare and save_state), which turned this back into MULTI_CPU: checkpoints then
+        # took the unsharded path and failed. So PartialState says FSDP too.
+        PartialState().distributed_type = DistributedType.FSDP
+
+    @property
+    def plugin(self):
+        return self.accelerator.state.fsdp_plugin
+
+    def check_prepared(self, model) -> None:
+        FSDPModule, FSDP1 = _fsdp_classes()
+        if not (isinstance(model, (FSDPModule, FSDP1)) or any(isinstance(m, FSDPModule) for m in model.modules())):
+            raise ToolkitError("launch: FSDP was configured but the model was not wrapped by FSDP")
+
+    def layout(self) -> str:
+        plugin = self.plugin
+        kind_of_state = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)
+        return f"FSDP{getattr(plugin, 'fsdp_version', 1)} {kind_of_state}"
+
+    def call_is_collective(self, module) -> bool:
+        return any(isinstance(m, _fsdp_classes()) for m in module.modules())
+
+    def full_state_dict(self, model) -> dict:
+        state_dict = super().full_state_dict(model)
+        # A sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
+
+    def saved_state_problem(self, model, optimizer, folder: Path) -> str | None:
+        """The state dicts accelerate saved, rebuilt from the live model the way it built them; a
+        sharded checkpoint is loaded (torch.distributed.checkpoint) into empty copies of this rank's
+        shards, a full one compared on the main process."""
+        import torch.distributed.checkpoint as dcp
+        from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options  # what save_state uses
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1, StateDictType
+
+        plugin = self.plugin
+        options = _prepare_sd_options(plugin)
+        ctx = (FSDP1.state_dict_type(model, plugin.state_dict_type, plugin.state_dict_config,
+                                     plugin.optim_state_dict_config)
+               if plugin.fsdp_version == 1 else nullcontext())
+        with ctx:
+            weights = _get_model_state_dict(model, sd_options=options)
+            if plugin.fsdp_version == 2:
+                from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+                optim = get_optimizer_state_dict(model, optimizer, options=options)
+            else:
+                optim = FSDP1.optim_state_dict(model, optimizer)
+        if plugin.state_dict_type == StateDictType.FULL_STATE_DICT:
+            if self.accelerator.process_index != 0:
+                return None
+            return (tree_mismatch(read_back(folder / "pytorch_model_fsdp.bin"), weights, "pytorch_model_fsdp.bin")
+                    or tree_mismatch(read_back(folder / "optimizer.bin"), optim, "optimizer.bin"))
+        problems = []
+        for key, live, sub in (("model", weights, "pytorch_model_fsdp_0"), ("optimizer", optim, "optimizer_0")):
+            scratch = {key: blank_like(live)}
+            dcp.load(scratch, checkpoint_id=str(folder / sub))
+            problems.append(tree_mismatch(scratch[key], live, sub))
+        return next((p for p in problems if p), None)
