@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import (MODES, ROOT, alpaca_rows, kill_group, kill_started, op_results, recipe_for, run_toolkit,
-                     start_op_builds, write_jsonl, write_recipe)
+from helpers import (MODES, ROOT, alpaca_rows, finish, kill_group, kill_started, layout_command, layout_recipe,
+                     op_results, recipe_for, run_toolkit, start, start_op_builds, write_jsonl, write_layout_data,
+                     write_recipe)
 
 OP_BUILDS: list = []  # the background build of DeepSpeed's ops, when this session needs them
 
@@ -60,16 +61,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start building DeepSpeed's ops now when a selected launch test may need them: the build
-    (minutes) then runs beside the unit tier, on the core it leaves free."""
+    """Start building DeepSpeed's ops now when a selected launch test may launch DeepSpeed: the
+    builds (minutes of compiling) then begin beside the unit tier and are done, or under way, when
+    the first DeepSpeed launch needs them, instead of inside it."""
+    sources = {}
     needs = [item for item in session.items if item.get_closest_marker("launch") is not None
-             and "deepspeed_ops" in item.module.__dict__.get("__file__", "") + _source(item.module)]
+             and any(word in sources.setdefault(item.module.__file__, Path(item.module.__file__).read_text())
+                     for word in ("deepspeed", "zero"))]
     if needs and not OP_BUILDS and not session.config.option.collectonly:
         OP_BUILDS.append(start_op_builds())
-
-
-def _source(module) -> str:
-    return Path(module.__file__).read_text() if getattr(module, "__file__", None) else ""
 
 
 def pytest_sessionfinish(session):
@@ -96,6 +96,32 @@ def references(matrix_dir):
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[mode] = matrix_dir / f"ref_{mode}"
     return out
+
+
+@pytest.fixture(scope="session")
+def layout_dir(tmp_path_factory) -> Path:
+    """The data of the resume tests (helpers.layout_recipe), and the folder their runs go to."""
+    return write_layout_data(tmp_path_factory.mktemp("layouts"))
+
+
+@pytest.fixture(scope="session")
+def layout_runs(layout_dir):
+    """`get(layout, lora)`: the run folder of helpers.layout_recipe trained without interruption under
+    `layout` (single, ddp, fsdp, zero2, zero3), each trained once per session: the reference of the
+    kill-and-resume cases (test_resume.py) and the source and reference of every move to another layout
+    (test_portable_resume.py). Its output is in `train.log`."""
+    done = {}
+
+    def get(layout: str, lora: bool = False) -> Path:
+        name = f"ref_{layout}_{'lora' if lora else 'full'}"
+        if name not in done:
+            rc, out, err = finish(start(layout_command(layout_dir, layout, layout_recipe(layout_dir, name, layout, lora))))
+            assert rc == 0, err[-3000:]
+            (layout_dir / name / "train.log").write_text(out + err)
+            done[name] = layout_dir / name
+        return done[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -196,7 +198,11 @@ print(f"BUILT in {time.time() - start:.0f} s", flush=True)
 """
 
 
-OPS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
+# In the order a session first needs them: every DeepSpeed launch on a CPU host builds the shared-memory
+# collective op (deepspeed.comm) and an offloaded optimizer CPU Adam; pinned-memory offload and NVMe
+# (async_io) come later. A launch that meets an op still being built waits on its lock.
+OPS = {"shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder", "pin_memory": "PinMemoryBuilder",
+       "async_io": "AsyncIOBuilder"}
 OP_TIMEOUT = 600
 BUILD_ALL = """
 import subprocess, sys
@@ -231,23 +237,32 @@ def start_op_builds() -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def op_results(builds: subprocess.Popen) -> dict[str, tuple[str, str]]:
-    """Wait for `start_op_builds`: {op: ("built" | "incompatible" | "failed", log tail)}."""
-    try:
-        builds.wait(timeout=OP_TIMEOUT * len(OPS) + 60)
-    except subprocess.TimeoutExpired:
-        kill_group(builds)
-    results = {}
-    for op, builder in OPS.items():
+class OpResults(dict):
+    """{op: ("built" | "incompatible" | "failed", log tail)} of `start_op_builds`, each op waited for
+    only when asked for (the build of the others may still be running)."""
+
+    def __init__(self, builds: subprocess.Popen):
+        super().__init__()
+        self.builds = builds
+
+    def __missing__(self, op: str) -> tuple[str, str]:
+        builder = OPS[op]
         log, exit_file = EXTENSIONS / f"{builder}.log", EXTENSIONS / f"{builder}.exit"
+        deadline = time.monotonic() + OP_TIMEOUT * len(OPS) + 60
+        while not exit_file.is_file() and self.builds.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
         text = log.read_text() if log.is_file() else ""
-        code = exit_file.read_text() if exit_file.is_file() else "none (the build process ended first)"
+        code = exit_file.read_text() if exit_file.is_file() else "none (the build process ended first, or hung)"
         tail = f"{log}:\n" + text[-3000:]
         if code == "0":
-            results[op] = ("incompatible" if "INCOMPATIBLE" in text else "built", tail)
+            self[op] = ("incompatible" if "INCOMPATIBLE" in text else "built", tail)
         else:
-            results[op] = ("failed", f"exit {code}; {tail}")
-    return results
+            self[op] = ("failed", f"exit {code}; {tail}")
+        return self[op]
+
+
+def op_results(builds: subprocess.Popen) -> OpResults:
+    return OpResults(builds)
 
 
 def require_op(ops: dict, name: str) -> None:
@@ -298,3 +313,72 @@ def recipe_for(workdir, mode, out, micro):
         "train": {"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": STEPS,
                   "learning_rate": 3e-3, "warmup_steps": 2, "precision": "fp32", "eval_every_steps": 4},
     }
+
+
+def accelerate_launch(config, num_processes=2):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--num_processes", str(num_processes), "--main_process_port", "0", "-m"]
+
+
+def launch_config_for(backend, workdir):
+    """The shipped accelerate YAML; for ZeRO-3 a copy whose JSON partitions even tiny tensors
+    (persistence threshold 0), so a save that forgot to gather would be caught."""
+    src = ROOT / "accelerate_configs" / f"{backend}.yaml"
+    text = src.read_text()
+    if "deepspeed_config_file" not in text:
+        return src
+    launch = yaml.safe_load(text)
+    ds_path = ROOT / launch["deepspeed_config"]["deepspeed_config_file"]
+    ds = json.loads(ds_path.read_text())
+    zero = ds["zero_optimization"]
+    if zero["stage"] == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    for part in ("offload_optimizer", "offload_param"):
+        if zero.get(part, {}).get("device") == "nvme":
+            nvme = workdir / f"nvme_{backend}"
+            nvme.mkdir(exist_ok=True)
+            zero[part]["nvme_path"] = str(nvme)
+    (workdir / f"{backend}.json").write_text(json.dumps(ds))
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(workdir / f"{backend}.json")
+    (workdir / f"{backend}.yaml").write_text(yaml.safe_dump(launch))
+    return workdir / f"{backend}.yaml"
+
+
+# ----------------------------------------------------------------------------- runs of one recipe under each layout
+# The recipe of the resume tests (tests/test_resume.py, tests/test_portable_resume.py): 8 steps of global
+# batch 8 (micro 4 on one process, micro 2 x 2 processes; accumulation 2), 48 rows, so 6 steps per epoch and a
+# resumed run crosses an epoch; checkpoints every 2 steps, all kept. Its uninterrupted runs are shared by both
+# modules (conftest's `layout_runs`).
+RESUME_STEPS = 8
+LAYOUTS = {"single": None, "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3"}
+
+
+def write_layout_data(workdir: Path) -> Path:
+    write_jsonl(workdir / "train.jsonl", alpaca_rows(48, seed=5))
+    write_jsonl(workdir / "eval.jsonl", alpaca_rows(6, seed=6))
+    return workdir
+
+
+def layout_recipe(workdir: Path, name: str, layout: str, lora: bool = False, dropout: float = 0.0, **extra) -> Path:
+    """`extra`: section__key=value overrides (train__max_steps=2, data__packing=True)."""
+    sections = {
+        "output_dir": str(workdir / name), "seed": 3, "model": {"preset": "tiny-llama-mini"},
+        "lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": dropout} if lora else {"enabled": False},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "alpaca", "max_seq_len": 96},
+        "train": {"micro_batch_size": 4 if layout == "single" else 2, "gradient_accumulation_steps": 2,
+                  "max_steps": RESUME_STEPS, "learning_rate": 3e-3, "warmup_steps": 2, "eval_every_steps": 3,
+                  "log_every_steps": 1},
+        "checkpoint": {"every_steps": 2, "keep_last": 10},
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        sections[section][field] = value
+    return write_recipe(workdir / f"{name}.yaml", **sections)
+
+
+def layout_command(workdir: Path, layout: str, path: Path, *overrides) -> list[str]:
+    backend = LAYOUTS[layout]
+    if backend is None:
+        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
+    return accelerate_launch(launch_config_for(backend, workdir)) + ["toolkit", "train", str(path), *overrides]

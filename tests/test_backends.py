@@ -2,7 +2,9 @@
 
 Each case launches `accelerate launch --config_file accelerate_configs/X.yaml --num_processes 2
 -m toolkit train` with the same seed and global batch (2 processes x micro 2 x accumulation 2 = 8)
-and compares every loss and the saved final weights with a single process (micro 4 x 2).
+and compares every loss, grad norm and the saved final weights with a single process (micro 4 x 2).
+The matrix's recipe is the resume tests' (helpers.layout_recipe), so its runs under ddp, fsdp, zero2
+and zero3 are shared with them (conftest's `layout_runs`).
 """
 
 import json
@@ -12,18 +14,14 @@ import sys
 import pytest
 import torch
 
-from helpers import (MODES, ROOT, STEPS, finish, load_weights, read_metrics, recipe_for, require_op, run_command,
-                      run_toolkit, start, train_losses, write_recipe)
+from helpers import (LAYOUTS, MODES, RESUME_STEPS, ROOT, STEPS, accelerate_launch, finish, launch_config_for,
+                     layout_recipe, load_weights, read_metrics, recipe_for, require_op, run_command, run_toolkit, start,
+                     train_losses, write_recipe)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
             "zero3_nvme"]
-
-
-def accelerate_launch(config, num_processes=2):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--num_processes", str(num_processes), "--main_process_port", "0", "-m"]
 
 
 @pytest.fixture
@@ -36,89 +34,60 @@ def reference(references):
     return references
 
 
-def launch_config_for(backend, workdir):
-    """The shipped accelerate YAML; for ZeRO-3 a copy whose JSON partitions even tiny tensors
-    (persistence threshold 0), so a save that forgot to gather would be caught."""
-    src = ROOT / "accelerate_configs" / f"{backend}.yaml"
-    text = src.read_text()
-    if "deepspeed_config_file" not in text:
-        return src
-    import yaml
-
-    launch = yaml.safe_load(text)
-    ds_path = ROOT / launch["deepspeed_config"]["deepspeed_config_file"]
-    ds = json.loads(ds_path.read_text())
-    zero = ds["zero_optimization"]
-    if zero["stage"] == 3:
-        zero["stage3_param_persistence_threshold"] = 0
-    for part in ("offload_optimizer", "offload_param"):
-        if zero.get(part, {}).get("device") == "nvme":
-            nvme = workdir / f"nvme_{backend}"
-            nvme.mkdir(exist_ok=True)
-            zero[part]["nvme_path"] = str(nvme)
-    (workdir / f"{backend}.json").write_text(json.dumps(ds))
-    launch["deepspeed_config"]["deepspeed_config_file"] = str(workdir / f"{backend}.json")
-    (workdir / f"{backend}.yaml").write_text(yaml.safe_dump(launch))
-    return workdir / f"{backend}.yaml"
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backend_matches_single_process(backend, mode, workdir, reference, request):
+def test_backend_matches_single_process(backend, mode, layout_dir, layout_runs, request):
+    """helpers.layout_recipe on 2 processes against one process. The runs under ddp, fsdp, zero2 and
+    zero3 are conftest's `layout_runs`, which the resume tests also kill, resume and move between
+    layouts (one launch proves both). The other backends train the same recipe here without
+    checkpoints and with train.loss_chunk_tokens=5 (the reference: 1,024, one chunk per micro-batch):
+    each rank's micro-batch then has its own number of target tokens, so its own number of chunks,
+    and ZeRO-3 (its offload variants) gathers the output layer at every call and FSDP (its variants)
+    unshards it, collectives, so the ranks must agree on one count or wait on each other forever.
+    They learn what one process learns all the same. (This replaces
+    test_chunked_loss_with_unequal_chunk_counts_across_ranks, which ran four launches of its own.)"""
     if backend.startswith("zero") and ("offload" in backend or "nvme" in backend):  # DeepSpeed's CPU Adam
         require_op(request.getfixturevalue("deepspeed_ops"), "cpu_adam")
     if "nvme" in backend:
         require_op(request.getfixturevalue("deepspeed_ops"), "async_io")
-    out = f"{backend}_{mode}"
-    shutil.rmtree(workdir / out, ignore_errors=True)
-    path = write_recipe(workdir / f"{out}.yaml", **recipe_for(workdir, mode, out, micro=2))
-    proc = run_toolkit("train", path, launcher=accelerate_launch(launch_config_for(backend, workdir)))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    lora = mode == "lora"
+    if backend in LAYOUTS:
+        run = layout_runs(backend, lora)
+        stderr = (run / "train.log").read_text()
+    else:
+        run = layout_dir / f"{backend}_{mode}"
+        shutil.rmtree(run, ignore_errors=True)
+        path = layout_recipe(layout_dir, run.name, backend, lora, train__loss_chunk_tokens=5,
+                             checkpoint__every_steps=0)
+        proc = run_toolkit("train", path, timeout=600, launcher=accelerate_launch(launch_config_for(backend, layout_dir)))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        stderr = proc.stderr
     if backend == "fsdp_offload" and not torch.cuda.is_available():  # said, not silently dropped
-        assert "fsdp_offload_params has no effect on a CPU-only host" in proc.stderr
+        assert "fsdp_offload_params has no effect on a CPU-only host" in stderr
     # The layout a checkpoint of this run records; resume refuses any other (tests/test_edges.py).
-    layout = json.loads((workdir / out / "manifest.json").read_text())["launches"][-1]["layout"]
+    layout = json.loads((run / "manifest.json").read_text())["launches"][-1]["layout"]
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(backend[:5])
     assert layout == {"ddp": "DDP", "fsdp": "FSDP2 SHARDED_STATE_DICT"}.get(backend[:4], f"DeepSpeed ZeRO-{stage}"), layout
-    ref, got = train_losses(reference[mode]), train_losses(workdir / out)
-    assert len(got) == len(ref) == STEPS
+    reference = layout_runs("single", lora)
+    ref, got = train_losses(reference), train_losses(run)
+    assert len(got) == len(ref) == RESUME_STEPS
     rel = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
     print(f"\n{backend} {mode}: max relative loss difference {rel:.2e}")
-    (workdir / "diffs.jsonl").open("a").write(json.dumps({"backend": backend, "mode": mode, "rel": rel}) + "\n")
+    (layout_dir / "diffs.jsonl").open("a").write(json.dumps({"backend": backend, "mode": mode, "rel": rel}) + "\n")
     assert rel <= 1e-4, (ref, got)
     assert ref[-1] < ref[0]
     # The logged grad_norm is the global gradient's norm before clipping, the same on every
     # backend, also where DeepSpeed clips internally (full fine-tuning: norms above
     # max_grad_norm 1.0, so clipping is active).
-    ref_norms, norms = grad_norms(reference[mode]), grad_norms(workdir / out)
-    assert len(norms) == STEPS and (mode != "full" or min(ref_norms) > 1.0), ref_norms
+    ref_norms, norms = grad_norms(reference), grad_norms(run)
+    assert len(norms) == RESUME_STEPS and (mode != "full" or min(ref_norms) > 1.0), ref_norms
     norm_rel = max(abs(a - b) / a for a, b in zip(ref_norms, norms))
     print(f"{backend} {mode}: max relative grad_norm difference {norm_rel:.2e}")
     assert norm_rel <= 1e-4, (ref_norms, norms)
-    want, have = load_weights(reference[mode] / "final"), load_weights(workdir / out / "final")
+    want, have = load_weights(reference / "final"), load_weights(run / "final")
     assert want.keys() == have.keys() and want
     for k in want:
         assert have[k].shape == want[k].shape and have[k].numel() > 0, k
-        torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
-
-
-@pytest.mark.parametrize("backend,mode", [("ddp", "full"), ("fsdp", "full"), ("zero3", "full"), ("zero3", "lora")])
-def test_chunked_loss_with_unequal_chunk_counts_across_ranks(backend, mode, workdir, reference):
-    """train.loss_chunk_tokens=5: each rank's micro-batch has its own number of target tokens, so
-    its own number of chunks. ZeRO-3 gathers the output layer at every call, a collective, so the
-    ranks must agree on one count or wait on each other forever. The losses and weights are those
-    of the single-process reference (chunks of 1,024: one per micro-batch)."""
-    out = f"chunks5_{backend}_{mode}"
-    shutil.rmtree(workdir / out, ignore_errors=True)
-    recipe = recipe_for(workdir, mode, out, micro=2)
-    recipe["train"]["loss_chunk_tokens"] = 5
-    proc = run_toolkit("train", write_recipe(workdir / f"{out}.yaml", **recipe), timeout=600,
-                       launcher=accelerate_launch(launch_config_for(backend, workdir)))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_same_losses(reference[mode], workdir / out, f"{backend} {mode}, chunks of 5")
-    want, have = load_weights(reference[mode] / "final"), load_weights(workdir / out / "final")
-    assert want.keys() == have.keys() and want
-    for k in want:
         torch.testing.assert_close(have[k], want[k], rtol=1e-4, atol=1e-4, msg=k)
 
 

@@ -40,7 +40,7 @@ def test_compiled_layers_train_as_eager_without_recompiling(tmp_path):
 
 
 def test_compile_is_refused_under_zero3(tmp_path, data_files):
-    from test_backends import accelerate_launch
+    from helpers import accelerate_launch
     from helpers import ROOT
 
     train_f, eval_f = data_files

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import ROOT, run_command, run_toolkit, write_recipe
-from test_backends import accelerate_launch, launch_config_for
+from helpers import accelerate_launch, launch_config_for
 
 LLAMA_7B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 11008,
             "vocab_size": 32000}

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from helpers import load_weights, read_metrics, require_op, run_toolkit, train_losses, write_recipe
-from test_backends import accelerate_launch, launch_config_for, recipe_for
+from helpers import accelerate_launch, launch_config_for, recipe_for
 from test_backends import workdir  # noqa: F401
 from test_precision import BF16_LOSS_RTOL
 

@@ -10,7 +10,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from helpers import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, user_error_line, write_recipe
-from test_backends import accelerate_launch, launch_config_for
+from helpers import accelerate_launch, launch_config_for
 from test_chunked_loss import batch, lora
 from toolkit import varlen
 from toolkit.config import ModelConfig

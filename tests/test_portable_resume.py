@@ -16,60 +16,32 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (alpaca_rows, finish, load_weights, read_metrics, run_command, start, write_jsonl,
-                      write_recipe)
-from test_backends import launch_config_for
+from helpers import (RESUME_STEPS, finish, layout_command, layout_recipe, load_weights, read_metrics, run_command,
+                     start)
 from test_bad_input import snapshot
 
-STEPS, RESUME_AT = 8, 4
-LAYOUTS = {"single": None, "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3"}
+STEPS, RESUME_AT = RESUME_STEPS, 4
 MOVES = [("ddp", "single", False), ("single", "ddp", False), ("single", "ddp", True), ("zero2", "zero3", False),
          ("zero3", "fsdp", False), ("zero3", "fsdp", True), ("fsdp", "single", False),
          ("single", "zero2", False)]  # ZeRO-2 holds no optimizer state before its first step: the load makes it
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("portable")
-    write_jsonl(d / "train.jsonl", alpaca_rows(48, seed=5))  # 6 steps per epoch: the resumed run crosses an epoch
-    write_jsonl(d / "eval.jsonl", alpaca_rows(6, seed=6))
-    return d
+@pytest.fixture
+def workdir(layout_dir):
+    return layout_dir
+
+
+@pytest.fixture
+def uninterrupted(layout_runs):
+    return layout_runs
 
 
 def recipe(workdir, name, layout, lora, **train):
-    micro = 4 if layout == "single" else 2  # global batch 8 on one process and on two
-    return write_recipe(
-        workdir / f"{name}.yaml", output_dir=str(workdir / name), seed=3, model={"preset": "tiny-llama-mini"},
-        lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0} if lora else {"enabled": False},
-        data={"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
-              "format": "alpaca", "max_seq_len": 96},
-        train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": STEPS, "learning_rate": 3e-3,
-               "warmup_steps": 2, "eval_every_steps": 3, "log_every_steps": 1, **train},
-        checkpoint={"every_steps": 2, "keep_last": 10})
+    return layout_recipe(workdir, name, layout, lora, **{f"train__{k}": v for k, v in train.items()})
 
 
 def command(workdir, layout, path, *overrides):
-    backend = LAYOUTS[layout]
-    if backend is None:
-        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_config_for(backend, workdir)),
-            "--num_processes", "2", "--main_process_port", "0", "-m", "toolkit", "train", str(path), *overrides]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(workdir):
-    done = {}
-
-    def get(layout, lora):
-        name = f"ref_{layout}_{'lora' if lora else 'full'}"
-        if name not in done:
-            rc, out, err = finish(start(command(workdir, layout, recipe(workdir, name, layout, lora))))
-            assert rc == 0, err[-3000:]
-            (workdir / name / "train.log").write_text(out + err)
-            done[name] = workdir / name
-        return done[name]
-
-    return get
+    return layout_command(workdir, layout, path, *overrides)
 
 
 def losses(run):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import load_weights, read_metrics, run_toolkit, train_losses, write_recipe
-from test_backends import accelerate_launch, launch_config_for, recipe_for
+from helpers import accelerate_launch, launch_config_for, recipe_for
 from test_backends import workdir  # noqa: F401  (the same data files as the backend matrix)
 from test_train import eval_loss_with_plain_libraries, initial_weights
 

@@ -11,7 +11,6 @@ import os
 import pickle
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -19,14 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (alpaca_rows, descendants, finish, load_weights, read_metrics, read_output, start, write_jsonl,
-                      write_recipe)
+from helpers import (RESUME_STEPS, descendants, finish, layout_command, layout_recipe, load_weights, read_metrics,
+                     read_output, start)
 from toolkit import checkpoint
-from test_backends import launch_config_for
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
-STEPS = 8
+STEPS = RESUME_STEPS
 CASES = {  # name: (accelerate config or None for one plain process, lora dropout or None for full)
     "single": (None, None),
     "single_lora_dropout": (None, 0.1),  # dropout draws random numbers: RNG restore matters
@@ -40,37 +38,20 @@ PACKED = {"ddp_packed"}
 KILL_SEED = int(os.environ.get("TOOLKIT_KILL_SEED", time.time_ns() % 10_000))
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("resume")
-    write_jsonl(d / "train.jsonl", alpaca_rows(48, seed=5))  # 6 steps per epoch on 2 processes: resumes cross epochs
-    write_jsonl(d / "eval.jsonl", alpaca_rows(6, seed=6))
-    return d
+@pytest.fixture
+def workdir(layout_dir):
+    return layout_dir
 
 
-def recipe(workdir, name, dropout, **extra):
-    lora = {"enabled": False} if dropout is None else {"enabled": True, "r": 4, "alpha": 8, "dropout": dropout}
-    sections = {
-        "output_dir": str(workdir / name), "seed": 3,
-        "model": {"preset": "tiny-llama-mini"}, "lora": lora,
-        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
-                 "format": "alpaca", "max_seq_len": 96},
-        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": STEPS,
-                  "learning_rate": 3e-3, "warmup_steps": 2, "eval_every_steps": 3, "log_every_steps": 1},
-        "checkpoint": {"every_steps": 2, "keep_last": 2},
-    }
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        sections[section][field] = value
-    return write_recipe(workdir / f"{name}.yaml", **sections)
+def recipe(workdir, name, dropout, backend=None, **extra):
+    """helpers.layout_recipe (the recipe test_portable_resume.py moves between layouts), LoRA when
+    `dropout` is not None."""
+    return layout_recipe(workdir, name, backend or "single", lora=dropout is not None, dropout=dropout or 0.0,
+                         **extra)
 
 
 def command(workdir, backend, path, *overrides):
-    if backend is None:
-        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
-    config = launch_config_for(backend, workdir)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-            "--main_process_port", "0", "-m", "toolkit", "train", str(path), *overrides]
+    return layout_command(workdir, backend or "single", path, *overrides)
 
 
 def kill_tree(pid, sig=signal.SIGKILL):
@@ -124,14 +105,18 @@ def assert_identical(reference, resumed, from_step):
         assert all(np.array_equal(x, y) for x, y in zip(a["numpy"], b["numpy"])), f"numpy RNG differs ({name})"
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(workdir):
+@pytest.fixture
+def uninterrupted(workdir, layout_runs):
+    """The run never interrupted: shared with test_portable_resume.py (conftest's layout_runs) for
+    the full-fine-tuning cases on plain data; trained here for LoRA with dropout and packed rows."""
     done = {}
 
     def get(name):
+        backend, dropout = CASES[name]
+        if dropout is None and name not in PACKED:
+            return layout_runs(backend or "single")
         if name not in done:
-            backend, dropout = CASES[name]
-            path = recipe(workdir, f"ref_{name}", dropout, data__packing=name in PACKED)
+            path = recipe(workdir, f"ref_{name}", dropout, backend, data__packing=name in PACKED)
             rc, _, err = finish(start(command(workdir, backend, path)))
             assert rc == 0, err[-3000:]
             done[name] = workdir / f"ref_{name}"
@@ -151,7 +136,7 @@ def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupt
     reference = uninterrupted(name)
     kill_at = random.Random(f"{KILL_SEED}-{name}").randint(3, STEPS - 2)
     print(f"\n{name}: SIGKILL once step {kill_at} is logged (TOOLKIT_KILL_SEED={KILL_SEED})")
-    path = recipe(workdir, f"killed_{name}", dropout, data__packing=name in PACKED)
+    path = recipe(workdir, f"killed_{name}", dropout, backend, data__packing=name in PACKED)
     run = workdir / f"killed_{name}"
     proc = start(command(workdir, backend, path))
     wait_for(lambda: logged_steps(run) >= kill_at, proc)
@@ -245,7 +230,7 @@ def test_sigterm_under_accelerate_launch_checkpoints_and_resumes(target, workdir
     starts in the middle of the second epoch, where the sampler must skip its first batch again."""
     reference = uninterrupted("ddp")
     name = f"terminated_ddp_{target}"
-    path = recipe(workdir, name, None)
+    path = recipe(workdir, name, None, "ddp")
     run = workdir / name
     proc = start(command(workdir, "ddp", path), env={"TOOLKIT_FAULT_CHECKPOINT_PAUSE": "2"})
     wait_for(lambda: logged_steps(run) >= 6, proc)
@@ -297,7 +282,7 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(backend, workdir):
     skipped, not applied; the third in a row stops the run with one line and exit code 3;
     checkpoints stay intact and hold exactly the state of step 4."""
     name = f"nonfinite_{backend or 'single'}"
-    path = recipe(workdir, name, None, checkpoint__every_steps=1, checkpoint__keep_last=10)
+    path = recipe(workdir, name, None, backend, checkpoint__every_steps=1, checkpoint__keep_last=10)
     run = workdir / name
     rc, out, err = finish(start(command(workdir, backend, path), env={"TOOLKIT_FAULT_NONFINITE_STEPS": "5,6,7"}))
     # torchrun exits 1 whatever its workers' codes were; each worker's 3 is in its report.

@@ -121,7 +121,7 @@ def test_a_checkpoint_that_does_not_read_back_is_never_marked_complete(case, tmp
     partitions, frozen fragments, optimizer state) and compares it with the live state. Here
     step 4's checkpoint is changed on disk after it is written: the run stops in one line with
     exit 4, step 4 is never marked complete, and step 2 (clean, so verified) is what resume uses."""
-    from test_backends import accelerate_launch, launch_config_for
+    from helpers import accelerate_launch, launch_config_for
 
     backend, lora = CHECKPOINT_CASES[case]
     recipe = base_recipe(tmp_path, *data_files, lora={"enabled": lora}, train__max_steps=6,
@@ -166,7 +166,7 @@ def test_a_zero3_checkpoint_with_the_shipped_config_reads_back(tmp_path, data_fi
     norm weights stay whole on every rank but ZeRO-3 writes them as empty placeholders in its model
     states (their values are in the optimizer's fp32 partitions). The read-back must not take that
     for a bad save (it did, on SmolLM2-135M, before this test)."""
-    from test_backends import accelerate_launch
+    from helpers import accelerate_launch
 
     recipe = base_recipe(tmp_path, *data_files, train__max_steps=2, train__micro_batch_size=2,
                          checkpoint={"every_steps": 2})
