@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import (MODES, ROOT, alpaca_rows, finish, kill_group, kill_started, layout_command, layout_recipe,
-                     op_results, recipe_for, run_toolkit, start, start_op_builds, write_jsonl, write_layout_data,
-                     write_recipe)
+from helpers import (References, ROOT, alpaca_rows, finish, kill_group, kill_started, layout_command, layout_recipe,
+                     op_results, start, start_op_builds, write_jsonl, write_layout_data)
 
 OP_BUILDS: list = []  # the background build of DeepSpeed's ops, when this session needs them
 
@@ -88,14 +87,7 @@ def matrix_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def references(matrix_dir):
-    """Single-process fp32 runs, one per mode."""
-    out = {}
-    for mode in MODES:
-        path = write_recipe(matrix_dir / f"ref_{mode}.yaml", **recipe_for(matrix_dir, mode, f"ref_{mode}", micro=4))
-        proc = run_toolkit("train", path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[mode] = matrix_dir / f"ref_{mode}"
-    return out
+    return References(matrix_dir)
 
 
 @pytest.fixture(scope="session")

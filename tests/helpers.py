@@ -382,3 +382,21 @@ def layout_command(workdir: Path, layout: str, path: Path, *overrides) -> list[s
     if backend is None:
         return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
     return accelerate_launch(launch_config_for(backend, workdir)) + ["toolkit", "train", str(path), *overrides]
+
+
+class References(dict):
+    """references[mode]: the single-process fp32 run of helpers.recipe_for, trained the first time a
+    test asks for that mode (the precision tests and the multi-node rehearsals ask for "full")."""
+
+    def __init__(self, matrix_dir: Path):
+        super().__init__()
+        self.matrix_dir = matrix_dir
+
+    def __missing__(self, mode: str) -> Path:
+        assert mode in MODES, mode
+        path = write_recipe(self.matrix_dir / f"ref_{mode}.yaml",
+                            **recipe_for(self.matrix_dir, mode, f"ref_{mode}", micro=4))
+        proc = run_toolkit("train", path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        self[mode] = self.matrix_dir / f"ref_{mode}"
+        return self[mode]
