@@ -182,6 +182,9 @@ def write_recipe(path: Path, **sections) -> Path:
 # fresh clone never meets a lock or a half-built op left there by another run; every launch the
 # tests start inherits the setting.
 EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions")))
+# Built without debug information (tests/ops/c++ says why); torch's ninja build calls $CXX.
+if Path("/usr/bin/c++").is_file() or "TOOLKIT_REAL_CXX" in os.environ:
+    os.environ.setdefault("CXX", str(ROOT / "tests" / "ops" / "c++"))
 
 
 OP_SCRIPT = """
@@ -200,10 +203,11 @@ print(f"BUILT in {time.time() - start:.0f} s", flush=True)
 
 # In the order a session first needs them: every DeepSpeed launch on a CPU host builds the shared-memory
 # collective op (deepspeed.comm), an offloaded optimizer CPU Adam, the backend matrix's NVMe case async_io
-# (a fresh-clone CI waited 114 s for it when it came last), the corpus's pinned-memory offload pin_memory.
+# (a fresh-clone CI waited 114 s for it when it came last), the corpus's pinned-memory offload pin_memory,
+# a DeepSpeed JSON's own optimizer without offload fused_adam (a test built it inside its launch: 34 s).
 # A launch that meets an op still being built waits on its lock.
 OPS = {"shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder",
-       "pin_memory": "PinMemoryBuilder"}
+       "pin_memory": "PinMemoryBuilder", "fused_adam": "FusedAdamBuilder"}
 OP_TIMEOUT = 600
 BUILD_ALL = """
 import subprocess, sys

@@ -149,11 +149,11 @@ def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path, data_files):
 
 @pytest.mark.launch
 def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_files):
-    """Rank 1 sleeps 15 s before its forward at step 3; the limit is 3 s. Every rank writes its
+    """Rank 1 sleeps 10 s before its forward at step 3; the limit is 3 s. Every rank writes its
     stacks, the main process names rank 1, and the run then finishes normally."""
     started = time.time()
     run, proc = train(tmp_path, data_files, "train.max_steps=4", "train.warmup_steps=1", "train.watchdog_seconds=3",
-                      launcher=DDP, env={"TOOLKIT_FAULT_HANG": "1:3:15"})
+                      launcher=DDP, env={"TOOLKIT_FAULT_HANG": "1:3:10"})
     lines = [x for x in proc.stderr.splitlines() if x.startswith("watchdog: ")]
     assert len(lines) == 2, proc.stderr[-3000:]
     assert lines[0].startswith("watchdog: step 3 has run ")
