@@ -41,7 +41,7 @@ LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-TOKENIZE_VERSION = 5  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 6  # bump when tokenization or preparation changes what it produces
 EMPTY_ROWS_TOLERATED = 0.01
 """Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
 dropped with a warning while they are at most this share of their file; more is an error."""
@@ -335,22 +335,34 @@ def sharegpt_messages(turns) -> list[dict] | None:
     return messages
 
 
-def render(row: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]], bool]:
-    """Text of one example, the character spans that carry loss, and whether the text already
-    holds its own BOS (alpaca and chat templates write it; plain text gets it added). Every value
-    reaches the text as the user wrote it (text_value, chat_messages)."""
+def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """The examples of one row: (text, the character spans that carry loss, whether the text already
+    holds its own BOS; alpaca and chat templates write it, plain text gets it added). Every value
+    reaches the text as the user wrote it (text_value, chat_messages). One example per row, except a
+    chat whose template renders an earlier assistant turn differently once later turns follow (Qwen3
+    drops the <think> block of turns before the last user message): each assistant turn is then
+    trained as the template renders it at that point of the conversation, in as few examples as
+    that allows (chat_examples)."""
     if fmt == "alpaca":
         instruction, output = text_value(row, "instruction"), text_value(row, "output")
         inp = text_value(row, "input", required=False)
         template = ALPACA_PROMPT_WITH_INPUT if inp != "" else ALPACA_PROMPT
         prompt = (tokenizer.bos_token or "") + template.format(instruction=instruction, input=inp)
         text = prompt + output + tokenizer.eos_token
-        return text, [(len(prompt), len(text))], True
+        return [(text, [(len(prompt), len(text))], True)]
     if fmt == "text":
-        return text_value(row, "text") + tokenizer.eos_token, [], False
-    messages = chat_messages(row)
-    tools = row.get("tools") or None  # a list of function schemas the template renders (into the system prompt)
-    spans = []
+        return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
+    return chat_examples(chat_messages(row), row.get("tools") or None, tokenizer)
+
+
+def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """Assistant turn i carries loss on what the template adds between the conversation up to its
+    prompt (add_generation_prompt) and the conversation up to and including it. When every such
+    rendering is a prefix of the whole conversation's, one example holds them all. Otherwise (the
+    template rewrote earlier turns), the last turn's rendering is an example with every turn it
+    renders alike, and so on backwards with the turns left; `tools` (function schemas) go to every
+    rendering."""
+    turns = []  # (end of prompt, end of turn, rendering up to the turn's end)
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:  # an opening assistant turn (a greeting) answers nothing: context
             continue
@@ -359,8 +371,17 @@ def render(row: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]], 
         if not upto.startswith(before):
             raise ToolkitError("data.format=messages: the tokenizer's chat template does not render turns "
                                "as prefixes of each other, so assistant turns cannot be located")
-        spans.append((len(before), len(upto)))
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), spans, True
+        turns.append((len(before), len(upto), upto))
+    whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    if all(whole.startswith(upto) for _, _, upto in turns):
+        return [(whole, [(a, b) for a, b, _ in turns], True)]
+    examples = []
+    while turns:
+        text = turns[-1][2]
+        alike = [t for t in turns if text.startswith(t[2])]
+        examples.append((text, [(a, b) for a, b, _ in alike], True))
+        turns = [t for t in turns if t not in alike]
+    return examples[::-1]
 
 
 def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_seq_len, train_on_prompt) -> dict:
@@ -383,13 +404,22 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
             "full_targets": full_targets, "length": len(ids), "full_length": full_length}
 
 
+def tokenize_examples(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool) -> list[dict]:
+    """A row's examples (one, or one per group of chat turns: render) as `input_ids`/`labels`
+    (truncated to max_seq_len) with their target and length counts."""
+    out = []
+    for text, spans, has_specials in render(row, fmt, tokenizer):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
+        ex = _example(text, spans, has_specials, enc["input_ids"], enc["offset_mapping"], fmt, tokenizer,
+                      max_seq_len, train_on_prompt)
+        out.append({**ex, "input_ids": ex["input_ids"].tolist(), "labels": ex["labels"].tolist()})
+    return out
+
+
 def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool) -> dict:
-    """One row as `input_ids`/`labels` (truncated to max_seq_len) with its target and length counts."""
-    text, spans, has_specials = render(row, fmt, tokenizer)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
-    ex = _example(text, spans, has_specials, enc["input_ids"], enc["offset_mapping"], fmt, tokenizer,
-                  max_seq_len, train_on_prompt)
-    return {**ex, "input_ids": ex["input_ids"].tolist(), "labels": ex["labels"].tolist()}
+    """The example of a row that gives one (every alpaca and text row; chats of most templates)."""
+    (example,) = tokenize_examples(row, fmt, tokenizer, max_seq_len, train_on_prompt)
+    return example
 
 
 def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool,
@@ -401,12 +431,12 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
     out = []
     missing = {}  # row within this batch -> the null field (the row becomes a placeholder without targets)
 
-    def rendered_row(k):
+    def rendered_row(k) -> list:
         try:
             return render(rows[k], fmt, tokenizer)
         except MissingField as e:
             missing[k] = e.field
-            return "", [], True
+            return [("", [], True)]
         except ToolkitError as e:
             raise ToolkitError(f"row {indices[k] + 1}: {e}") from None
         except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
@@ -414,14 +444,15 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
 
     placeholder_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time
-        rendered = [rendered_row(k) for k in range(start, min(start + ENCODE_ROWS, len(rows)))]
-        enc = tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
+        rendered = [(k, r) for k in range(start, min(start + ENCODE_ROWS, len(rows))) for r in rendered_row(k)]
+        enc = tokenizer([r[0] for _, r in rendered], add_special_tokens=False, return_offsets_mapping=True,
                         truncation=False)
-        for k, (r, i, o) in enumerate(zip(rendered, enc["input_ids"], enc["offset_mapping"]), start):
+        for (k, r), i, o in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
             if k in missing:  # one token, no target: dropped below by the rule for rows without targets
                 i, o = [placeholder_id], [(0, 0)]
             out.append(_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt))
             out[-1]["missing"] = missing.get(k, "")
+            out[-1]["row"] = indices[k]
             if k in missing:
                 out[-1].update(n_targets=0, full_targets=0, labels=np.full(1, IGNORE, dtype=np.int32))
         del rendered, enc
@@ -435,7 +466,8 @@ def _features():
 
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
-                     "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string")})
+                     "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
+                     "row": Value("int32")})
 
 
 def default_num_proc() -> int:
@@ -474,12 +506,14 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         datasets.disable_progress_bars()
         if procs > 1 and threads is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
-    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length", "missing"]).with_format("numpy")[:]
+    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length", "missing",
+                                     "row"]).with_format("numpy")[:]
+    row_of = cols["row"] + 1  # an example's row in the file (a chat may give several examples: render)
     n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
     all_targets = (n_targets == cols["length"] - 1) & (n_targets > 0)
     if source.format != "text" and not cfg.train_on_prompt and all_targets.mean() > 0.5:
         # A prompt format whose prompts carry no tokens: the chat template dropped them (or a field is empty).
-        raise ToolkitError(f"{source.name}: row {int(np.flatnonzero(all_targets)[0]) + 1}: every token is a target in "
+        raise ToolkitError(f"{source.name}: row {int(row_of[np.flatnonzero(all_targets)[0]])}: every token is a target in "
                            f"{int(all_targets.sum())} of {len(tokenized)} rows, although data.format={source.format} "
                            "trains on responses only; the tokenizer's chat template probably renders no prompt "
                            "(or data.train_on_prompt=true was meant)")
@@ -498,7 +532,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         reason = (f"{cols['missing'][i]} is null or missing" if cols["missing"][i] else
                   f"the prompt fills data.max_seq_len={cfg.max_seq_len}" if full_targets[i] > 0
                   else "it has no response tokens")
-        where = f"{source.name}: row {i + 1}: no target tokens left ({reason})"
+        where = f"{source.name}: row {int(row_of[i])}: no target tokens left ({reason})"
         if empty.sum() > EMPTY_ROWS_TOLERATED * len(tokenized):
             raise ToolkitError(f"{where}; {int(empty.sum())} of {len(tokenized)} rows affected "
                                f"(more than {EMPTY_ROWS_TOLERATED:.0%})")
@@ -506,6 +540,10 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         report.dropped_empty += int(empty.sum())
         keep &= ~empty
     report.rows += len(tokenized)
+    if len(tokenized) > len(ds):
+        report.warnings.append(f"{source.name}: {len(ds)} rows gave {len(tokenized)} examples: the chat template "
+                               "renders earlier assistant turns differently once later turns follow (as Qwen3 drops "
+                               "earlier <think> blocks), so each turn is trained as rendered at its point")
     if not keep.any():
         raise ToolkitError(f"{source.name}: no rows left after dropping overlong rows (data.overlong=drop)")
     return tokenized, np.flatnonzero(keep)

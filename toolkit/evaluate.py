@@ -1,6 +1,6 @@
 """`toolkit eval MODEL_DIR --data FILE`: loss, perplexity and answer accuracy of a model on a data file.
 
-The loss is training's eval loss: rows rendered and labelled by `toolkit.data.tokenize_example`
+The loss is training's eval loss: rows rendered and labelled by `toolkit.data.tokenize_examples`
 (same formats, chat template and response-only labels), batched by `Collator`, and the
 token-weighted mean of next-token cross-entropy over target tokens (`toolkit.loss.token_loss_sum`
 summed, divided by the count). So a run's final/ on its eval file gives the eval_loss the run
@@ -238,13 +238,13 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
     """This rank's rows as training examples, and the questions of those with a reference answer."""
     from jinja2 import TemplateError
 
-    from .data import render, tokenize_example
+    from .data import render, tokenize_examples
 
     examples, questions = [], []
     for i in indices:
         row = rows[i]
         try:
-            examples.append(tokenize_example(row, fmt, tokenizer, max_seq_len, train_on_prompt))
+            examples.extend(tokenize_examples(row, fmt, tokenizer, max_seq_len, train_on_prompt))
             question = reference_question(row, fmt, tokenizer, render) if answers else None
         except ToolkitError as e:
             raise ToolkitError(f"{where(i)}: {e}") from None
@@ -265,7 +265,7 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         reference = text_value(row, "output")
         if not reference.strip():
             return None
-        text, spans, _ = render(row, fmt, tokenizer)
+        [(text, spans, _)] = render(row, fmt, tokenizer)
         prompt = " ".join(text_value(row, k, required=False) for k in ("instruction", "input")).strip()
         return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
     if fmt == "messages":

@@ -74,6 +74,7 @@ class Plan:
     bias_deltas: dict[str, Any]  # lora_bias: by the base bias's name, already scaled
     replaced: dict[str, Any]  # modules_to_save (and other whole tensors): by the base tensor's name
     description: str  # "LoRA r=8 alpha=16, DoRA"
+    whole: bool = False  # adapters on parameters (target_parameters): merged by peft in memory (write_whole)
 
 
 def run(args) -> int:
@@ -88,7 +89,7 @@ def run(args) -> int:
         try:
             tmp.mkdir(parents=True)
             tokenizer = write_tokenizer(plan, tmp)
-            merged, replaced, written = write_weights(plan, tmp, dtype)
+            merged, replaced, written = (write_whole if plan.whole else write_weights)(plan, tmp, dtype)
             write_configs(plan, tmp, dtype, tokenizer)
         except OSError as e:
             raise ToolkitError(f"merge: cannot write {tmp}: {e.strerror or e}") from None
@@ -119,13 +120,18 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
                            "quality; merge into the unquantized original of that model (--base PATH) instead")
     shards, index = base_shards(base)
     tensors = load_adapter_tensors(adapter)
-    modules, bias_deltas, replaced = parse_adapter(tensors, adapter_config, adapter)
-    check_fits(modules, bias_deltas, replaced, base, shards, config)
+    whole = bool(adapter_config.get("target_parameters"))
+    if whole:  # checked by peft when it loads them (write_whole)
+        modules, bias_deltas, replaced = {}, {}, {}
+    else:
+        modules, bias_deltas, replaced = parse_adapter(tensors, adapter_config, adapter)
+        check_fits(modules, bias_deltas, replaced, base, shards, config)
     alpha = adapter_config.get("lora_alpha")
     parts = [f"LoRA r={adapter_config.get('r')} alpha={f'{alpha:g}' if isinstance(alpha, (int, float)) else alpha}"]
     parts += [name for key, name in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")) if adapter_config.get(key)]
-    description = ", ".join(parts) + f" on {len(modules)} layers"
-    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description)
+    description = ", ".join(parts) + (f" on {len(modules)} layers" if not whole else
+                                       f" on layers and parameters ({', '.join(adapter_config['target_parameters'])})")
+    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole)
 
 
 def read_json(path: Path, missing: str) -> dict:
@@ -152,7 +158,7 @@ def read_adapter_config(adapter: Path) -> dict:
     if cfg.get("peft_type") != "LORA":
         raise ToolkitError(f"merge: {adapter} holds a {cfg.get('peft_type')} adapter; toolkit merge folds LoRA "
                            "adapters (plain, DoRA, rsLoRA) only")
-    unsupported = [key for key in ("layer_replication", "target_parameters", "trainable_token_indices",
+    unsupported = [key for key in ("layer_replication", "trainable_token_indices",
                                    "megatron_config", "use_qalora") if cfg.get(key)]
     unsupported += variants_other_than_dora(cfg)
     if unsupported:
@@ -361,6 +367,35 @@ def write_weights(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, s
         index = {**plan.index, "metadata": {**plan.index.get("metadata", {}), "total_size": total_size}}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return merged, replaced, written
+
+
+def write_whole(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, set[str]]:
+    """An adapter on parameters as well as layers (peft's target_parameters: the fused expert stacks
+    and routers of a mixture-of-experts model, which transformers 5 keeps fused in memory and saves
+    per expert): base and adapter loaded in fp32, merged by peft's merge_and_unload, saved by
+    transformers in the base's own checkpoint layout. Holds the whole model in memory, unlike the
+    shard-by-shard path."""
+    import warnings
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True)
+            model = PeftModel.from_pretrained(model, plan.adapter)
+            merged = sum(1 for _, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+            model = model.merge_and_unload()
+            out = getattr(torch, dtype or base_dtype(plan.config) or "float32")
+            model.to(out).save_pretrained(tmp)
+    finally:
+        logging.set_verbosity(verbosity)
+    return merged, 0, {str(out).removeprefix("torch.")}
 
 
 def write_tokenizer(plan: Plan, tmp: Path):

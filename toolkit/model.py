@@ -212,6 +212,49 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     return model
 
 
+def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tuple[str, str | None]:
+    """What a LoRA adapter reaches, as (a line, a warning or None): the share of the base model's
+    parameters its layers adapt and, in a mixture-of-experts model, whether the experts (fused 3-D
+    parameters since transformers 5, which a list of linear-layer names never reaches) and the
+    router are among them. An adapter that leaves an MoE model's experts untouched is said at the
+    start, not discovered after training. `full_shape`: the backend's (a partitioned parameter is flat)."""
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())
+
+    adapted, experts, routers = set(), {}, {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        if hasattr(module, "parameter_name"):  # peft's ParamWrapper: one parameter (a fused expert stack, a router)
+            adapted.add(id(module.get_param()))
+        elif hasattr(module, "get_base_layer"):
+            adapted.add(id(module.get_base_layer().weight))
+    total = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if "lora_" in name or pname.startswith("lora_"):
+                continue
+            total += numel(p)
+            if len(full_shape(p)) == 3:
+                experts[id(p)] = numel(p)
+            elif "router" in type(module).__name__.lower() or (experts and name.rsplit(".", 1)[-1] in ("gate", "router")):
+                routers[id(p)] = numel(p)
+    share = sum(numel(p) for p in model.parameters() if id(p) in adapted) / max(total, 1)
+    line = f"adapter on {100 * share:.1f}% of the base model's parameters"
+    if not experts:
+        return line, None
+    reached = sum(v for k, v in experts.items() if k in adapted)
+    line += (f"; experts: {'all' if reached == sum(experts.values()) else 'some' if reached else 'none'} "
+             f"({100 * sum(experts.values()) / max(total, 1):.0f}% of the parameters), "
+             f"router: {'yes' if any(k in adapted for k in routers) else 'no'}")
+    warning = None
+    if not reached:
+        warning = ("lora.target_modules leaves the experts of this mixture-of-experts model untouched "
+                   f"({100 * sum(experts.values()) / max(total, 1):.0f}% of its parameters, fused expert weights "
+                   "that no linear-layer name reaches); lora.target_modules: all-linear adapts them")
+    return line, warning
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     def numel(p):  # a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size
         return getattr(p, "ds_numel", p.numel())

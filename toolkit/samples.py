@@ -22,7 +22,7 @@ class Samples:
         elif fmt == "alpaca":  # as training renders an alpaca row without input, up to the response
             rendered = []
             for p in self.prompts:
-                text, spans, _ = render({"instruction": p, "input": "", "output": ""}, fmt, tokenizer)
+                [(text, spans, _)] = render({"instruction": p, "input": "", "output": ""}, fmt, tokenizer)
                 rendered.append((text[:spans[0][0]], False))
         else:
             rendered = [(p, True) for p in self.prompts]

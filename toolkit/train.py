@@ -30,8 +30,8 @@ from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, lab
 from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
-from .model import (DTYPES, apply_lora, build_model, build_tokenizer, compile_layers, compiled_graphs,
-                    count_parameters, isolation_probe)
+from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
+                    compiled_graphs, count_parameters, isolation_probe)
 from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -144,6 +144,11 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
         log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    if recipe.lora.enabled:
+        coverage, warning = adapter_coverage(model, backend.full_shape)
+        log(f"lora: {coverage}")
+        if warning:
+            log(f"warning: {warning}")
     if accelerator.is_main_process and (warning := run_folder.check_free_space(out, recipe, trainable, total)):
         log(f"warning: {warning}")
 

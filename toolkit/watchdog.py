@@ -100,7 +100,7 @@ class Watchdog:
             time.sleep(0.2)
         recent = self.history.get(kind)
         _say(f"watchdog: {describe_unit(kind, step)} has run {time.monotonic() - started:.0f} s (limit {limit:.0f} s"
-             + (f", recent ones {statistics.median(recent):.2f} s" if recent else "") + f"): "
+             + (f", recent ones {statistics.median(recent):.2f} s" if recent else "") + "): "
              + who_is_behind(reports, self.world) + f"; Python stacks in {self.folder}/{tag}-rank*.txt")
 
 
