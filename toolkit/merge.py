@@ -119,12 +119,11 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
         raise ToolkitError(f"merge: the base {base} is quantized ({method}); merge into a quantized base loses "
                            "quality; merge into the unquantized original of that model (--base PATH) instead")
     shards, index = base_shards(base)
-    tensors = load_adapter_tensors(adapter)
     whole = bool(adapter_config.get("target_parameters"))
     if whole:  # checked by peft when it loads them (write_whole)
         modules, bias_deltas, replaced = {}, {}, {}
     else:
-        modules, bias_deltas, replaced = parse_adapter(tensors, adapter_config, adapter)
+        modules, bias_deltas, replaced = parse_adapter(load_adapter_tensors(adapter), adapter_config, adapter)
         check_fits(modules, bias_deltas, replaced, base, shards, config)
     alpha = adapter_config.get("lora_alpha")
     parts = [f"LoRA r={adapter_config.get('r')} alpha={f'{alpha:g}' if isinstance(alpha, (int, float)) else alpha}"]

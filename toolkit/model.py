@@ -218,9 +218,6 @@ def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tu
     parameters since transformers 5, which a list of linear-layer names never reaches) and the
     router are among them. An adapter that leaves an MoE model's experts untouched is said at the
     start, not discovered after training. `full_shape`: the backend's (a partitioned parameter is flat)."""
-    def numel(p):
-        return getattr(p, "ds_numel", p.numel())
-
     adapted, experts, routers = set(), {}, {}
     for name, module in model.named_modules():
         if not hasattr(module, "lora_A"):
@@ -234,12 +231,12 @@ def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tu
         for pname, p in module.named_parameters(recurse=False):
             if "lora_" in name or pname.startswith("lora_"):
                 continue
-            total += numel(p)
+            total += full_numel(p)
             if len(full_shape(p)) == 3:
-                experts[id(p)] = numel(p)
+                experts[id(p)] = full_numel(p)
             elif "router" in type(module).__name__.lower() or (experts and name.rsplit(".", 1)[-1] in ("gate", "router")):
-                routers[id(p)] = numel(p)
-    share = sum(numel(p) for p in model.parameters() if id(p) in adapted) / max(total, 1)
+                routers[id(p)] = full_numel(p)
+    share = sum(full_numel(p) for p in model.parameters() if id(p) in adapted) / max(total, 1)
     line = f"adapter on {100 * share:.1f}% of the base model's parameters"
     if not experts:
         return line, None
@@ -255,10 +252,12 @@ def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tu
     return line, warning
 
 
-def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    def numel(p):  # a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size
-        return getattr(p, "ds_numel", p.numel())
+def full_numel(p: torch.nn.Parameter) -> int:
+    """A parameter's size in the model: a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size."""
+    return getattr(p, "ds_numel", p.numel())
 
-    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
-    total = sum(numel(p) for p in model.parameters())
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(full_numel(p) for p in model.parameters())
     return trainable, total
