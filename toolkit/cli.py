@@ -53,8 +53,8 @@ def report_user_error(e: ToolkitError, wait_for_main_s: float = 30.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # Before anything slow (building the parser imports every verb, and a verb may import torch): a
-    # signal while torch imports or data tokenizes still ends in one line.
+    # Before anything slow (a verb's module may import torch): a signal while torch imports or data
+    # tokenizes still ends in one line.
     command = next((a for a in argv if not a.startswith("-")), None)
     preemption = Preemption(STOP_TEXTS[command]) if command in STOP_TEXTS else None
     parser = argparse.ArgumentParser(prog="toolkit", description="Fine-tune causal LMs with one Accelerate loop.")
@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--accelerate-config", help="an accelerate launch config (YAML) to resolve against the recipe")
     show.add_argument("--num-processes", type=int, default=None)
     show.add_argument("--assume-gpu", action="store_true", help="judge the launch as on a CUDA host (from a laptop)")
-    for name, (_, text) in VERBS.items():
-        verb_module(name).add_arguments(sub.add_parser(name, help=text, description=text))
+    for name, (_, text) in VERBS.items():  # only the verb being run is imported (doctor imports torch)
+        verb_parser = sub.add_parser(name, help=text, description=text)
+        if name == command:
+            verb_module(name).add_arguments(verb_parser)
     args = parser.parse_args(argv)
     try:
         if args.command in VERBS:
