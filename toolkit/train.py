@@ -357,6 +357,8 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
            **run.speed.row(step, elapsed, tokens=n_tokens, targets=n_units, rows=run.sampler.global_batch,
                            squared_lengths=squared_lengths, peaks_gib=peaks),
            "skipped_steps": state.skipped_steps, "loss_scale": scale_now, "time": round(time.time(), 3)}
+    if run.recipe.train.compile:  # a count that still rises after the first steps means recompiling
+        row["compiled_graphs"] = compiled_graphs()
     return row, stop_requested
 
 
