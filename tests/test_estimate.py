@@ -122,19 +122,36 @@ print(json.dumps({"growth": peak - before}))
 """
 
 
+RSS_CASES = [(512, "full", 0), (1024, "full", 0), (1024, "chunked", 128)]
+
+
+@pytest.fixture(scope="module")
+def rss_growth(real_model_dir):
+    """{case: bytes} for RSS_CASES, each measured in a fresh single-threaded process; the three run
+    at once (each process's own peak RSS is what is measured, so they do not disturb each other)."""
+    from helpers import finish, start
+
+    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    procs = {case: start([sys.executable, "-c", RSS_SCRIPT, str(real_model_dir), str(case[0]), case[1],
+                          str(case[2] or 1024)], env=env) for case in RSS_CASES}
+    growth = {}
+    for case, proc in procs.items():
+        code, out, err = finish(proc, timeout=600)
+        assert code == 0, err[-3000:]
+        growth[case] = json.loads(out.strip().splitlines()[-1])["growth"]
+    return growth
+
+
 @pytest.mark.launch
 @pytest.mark.real_model
-@pytest.mark.parametrize("seq_len,loss,chunk", [(512, "full", 0), (1024, "full", 0), (1024, "chunked", 128)])
-def test_activation_estimate_matches_rss_of_a_real_model(seq_len, loss, chunk, real_model_dir):
+@pytest.mark.parametrize("seq_len,loss,chunk", RSS_CASES)
+def test_activation_estimate_matches_rss_of_a_real_model(seq_len, loss, chunk, real_model_dir, rss_growth):
     """SmolLM2-135M in fp32 on the CPU: the peak RSS growth of one forward and backward (a fresh
     process; every freed tensor goes back to the system) is the estimate's activations + logits,
     within 10%, with the full loss and with the chunked one (its logits term 1/8 of the full one's
     here). Gradients are allocated by a small pass first, so the growth is what autograd keeps."""
+    growth = rss_growth[(seq_len, loss, chunk)]
     chunk = chunk or 1024
-    proc = run_command([sys.executable, "-c", RSS_SCRIPT, str(real_model_dir), str(seq_len), loss, str(chunk)],
-                       timeout=600, env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
     out = run_toolkit("estimate", "--model", real_model_dir, "--precision", "fp32", "--seq-len", seq_len,
                       "--loss", loss, "--loss-chunk-tokens", chunk, "--json")
     assert out.returncode == 0, out.stderr[-3000:]
