@@ -1,8 +1,8 @@
 """Every user mistake ends before training: one line naming the file, key or line, exit code 2,
 no traceback, and nothing on disk changed (an earlier run folder, the data, the recipe).
 
-Each case writes its recipe and files, snapshots the whole folder (contents and mtimes), runs
-`python -m toolkit train` for real and compares. DeepSpeed cases set the environment that
+Each case writes its recipe and files in a folder of its own, snapshots it (contents and mtimes),
+runs `python -m toolkit train` for real and compares; the cases run two at a time. DeepSpeed cases set the environment that
 `accelerate launch --config_file zeroN.yaml` gives its workers.
 """
 
@@ -171,25 +171,53 @@ def snapshot(root):
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+# These two write into the existing run's folder if they fail to refuse (and take its lock), so they
+# run one at a time after the others; every other case runs in a folder of its own, two at a time.
+ON_EXISTING = ("non-empty output folder", "resume with a changed recipe")
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, existing_run):
+    """{case: (process, files changed?, existing run changed?)}: each case as the user would run it,
+    `python -m toolkit train`, its folder snapshot before and after."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run_case(case):
+        make, _ = CASES[case]
+        tmp = tmp_path_factory.mktemp(re.sub(r"\W+", "_", case))
+        train = write_jsonl(tmp / "train.jsonl", alpaca_rows(32, seed=1))
+        evaluation = write_jsonl(tmp / "eval.jsonl", alpaca_rows(4, seed=2))
+        recipe, overrides, env = make(tmp, base_recipe(tmp, train, evaluation, out="new_run"), existing_run)
+        path = write_recipe(tmp / "run.yaml", **recipe)
+        before, before_existing = snapshot(tmp), snapshot(existing_run[0])
+        proc = run_toolkit("train", path, *overrides, env=env, timeout=300)
+        return (proc, snapshot(tmp) != before or (tmp / "new_run").exists(),
+                snapshot(existing_run[0]) != before_existing)
+
+    apart = [case for case in CASES if case not in ON_EXISTING]
+    before_existing = snapshot(existing_run[0])
+    with ThreadPoolExecutor(2) as pool:
+        found = dict(zip(apart, pool.map(run_case, apart)))
+    changed = snapshot(existing_run[0]) != before_existing
+    found = {case: (proc, files, changed) for case, (proc, files, _) in found.items()}
+    found.update({case: run_case(case) for case in ON_EXISTING})
+    return found
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_in_one_line(case, tmp_path, existing_run):
-    make, expected = CASES[case]
-    train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))
-    evaluation = write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(4, seed=2))
-    recipe, overrides, env = make(tmp_path, base_recipe(tmp_path, train, evaluation, out="new_run"), existing_run)
-    path = write_recipe(tmp_path / "run.yaml", **recipe)
-    before, before_existing = snapshot(tmp_path), snapshot(existing_run[0])
-    proc = run_toolkit("train", path, *overrides, env=env, timeout=300)
+def test_bad_input_fails_in_one_line(case, outcomes):
+    proc, files_changed, existing_changed = outcomes[case]
+    expected = CASES[case][1]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and lines[-1] == errors[0], lines
     assert expected in errors[0], errors[0]
-    assert snapshot(tmp_path) == before, "files changed"
-    assert snapshot(existing_run[0]) == before_existing, "the existing run folder changed"
-    assert not (tmp_path / "new_run").exists()
+    assert not files_changed, "files changed (or new_run was made)"
+    assert not existing_changed, "the existing run folder changed"
 
 
 def test_a_mistake_only_another_rank_sees_is_still_one_line(monkeypatch, capsys):
