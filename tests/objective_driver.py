@@ -13,6 +13,6 @@ class Doubled(objectives.Supervised):
         return 2 * super().loss_sum(model, batch)
 
 
-objectives.for_recipe = lambda recipe: Doubled()
+objectives.for_recipe = lambda recipe, model=None: Doubled()
 if __name__ == "__main__":
     sys.exit(cli.main(["train", *sys.argv[1:]]))

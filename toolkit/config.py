@@ -52,6 +52,11 @@ class ModelConfig:
     """QLoRA: load the frozen base's linear layers in 4-bit NF4 (bitsandbytes, double quantization,
     computing in train.precision) under a LoRA adapter. Needs a CUDA GPU and `pip install
     bitsandbytes`, a model.path base and lora.enabled; refused in one line otherwise."""
+    router_aux_loss_coef: Optional[float] = None
+    """Mixture-of-experts models: the weight of the router's load-balancing loss added to the
+    training loss (logged as `aux_loss`, the eval loss stays the language-model loss). Unset: as
+    the model's config says (its `router_aux_loss_coef` when `output_router_logits` is true, else
+    off); 0 turns it off. Refused on a model without a router."""
 
 
 @dataclass
@@ -416,6 +421,8 @@ def validate(r: Recipe, source: str) -> None:
              "varlen gives the same kernel through PyTorch")
     need((r.model.path is None) != (r.model.preset is None), "model",
          "set exactly one of model.path (a local Hugging Face folder) or model.preset")
+    need(r.model.router_aux_loss_coef is None or r.model.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
+         f"must be 0 or more, got {r.model.router_aux_loss_coef}")
     need(r.lora.r > 0, "lora.r", f"must be positive, got {r.lora.r}")
     need(r.lora.alpha > 0, "lora.alpha", f"must be positive, got {r.lora.alpha}")
     need(0.0 <= r.lora.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {r.lora.dropout}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import types
 
 import torch
@@ -28,10 +29,13 @@ from .errors import ToolkitError
 from .data import IGNORE
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False):
     """Sum of next-token cross-entropies over the batch's target tokens (labels != IGNORE), the
-    way `use_token_loss` set up; `model` as prepared (DDP, FSDP, DeepSpeed) or not."""
+    way `use_token_loss` set up; `model` as prepared (DDP, FSDP, DeepSpeed) or not. `router_aux`
+    (a mixture-of-experts model): (that sum, the router's load-balancing loss of the batch)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if router_aux:
+        return model(**inputs, token_loss_labels=batch["labels"], token_loss_router_aux=True)
     return model(**inputs, token_loss_labels=batch["labels"])
 
 
@@ -50,14 +54,37 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
         check_chunked_loss(model, backend is not None and backend.partitioned_before_prepare(model))
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
-    def forward(self, *args, token_loss_labels=None, **kwargs):
+    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
+        if token_loss_router_aux:
+            kwargs["output_router_logits"] = True
         if kind == "full":
-            return full_loss_sum(original(*args, **{**kwargs, "use_cache": False}).logits, token_loss_labels)
-        return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls, **kwargs)
+            outputs = original(*args, **{**kwargs, "use_cache": False})
+            loss = full_loss_sum(outputs.logits, token_loss_labels)
+        else:
+            loss, outputs = chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls,
+                                             return_outputs=True, **kwargs)
+        if not token_loss_router_aux:
+            return loss
+        return loss, router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
 
     model.forward = types.MethodType(forward, model)
+
+
+def has_router(model) -> bool:
+    """A mixture-of-experts model whose forward can add the router's load-balancing loss."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (hasattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func")
+            and hasattr(model.config, "output_router_logits"))
+
+
+def router_aux_loss(model, router_logits, attention_mask=None) -> torch.Tensor:
+    """The router's load-balancing loss of a mixture-of-experts model, as its own forward computes
+    it (the `load_balancing_loss_func` of the model's transformers module: Switch Transformer's, over
+    every layer's router logits, padding left out by the attention mask when there is one)."""
+    function = sys.modules[type(model).__module__].load_balancing_loss_func
+    return function(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
 def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,13 +93,15 @@ def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
-                     **kwargs) -> torch.Tensor:
+                     return_outputs: bool = False, **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
-    calls (the backend's `same_call_count`; None: `n`)."""
+    calls (the backend's `same_call_count`; None: `n`). `return_outputs`: (the sum, the backbone's
+    outputs)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
-    hidden = model.get_decoder()(*args, **{**kwargs, "use_cache": False}).last_hidden_state
+    outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
+    hidden = outputs.last_hidden_state
     targets = labels[:, 1:] != IGNORE
     hidden, labels = hidden[:, :-1][targets], labels[:, 1:][targets]  # before the output layer: (targets, hidden)
     head = model.get_output_embeddings()
@@ -95,7 +124,7 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
         h, y = hidden[i * chunk_tokens:(i + 1) * chunk_tokens], labels[i * chunk_tokens:(i + 1) * chunk_tokens]
         total = total + (checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
                          else chunk_loss(h, y))
-    return total
+    return (total, outputs) if return_outputs else total
 
 
 def check_chunked_loss(model, partitioned: bool = False) -> None:

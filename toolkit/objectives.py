@@ -9,6 +9,8 @@ An objective gives, for the micro-batches of one optimizer step:
 - `loss_sum(model, batch)`: the loss summed over the batch's units, a 0-dim tensor that carries
   the gradient. The loop divides by the global count of units, so every unit weighs the same
   whatever the accumulation, the number of ranks or the padding.
+- `step_metrics(device)`: this rank's sums of the metrics it logs beside the loss since the last
+  call (summed over ranks and divided by the global units by the loop, in the same reduction).
 """
 
 from __future__ import annotations
@@ -17,14 +19,22 @@ import torch
 
 from . import observe
 from .data import IGNORE
-from .loss import token_loss_sum
+from .errors import ToolkitError
+from .loss import has_router, token_loss_sum
 
 
 class Supervised:
     """Next-token cross-entropy on the target tokens (labels != IGNORE): the responses of chat data,
-    the whole text of plain text, as the data settings chose (train.loss picks chunked or full)."""
+    the whole text of plain text, as the data settings chose (train.loss picks chunked or full).
+    `router_aux_coef` (mixture-of-experts models): the router's load-balancing loss of each
+    micro-batch, times the coefficient, is added in training, weighted by the micro-batch's target
+    tokens so that it too is a mean over the global batch; logged as `aux_loss`."""
 
     unit = "target tokens"
+
+    def __init__(self, router_aux_coef: float = 0.0):
+        self.router_aux_coef = router_aux_coef
+        self.sums: dict[str, torch.Tensor] = {}
 
     def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
         """Target tokens, processed tokens (packed rows carry no mask, so their little padding counts
@@ -39,9 +49,33 @@ class Supervised:
         return int((batch["labels"][:, 1:] != IGNORE).sum())
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_loss_sum(model, batch)
+        if not (self.router_aux_coef and model.training):  # the eval loss is the language-model loss
+            return token_loss_sum(model, batch)
+        loss, aux = token_loss_sum(model, batch, router_aux=True)
+        weighted = aux * self.units(batch)
+        self.sums["aux_loss"] = self.sums.get("aux_loss", 0) + weighted.detach().double()
+        return loss + self.router_aux_coef * weighted
+
+    def step_metrics(self, device) -> dict[str, torch.Tensor]:
+        """This rank's sums, over the micro-batches since the last call, of the metrics the loop
+        logs beside the loss (each divided by the step's global units once reduced); reset."""
+        sums, self.sums = self.sums, {}
+        names = ["aux_loss"] if self.router_aux_coef else []
+        return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
+                for name in names}
 
 
-def for_recipe(recipe) -> Supervised:
-    """The recipe's objective (supervised fine-tuning is the only one so far)."""
-    return Supervised()
+def for_recipe(recipe, model=None) -> Supervised:
+    """The recipe's objective (supervised fine-tuning is the only one so far), for `model` as built
+    (before LoRA and prepare): its router's load-balancing loss as model.router_aux_loss_coef says."""
+    coef = recipe.model.router_aux_loss_coef
+    if model is None:
+        return Supervised()
+    if not has_router(model):
+        if coef is not None:
+            raise ToolkitError(f"model.router_aux_loss_coef: {type(model).__name__} has no router "
+                               "(not a mixture-of-experts model); remove the key")
+        return Supervised()
+    if coef is None:
+        coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+    return Supervised(float(coef))

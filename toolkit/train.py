@@ -120,7 +120,9 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
-    objective = objectives.for_recipe(recipe)
+    objective = objectives.for_recipe(recipe, model)
+    if objective.router_aux_coef:
+        log(f"router: load-balancing loss x {objective.router_aux_coef:g} added to the training loss (aux_loss)")
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(
             isolation_probe(model, backend.partitioned_before_prepare(model))):
@@ -336,13 +338,16 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         raise TrainingStopped(f"train: {reason} at step {step}; stopped. Last good checkpoint: "
                               f"{last_checkpoint(run.out)}", EXIT_NONFINITE) from None
 
-    # One reduction for the loss, "a rank was asked to stop" (so all ranks agree) and each rank's
-    # peak memory (in its own slot).
+    # One reduction for the loss, "a rank was asked to stop" (so all ranks agree), each rank's
+    # peak memory (in its own slot), and the objective's own metrics (the router's aux loss).
     with monitor.phase("sync", step):
+        extra = run.objective.step_metrics(acc.device)
         flags = torch.zeros(1 + world, dtype=torch.float64)
         flags[0], flags[1 + rank] = float(run.preemption.requested), observe.peak_memory_gib(acc.device)
-        totals = acc.reduce(torch.cat([loss_sum.double().reshape(1), flags.to(acc.device)]), reduction="sum").tolist()
-        loss, stop_requested, peaks = totals[0] / n_units, totals[1] > 0, totals[2:]
+        sums = torch.stack([loss_sum.double(), *extra.values()])
+        totals = acc.reduce(torch.cat([sums, flags.to(acc.device)]), reduction="sum").tolist()
+        loss, *extra_sums = (x / n_units for x in totals[:len(sums)])
+        stop_requested, peaks = totals[len(sums)] > 0, totals[len(sums) + 1:]
     scale_now = run.backend.loss_scale(model)
     state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
     state.skipped_steps += not applied
@@ -353,7 +358,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         say(acc, trace_line)
     per_epoch = run.sampler.steps_per_epoch * run.sampler.global_batch  # samples an epoch trains on
     row = {"step": step, "epoch": round(epoch + seen / per_epoch, 4),
-           "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
+           "loss": loss, **dict(zip(extra, extra_sums)), "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
            **run.speed.row(step, elapsed, tokens=n_tokens, targets=n_units, rows=run.sampler.global_batch,
                            squared_lengths=squared_lengths, peaks_gib=peaks),
            "skipped_steps": state.skipped_steps, "loss_scale": scale_now, "time": round(time.time(), 3)}
