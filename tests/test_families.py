@@ -215,10 +215,27 @@ def test_family_trains(family_dir, family, mode, layout):
         torch.testing.assert_close(have[k], expect[k], rtol=1e-4, atol=1e-4, msg=k)
 
 
+@pytest.fixture(scope="module")
+def merged(family_dir):
+    """merged(family): `toolkit merge` of the family's one-process LoRA run (merged once), checked
+    by merge's own logits check against base + adapter."""
+    done = {}
+
+    def get(family: str):
+        if family not in done:
+            run, _ = train_family(family_dir, family, "lora", "single")
+            proc = run_toolkit("merge", run / "final", "--out", run.parent / "merged")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "check: merged vs base + adapter" in proc.stdout, proc.stdout
+            done[family] = run.parent / "merged"
+        return done[family]
+    return get
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen3-moe" else pytest.mark.slow)
                                     for f in ("qwen3-moe", "mixtral")])
-def test_moe_lora_reaches_the_experts_says_so_and_merges(family_dir, family, tmp_path):
+def test_moe_lora_reaches_the_experts_says_so_and_merges(family_dir, merged, family):
     """`all-linear` on a mixture-of-experts model adapts the fused expert stacks and the router (peft's
     target_parameters), the start-of-run line says so, and `toolkit merge` writes the experts (its
     logits check against base + adapter passes, which it cannot if the experts' update were lost)."""
@@ -231,9 +248,85 @@ def test_moe_lora_reaches_the_experts_says_so_and_merges(family_dir, family, tmp
     assert "leaves the experts" not in log
     config = json.loads((run / "final" / "adapter_config.json").read_text())
     assert {"gate_up_proj", "down_proj"} <= set(config["target_parameters"]) or family != "qwen3-moe", config
-    proc = run_toolkit("merge", run / "final", "--out", tmp_path / "merged")
+    assert (merged(family) / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- after training, each family
+# What a user does next with a family's run: eval it, merge it, chat with it, and train padding-free.
+AFTER_IN_CI = {"qwen3-moe"}
+NO_PADDING_FREE = {"gemma3": "sliding-window"}  # varlen attends causally over whole documents only
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in AFTER_IN_CI else pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_family_evaluates_merges_generates_and_trains_padding_free(family_dir, merged, family):
+    """On the family's one-process LoRA run (packed): `toolkit eval` of its adapter gives the eval
+    loss the run logged last (1e-4) and answers every row through the family's template; `toolkit
+    merge` passes its logits check; `toolkit generate` answers from the merged folder, stopping
+    within its budget; data.padding_free learns what the packed run learned (losses 1e-5, weights),
+    or is refused in one line naming the reason (Gemma 3's sliding window)."""
+    import json
+
+    import torch
+
+    from helpers import load_weights, read_metrics, train_losses, user_error_line
+
+    workdir, _ = family_dir(family)
+    run, _ = train_family(family_dir, family, "lora", "single")
+    proc = run_toolkit("eval", run / "final", "--data", workdir / "eval.jsonl", "--max-new-tokens", "8", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "check: merged vs base + adapter" in proc.stdout, proc.stdout
+    result = json.loads(proc.stdout)
+    logged = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r][-1]
+    assert result["loss"] == pytest.approx(logged, rel=1e-4), (result["loss"], logged)
+    assert result["answers"]["scored"] == 6, result["answers"]
+
+    proc = run_toolkit("generate", merged(family), "--prompt", "What is 2 plus 3?", "--max-new-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 1 <= answer["tokens"] <= 8, answer
+
+    path = family_recipe(workdir, family_dir(family)[1], "lora_padding_free", "lora", "single")
+    proc = run_toolkit("train", path, "data.padding_free=true")
+    if family in NO_PADDING_FREE:
+        line = user_error_line(proc)
+        assert "model.attn_implementation" in line and NO_PADDING_FREE[family] in line, line
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attention: varlen" in proc.stdout + proc.stderr and "padding instead" not in proc.stdout + proc.stderr
+    free, packed = train_losses(workdir / "lora_padding_free"), train_losses(run)
+    torch.testing.assert_close(torch.tensor(free), torch.tensor(packed), rtol=1e-5, atol=0)
+    want, have = load_weights(run / "final"), load_weights(workdir / "lora_padding_free" / "final")
+    assert want.keys() == have.keys() and want
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_stops_at_the_familys_end_of_turn(family, tmp_path):
+    """The stop tokens `toolkit generate` and eval use include the family's end-of-turn token, found
+    from its real template (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, `<|end|>`, `</s>`), and
+    generation ends at it: a model made to emit it first answers with nothing, in one token."""
+    import torch
+
+    from toolkit.inference import generate_with_counts, stop_token_ids
+
+    tokenizer = family_tokenizer(family)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(build_family(family, tmp_path / "model")).eval()
+    end = tokenizer.convert_tokens_to_ids(FAMILIES[family]["end_of_turn"])
+    assert end in stop_token_ids(model, tokenizer), (family, stop_token_ids(model, tokenizer))
+    head = model.get_output_embeddings()
+    with torch.no_grad():  # every position's most likely next token: the end of turn
+        if model.config.tie_word_embeddings:
+            head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+            head.weight.copy_(model.get_input_embeddings().weight)
+            model.set_output_embeddings(head)
+        else:
+            head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+        head.bias[end] = 1e4
+    [(answer, tokens)] = generate_with_counts(model, tokenizer, ["What is 2 plus 3?"], max_new_tokens=8)
+    assert (answer, tokens) == ("", 1), (family, answer, tokens)
 
 
 def test_an_adapter_that_misses_the_experts_is_said_at_start():
