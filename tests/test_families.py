@@ -29,7 +29,7 @@ THINK = [{"role": "user", "content": "2+2?"},
          {"role": "assistant", "content": "<think>\nfour times three\n</think>\n\n12"}]
 
 # What each family's template renders (tests/chat_templates/INDEX.yaml has the full account).
-RENDERS_SYSTEM = {f for f in FAMILIES if f not in ("mistral", "mixtral")}  # they raise on a system role
+RENDERS_SYSTEM = {f for f in FAMILIES if f not in ("mistral", "mixtral", "gemma2")}  # they raise on a system role
 RENDERS_TOOLS = {"llama3", "qwen2.5", "qwen3", "qwen3-moe"}  # gemma3 raises, phi3 drops tool turns
 REWRITES_EARLIER_THINK = {"qwen3", "qwen3-moe"}
 # Templates whose rendering of a turn changes once later turns follow, so a conversation of 2 assistant
@@ -254,7 +254,7 @@ def test_moe_lora_reaches_the_experts_says_so_and_merges(family_dir, merged, fam
 # ----------------------------------------------------------------------------- after training, each family
 # What a user does next with a family's run: eval it, merge it, chat with it, and train padding-free.
 AFTER_IN_CI = {"qwen3-moe"}
-NO_PADDING_FREE = {"gemma3": "sliding-window"}  # varlen attends causally over whole documents only
+NO_PADDING_FREE = {"gemma3": "sliding-window", "gemma2": "sliding-window"}  # varlen attends causally over whole documents only
 
 
 @pytest.mark.launch
@@ -436,3 +436,56 @@ def test_router_aux_loss_trains_and_is_logged(family_dir):
     assert "router: load-balancing loss x 0.01 added to the training loss (aux_loss)" in proc.stdout + proc.stderr
     rows = [r for r in read_metrics(workdir / "aux") if "loss" in r]
     assert len(rows) == 4 and all(math.isfinite(r["aux_loss"]) and 0.5 < r["aux_loss"] < 4 for r in rows), rows
+
+
+# ----------------------------------------------------------------------------- the shipped model recipes, at toy size
+# Each recipe in examples/recipes/models/ as shipped (LoRA settings, dtype, precision, gradient
+# checkpointing, attention, packing, loss, launch config), with only the size changed: the family's
+# tiny model in model.path, its chat data, 2 steps of sequences of 128 tokens, 2 processes of the
+# launch config its header names.
+RECIPE_FAMILY = {"llama3.1-8b-full": "llama3", "llama3.1-8b-lora": "llama3", "qwen2.5-0.5b-full": "qwen2.5",
+                 "qwen2.5-7b-lora": "qwen2.5", "qwen3-8b-full": "qwen3", "qwen3-30b-a3b-lora": "qwen3-moe",
+                 "mistral-7b-lora": "mistral", "gemma2-9b-lora": "gemma2", "gemma3-1b-full": "gemma3"}
+RECIPES_IN_CI = {"qwen3-30b-a3b-lora"}
+
+
+def test_every_model_recipe_has_its_family():
+    from helpers import ROOT
+
+    shipped = {p.stem for p in (ROOT / "examples" / "recipes" / "models").glob("*.yaml")}
+    assert shipped == set(RECIPE_FAMILY), shipped ^ set(RECIPE_FAMILY)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in RECIPES_IN_CI else pytest.mark.slow)
+                                  for n in RECIPE_FAMILY])
+def test_model_recipe_trains_at_toy_size(name, family_dir, tmp_path):
+    import math
+    import re
+
+    import yaml
+
+    from helpers import ROOT, accelerate_launch, launch_config_for, train_losses
+
+    path = ROOT / "examples" / "recipes" / "models" / f"{name}.yaml"
+    text = path.read_text()
+    recipe = yaml.safe_load(text)
+    workdir, folder = family_dir(RECIPE_FAMILY[name])
+    recipe["output_dir"] = str(tmp_path / "run")
+    recipe["model"]["path"] = str(folder)
+    recipe["data"].pop("eval_fraction", None)
+    recipe["data"].update(train_files=[str(workdir / "train.jsonl")], eval_files=[str(workdir / "eval.jsonl")],
+                          max_seq_len=128)
+    recipe["train"].update(max_steps=2, warmup_steps=1, eval_every_steps=2, log_every_steps=1,
+                           micro_batch_size=min(recipe["train"]["micro_batch_size"], 2))
+    recipe["checkpoint"] = {"every_steps": 2, "keep_last": 1}
+    launch = re.search(r"^# launch: accelerate launch --config_file accelerate_configs/(\S+)\.yaml", text, re.M).group(1)
+    launcher = None if launch == "single" else accelerate_launch(launch_config_for(launch, tmp_path))
+    proc = run_toolkit("train", write_recipe(tmp_path / f"{name}.yaml", **recipe), launcher=launcher)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = train_losses(tmp_path / "run")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+    assert (tmp_path / "run" / "final").is_dir() and (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()
+    log = proc.stdout + proc.stderr
+    if recipe["lora"]["enabled"] and RECIPE_FAMILY[name] == "qwen3-moe":
+        assert "experts: all" in log and "router: load-balancing loss x 0.001" in log, log[-3000:]

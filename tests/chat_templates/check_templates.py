@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers.utils.chat_template_utils import render_jinja_template
 
 HERE = Path(__file__).parent
-FAMILIES = ["qwen2.5", "qwen3", "mistral", "mixtral", "gpt-oss", "gemma3", "phi3", "llama3"]
+FAMILIES = ["qwen2.5", "qwen3", "mistral", "mixtral", "gpt-oss", "gemma3", "gemma2", "phi3", "llama3"]
 
 CHAT = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
 SYSTEM = [{"role": "system", "content": "SYSMARK be brief"}] + CHAT
