@@ -53,17 +53,34 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tokenizer(cfg: ModelConfig):
+    """The model's tokenizer (the preset's byte tokenizer), with model.add_special_tokens added."""
     if cfg.preset is not None:
-        return build_byte_tokenizer()
-    folder = resolve_model(cfg.path, cfg.revision)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
-                                                  trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise _load_error(cfg, folder, "a tokenizer", e) from None
-    if tokenizer.pad_token is None:  # many base models ship without one; padding is masked anyway
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = build_byte_tokenizer()
+    else:
+        folder = resolve_model(cfg.path, cfg.revision)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                      trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise _load_error(cfg, folder, "a tokenizer", e) from None
+        if tokenizer.pad_token is None:  # many base models ship without one; padding is masked anyway
+            tokenizer.pad_token = tokenizer.eos_token
+    new = [t for t in dict.fromkeys(cfg.add_special_tokens) if t not in tokenizer.get_vocab()]
+    if new:
+        tokenizer.add_tokens(new, special_tokens=True)
     return tokenizer
+
+
+def fit_vocabulary(model: torch.nn.Module, tokenizer, full_shape=lambda p: p.shape) -> int:
+    """model.add_special_tokens: grow the input embeddings and the output layer (tied or not) to
+    the tokenizer's length where the model has fewer rows, the new rows at the mean of the old ones
+    (transformers' mean resizing; the same on every rank from the run's seed). Returns the rows
+    added. `full_shape`: the backend's (a parameter partitioned at load is flat)."""
+    rows = full_shape(model.get_input_embeddings().weight)[0]
+    if len(tokenizer) <= rows:
+        return 0
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    return len(tokenizer) - rows
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

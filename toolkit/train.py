@@ -31,7 +31,7 @@ from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
 from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                    compiled_graphs, count_parameters, isolation_probe)
+                    compiled_graphs, count_parameters, fit_vocabulary, isolation_probe)
 from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -118,6 +118,11 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
         log("attention: varlen (data.padding_free; sdpa would mask the whole micro-batch)")
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    added = fit_vocabulary(model, tokenizer, backend.full_shape)
+    if recipe.model.add_special_tokens:
+        log(f"vocabulary: {len(tokenizer)} tokens with model.add_special_tokens; "
+            + (f"embeddings grown by {added} rows (mean-initialised, trained)" if added else
+               "the model's spare embedding rows hold them"))
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
     objective = objectives.for_recipe(recipe, model)
