@@ -194,9 +194,15 @@ def test_killed_before_the_first_checkpoint_starts_again(workdir, uninterrupted)
 
 
 def checkpoint_names(run):
+    """The complete checkpoints a resume finds: those in place, and a `.tmp-` write killed after
+    its marker but before its rename into place, which the resume completes (checkpoint.tidy; a
+    fresh-clone CI once killed a run in that moment)."""
+    from toolkit.checkpoint import is_complete
+
     if not (run / "checkpoints").is_dir():
         return []
-    return sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
+    return sorted(p.name.removeprefix(".tmp-") for p in (run / "checkpoints").iterdir()
+                  if not p.name.startswith(".") or (p.name.startswith(".tmp-step-") and is_complete(p)))
 
 
 def test_sigterm_checkpoints_and_exits_75(workdir, uninterrupted):
