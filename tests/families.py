@@ -41,7 +41,8 @@ FAMILIES = {
     "gemma2": dict(model_type="gemma2", config=dict(head_dim=16, sliding_window=16, tie_word_embeddings=True,
                                                     query_pre_attn_scalar=16),
                    template="gemma2.jinja", special=["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
-                   added=[], bos="<bos>", eos="<eos>", pad="<pad>", end_of_turn="<end_of_turn>"),
+                   added=[], bos="<bos>", eos="<eos>", pad="<pad>", end_of_turn="<end_of_turn>",
+                   attn="eager"),  # its attention softcapping: transformers refuses sdpa for it
     "phi3": dict(model_type="phi3", config=dict(tie_word_embeddings=False), template="phi3.jinja",
                  special=["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
                  added=[], bos="<s>", eos="<|endoftext|>", pad="<|endoftext|>", end_of_turn="<|end|>"),
