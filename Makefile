@@ -11,6 +11,9 @@ TORCH_PIP_ARGS ?=
 RECIPE ?= examples/recipes/quickstart_full.yaml
 # `slow` cases (the full config-corpus launch sweep) are run by hand: make test PYTEST_ARGS="-m slow"
 PYTEST_ARGS ?= -m "not slow"
+# Test files run in this many pytest-xdist workers (a file's tests stay in one worker, with its module-scoped
+# runs); a single process leaves one of 2 cores idle most of the time. PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup train test data clean constraints gpu-check gpu-wheels docs
 
@@ -30,7 +33,7 @@ train: $(STAMP)
 	$(BIN)/python examples/quickstart.py $(RECIPE)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # docs/recipe-keys.md from the docstrings of toolkit/config.py (tests/test_config.py keeps the two in sync).
 docs: $(STAMP)

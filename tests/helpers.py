@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +40,22 @@ def run_command(cmd, cwd=ROOT, env=None, timeout=900) -> subprocess.CompletedPro
     finally:
         kill_group(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def shared_base(tmp_path_factory) -> Path:
+    """The folder every pytest-xdist worker of this session sees (the controller's base temp, whose
+    `gw0`, `gw1` folders are the workers' own); without xdist, this session's base temp."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once(marker: Path, make) -> None:
+    """Call `make()` in one process of the session: the other xdist workers wait on its lock and
+    skip it once `marker` says it succeeded (a failed `make` leaves no marker: the next caller tries again)."""
+    with FileLock(f"{marker}.lock"):
+        if not marker.exists():
+            make()
+            marker.touch()
 
 
 _STARTED: list[subprocess.Popen] = []
@@ -242,6 +259,45 @@ def start_op_builds() -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+class BuildsElsewhere:
+    """The op builds another pytest-xdist worker of this session started: `poll()` as a Popen's."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self):
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return 0
+        return None
+
+
+def session_op_builds(shared: Path):
+    """`start_op_builds` once per session: the first xdist worker that needs the ops starts them and
+    writes the builder's pid to SHARED/op-builds.pid; the others wait on the same exit files. Only the
+    session's main process stops them at its end (`stop_op_builds`), so a worker that finishes first
+    never kills a build another worker still waits on."""
+    pid_file = shared / "op-builds.pid"
+    with FileLock(f"{pid_file}.lock"):
+        if pid_file.exists():
+            return BuildsElsewhere(int(pid_file.read_text()))
+        builds = start_op_builds()
+        pid_file.write_text(str(builds.pid))
+        return builds
+
+
+def stop_op_builds(shared: Path) -> None:
+    """Kill the session's op builds if still running (a build killed midway leaves its lock: the next
+    session clears it)."""
+    pid_file = shared / "op-builds.pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError):
+            pass
+
+
 class OpResults(dict):
     """{op: ("built" | "incompatible" | "failed", log tail)} of `start_op_builds`, each op waited for
     only when asked for (the build of the others may still be running)."""
@@ -391,7 +447,8 @@ def layout_command(workdir: Path, layout: str, path: Path, *overrides) -> list[s
 
 class References(dict):
     """references[mode]: the single-process fp32 run of helpers.recipe_for, trained the first time a
-    test asks for that mode (the precision tests and the multi-node rehearsals ask for "full")."""
+    test asks for that mode (the precision tests and the multi-node rehearsals ask for "full"), once
+    for all the xdist workers of the session."""
 
     def __init__(self, matrix_dir: Path):
         super().__init__()
@@ -399,9 +456,13 @@ class References(dict):
 
     def __missing__(self, mode: str) -> Path:
         assert mode in MODES, mode
-        path = write_recipe(self.matrix_dir / f"ref_{mode}.yaml",
-                            **recipe_for(self.matrix_dir, mode, f"ref_{mode}", micro=4))
-        proc = run_toolkit("train", path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+
+        def train():
+            path = write_recipe(self.matrix_dir / f"ref_{mode}.yaml",
+                                **recipe_for(self.matrix_dir, mode, f"ref_{mode}", micro=4))
+            proc = run_toolkit("train", path)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+
+        once(self.matrix_dir / f"ref_{mode}.done", train)
         self[mode] = self.matrix_dir / f"ref_{mode}"
         return self[mode]
