@@ -1,6 +1,7 @@
 """model.add_special_tokens: new special tokens are single tokens, the embeddings and the output
 layer (tied or not) grow to hold them, and the grown model trains, resumes on another layout and
-converts like any other (full fine-tuning; with LoRA it is refused in one line)."""
+converts like any other; with LoRA their rows train whole beside the adapter (peft's trainable
+tokens), and merge, generate and convert grow the base to carry them."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import torch
 
 from families import FAMILIES, build_family
 from helpers import (accelerate_launch, launch_config_for, load_weights, read_metrics, run_command, run_toolkit,
-                     train_losses, write_jsonl, write_recipe)
+                     train_losses, user_error_line, write_jsonl, write_recipe)
 
 NEW = ["<|calc|>", "<|endcalc|>"]
 
@@ -47,15 +48,36 @@ def test_new_tokens_are_single_and_grow_the_embeddings(family, folders):
     assert fit_vocabulary(model, tokenizer) == 0  # rows enough: nothing grows
 
 
-def test_with_lora_it_is_refused_in_one_line(tmp_path, folders):
-    path = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={
-        "path": str(folders["llama3"]), "add_special_tokens": NEW}, lora={"enabled": True},
-        data={"train_files": [str(tmp_path / "t.jsonl")]})
-    from toolkit.config import load_recipe
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3"], ids=["tied", "untied"])
+def test_with_lora_the_token_rows_train_whole_beside_the_adapter(family, folders):
+    """The rows of the listed tokens and every added row train (in an untied output layer too; a tied
+    one shares them), and nothing else of the embeddings; an output layer both in lora.target_modules
+    and holding trained rows is refused in one line."""
+    from toolkit.config import LoraConfig, ModelConfig
     from toolkit.errors import ToolkitError
+    from toolkit.model import apply_lora, build_model, build_tokenizer, fit_vocabulary, token_rows
 
-    with pytest.raises(ToolkitError, match="model.add_special_tokens: new tokens need their embedding rows trained"):
-        load_recipe(path)  # at load, before anything runs (the CLI prints it as its one line)
+    eos = FAMILIES[family]["eos"]  # already a token, listed: its row trains too (a base's reserved chat token)
+    cfg = ModelConfig(path=str(folders[family]), add_special_tokens=NEW + [eos])
+    tokenizer = build_tokenizer(cfg)
+    model = build_model(cfg)
+    added = fit_vocabulary(model, tokenizer)
+    rows = token_rows(model, tokenizer, cfg.add_special_tokens, added)
+    assert rows == sorted(tokenizer.convert_tokens_to_ids(NEW + [eos])) and added == 2
+    if family == "llama3":
+        with pytest.raises(ToolkitError, match="lora.target_modules: lm_head is the output layer"):
+            apply_lora(build_model(cfg), LoraConfig(enabled=True, r=4, target_modules=["q_proj", "lm_head"]), rows)
+    model = apply_lora(model, LoraConfig(enabled=True, r=4), rows)
+    deltas = {n: p for n, p in model.named_parameters() if p.requires_grad and "trainable_tokens" in n}
+    assert {n.split(".token_adapter")[0].rsplit(".", 1)[-1] for n in deltas} == (
+        {"embed_tokens"} if family == "qwen2.5" else {"embed_tokens", "lm_head"}), sorted(deltas)
+    assert all(p.shape == (len(rows), model.config.hidden_size) for p in deltas.values())
+    ids = torch.tensor([tokenizer("a <|calc|>1+2<|endcalc|> 3", add_special_tokens=False)["input_ids"]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in deltas.values())
+    frozen = [n for n, p in model.named_parameters() if ("embed_tokens" in n or "lm_head" in n)
+              and "trainable_tokens" not in n and p.requires_grad]
+    assert frozen == []
 
 
 def calc_rows(n: int, seed: int) -> list[dict]:
@@ -124,3 +146,79 @@ def test_grown_vocabulary_trains_resumes_on_another_layout_and_converts(tmp_path
     trained = model.get_input_embeddings().weight
     assert not torch.equal(trained[new_ids], at_two[new_ids])  # the new rows kept training after step 2
     assert json.loads((out / "config.json").read_text())["vocab_size"] == len(tokenizer)
+
+
+@pytest.mark.launch
+def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp_path, folders):
+    """Llama 3 (untied output layer) under LoRA with two new tokens: one process for 4 steps, the same
+    run resumed at step 2 on 2 processes under FSDP ends where it ended (losses and adapter, token
+    rows included, within 1e-4; ZeRO-3 is refused in one line on a host without CUDA, where peft
+    cannot build the rows); `toolkit merge` (its logits check against base + adapter over the grown
+    base) writes a model whose vocabulary is the tokenizer's and whose new rows are the trained ones;
+    `generate` loads the adapter over the original base; `checkpoint convert` merges the step-2 adapter
+    into the grown base the same way."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.inference import load_for_inference
+
+    train = write_jsonl(tmp_path / "train.jsonl", calc_rows(32, 1))
+
+    def recipe(name, micro):
+        return write_recipe(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), seed=5,
+                            model={"path": str(folders["llama3"]), "add_special_tokens": NEW},
+                            lora={"enabled": True, "r": 4, "alpha": 8},
+                            data={"train_files": [str(train)], "format": "messages", "max_seq_len": 128},
+                            train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": 4,
+                                   "learning_rate": 1e-2, "warmup_steps": 1, "log_every_steps": 1},
+                            checkpoint={"every_steps": 2, "keep_last": 5})
+
+    proc = run_toolkit("train", recipe("one", 4))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "with LoRA, 2 embedding rows train whole (peft trainable tokens)" in proc.stdout + proc.stderr
+    one = tmp_path / "one"
+    checkpoint = one / "checkpoints" / "step-000002"
+    proc = run_toolkit("train", recipe("moved", 2), f"resume={checkpoint}",
+                       launcher=accelerate_launch(launch_config_for("fsdp", tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run: backend FSDP" in proc.stderr
+    want, have = train_losses(one), [r["loss"] for r in read_metrics(tmp_path / "moved") if "loss" in r]
+    assert len(want) == 4 and have == pytest.approx(want[2:], rel=1e-4), (want, have)
+    adapter = load_file(str(one / "final" / "adapter_model.safetensors"))
+    moved = load_file(str(tmp_path / "moved" / "final" / "adapter_model.safetensors"))
+    assert adapter.keys() == moved.keys()
+    rows = {k: v for k, v in adapter.items() if "trainable_tokens" in k}
+    assert len(rows) == 2, sorted(adapter)  # the input embeddings' and the output layer's
+    for k in adapter:
+        torch.testing.assert_close(moved[k], adapter[k], rtol=1e-4, atol=1e-4, msg=k)
+
+    merged = tmp_path / "merged"
+    proc = run_command([sys.executable, "-m", "toolkit", "merge", str(one / "final"), "--out", str(merged)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 embedding rows trained whole" in proc.stdout and "check: " in proc.stdout, proc.stdout
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    new_ids = tokenizer.convert_tokens_to_ids(NEW)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) == max(new_ids) + 1
+    embed_rows = next(v for k, v in rows.items() if "embed_tokens" in k)
+    torch.testing.assert_close(model.get_input_embeddings().weight[new_ids], embed_rows)
+    head_rows = next(v for k, v in rows.items() if "lm_head" in k)
+    torch.testing.assert_close(model.get_output_embeddings().weight[new_ids], head_rows)
+
+    peft_model, peft_tokenizer = load_for_inference(str(one / "final"))  # the original base, grown on load
+    ids = torch.tensor([tokenizer("x <|calc|>1+2", add_special_tokens=False)["input_ids"]])
+    torch.testing.assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert len(peft_tokenizer) == len(tokenizer)
+
+    out = tmp_path / "converted"
+    proc = run_command([sys.executable, "-m", "toolkit", "checkpoint", "convert", str(checkpoint), "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the step-2 adapter, merged into the grown base
+    at_two = AutoModelForCausalLM.from_pretrained(out).get_input_embeddings().weight
+    assert at_two.shape == model.get_input_embeddings().weight.shape
+    assert not torch.equal(at_two[new_ids], embed_rows)  # the rows kept training after step 2
+
+    if not torch.cuda.is_available():
+        proc = run_toolkit("train", recipe("on_zero3", 2), launcher=accelerate_launch(launch_config_for("zero3", tmp_path)))
+        assert user_error_line(proc, launched=True) == (
+            "error: model.add_special_tokens: with LoRA under ZeRO-3 it needs CUDA (peft builds the trained token "
+            "rows on a CUDA device); on this host use DDP, FSDP or ZeRO-1/2")

@@ -57,8 +57,10 @@ class ModelConfig:
     end-of-turn or tool token, say). Where the model has no spare rows for them, its input
     embeddings and output layer (tied or not) grow to the tokenizer's length, the new rows started
     at the mean of the old ones, and they train with the rest; final/, checkpoints and `toolkit
-    checkpoint convert` carry the grown model and the tokenizer. Full fine-tuning only for now
-    (with lora.enabled it is refused: the adapter would leave the new rows untrained)."""
+    checkpoint convert` carry the grown model and the tokenizer. With lora.enabled the listed
+    tokens' rows (and every added row) of the input embeddings and of an untied output layer train
+    whole beside the adapter (peft's trainable tokens, saved in the adapter); `toolkit merge`,
+    `generate` and `eval` grow the base to the adapter's tokenizer before loading it."""
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: the weight of the router's load-balancing loss added to the
     training loss (logged as `aux_loss`, the eval loss stays the language-model loss). Unset: as
@@ -428,9 +430,6 @@ def validate(r: Recipe, source: str) -> None:
              "varlen gives the same kernel through PyTorch")
     need((r.model.path is None) != (r.model.preset is None), "model",
          "set exactly one of model.path (a local Hugging Face folder) or model.preset")
-    need(not (r.model.add_special_tokens and r.lora.enabled), "model.add_special_tokens",
-         "new tokens need their embedding rows trained, which a LoRA adapter does not do yet; "
-         "train fully (lora.enabled=false) or use tokens the tokenizer has")
     need(all(isinstance(t, str) and t.strip() for t in r.model.add_special_tokens), "model.add_special_tokens",
          f"each token must be non-empty text, got {r.model.add_special_tokens!r}")
     need(r.model.router_aux_loss_coef is None or r.model.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",

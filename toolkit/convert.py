@@ -81,15 +81,15 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
     import torch
     from safetensors.torch import load_file
 
-    from .model import DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, fit_vocabulary
+    from .model import DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, fit_vocabulary, token_rows
     from .verify import first_mismatch
 
     weights = load_file(str(portable))
     tokenizer = build_tokenizer(recipe.model)
     model = build_model(recipe.model, TORCH_DTYPES[recipe.model.dtype], TORCH_DTYPES[recipe.train.precision])
-    fit_vocabulary(model, tokenizer)  # model.add_special_tokens: the shapes the run trained
+    added = fit_vocabulary(model, tokenizer)  # model.add_special_tokens: the shapes the run trained
     if recipe.lora.enabled:
-        model = apply_lora(model, recipe.lora)
+        model = apply_lora(model, recipe.lora, token_rows(model, tokenizer, recipe.model.add_special_tokens, added))
         base = run_dir / "base-model" if recipe.model.preset is not None else None
         if base is not None:
             if not (base / "config.json").is_file():

@@ -95,6 +95,9 @@ def _load(path: str, dtype, trust_remote_code: bool):
     if adapter:
         from peft import PeftModel
 
+        from .model import fit_vocabulary
+
+        fit_vocabulary(model, tokenizer, mean=False)  # model.add_special_tokens: the adapter brings the new rows
         try:
             model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
         except Exception as e:

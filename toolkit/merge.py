@@ -74,7 +74,8 @@ class Plan:
     bias_deltas: dict[str, Any]  # lora_bias: by the base bias's name, already scaled
     replaced: dict[str, Any]  # modules_to_save (and other whole tensors): by the base tensor's name
     description: str  # "LoRA r=8 alpha=16, DoRA"
-    whole: bool = False  # adapters on parameters (target_parameters): merged by peft in memory (write_whole)
+    whole: bool = False  # adapters on parameters (target_parameters) or trained token rows: merged by peft in memory
+    grows: bool = False  # trained token rows (model.add_special_tokens): the base grows to the adapter's tokenizer
 
 
 def run(args) -> int:
@@ -89,7 +90,8 @@ def run(args) -> int:
         try:
             tmp.mkdir(parents=True)
             tokenizer = write_tokenizer(plan, tmp)
-            merged, replaced, written = (write_whole if plan.whole else write_weights)(plan, tmp, dtype)
+            merged, replaced, written = (write_whole(plan, tmp, dtype, tokenizer) if plan.whole else
+                                         write_weights(plan, tmp, dtype))
             write_configs(plan, tmp, dtype, tokenizer)
         except OSError as e:
             raise ToolkitError(f"merge: cannot write {tmp}: {e.strerror or e}") from None
@@ -119,7 +121,8 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
         raise ToolkitError(f"merge: the base {base} is quantized ({method}); merge into a quantized base loses "
                            "quality; merge into the unquantized original of that model (--base PATH) instead")
     shards, index = base_shards(base)
-    whole = bool(adapter_config.get("target_parameters"))
+    tokens = adapter_config.get("trainable_token_indices")
+    whole = bool(adapter_config.get("target_parameters") or tokens)
     if whole:  # checked by peft when it loads them (write_whole)
         modules, bias_deltas, replaced = {}, {}, {}
     else:
@@ -128,9 +131,14 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
     alpha = adapter_config.get("lora_alpha")
     parts = [f"LoRA r={adapter_config.get('r')} alpha={f'{alpha:g}' if isinstance(alpha, (int, float)) else alpha}"]
     parts += [name for key, name in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA")) if adapter_config.get(key)]
-    description = ", ".join(parts) + (f" on {len(modules)} layers" if not whole else
-                                       f" on layers and parameters ({', '.join(adapter_config['target_parameters'])})")
-    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole)
+    if adapter_config.get("target_parameters"):
+        description = ", ".join(parts) + f" on layers and parameters ({', '.join(adapter_config['target_parameters'])})"
+    else:
+        description = ", ".join(parts) + f" on {'layers' if whole else f'{len(modules)} layers'}"
+    if tokens:
+        rows = max((len(v) for v in tokens.values()), default=0) if isinstance(tokens, dict) else len(tokens)
+        description += f", {rows} embedding rows trained whole (model.add_special_tokens)"
+    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole, bool(tokens))
 
 
 def read_json(path: Path, missing: str) -> dict:
@@ -157,8 +165,7 @@ def read_adapter_config(adapter: Path) -> dict:
     if cfg.get("peft_type") != "LORA":
         raise ToolkitError(f"merge: {adapter} holds a {cfg.get('peft_type')} adapter; toolkit merge folds LoRA "
                            "adapters (plain, DoRA, rsLoRA) only")
-    unsupported = [key for key in ("layer_replication", "trainable_token_indices",
-                                   "megatron_config", "use_qalora") if cfg.get(key)]
+    unsupported = [key for key in ("layer_replication", "megatron_config", "use_qalora") if cfg.get(key)]
     unsupported += variants_other_than_dora(cfg)
     if unsupported:
         raise ToolkitError(f"merge: {adapter}/adapter_config.json uses {', '.join(unsupported)}, which toolkit merge "
@@ -368,12 +375,13 @@ def write_weights(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, s
     return merged, replaced, written
 
 
-def write_whole(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, set[str]]:
+def write_whole(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> tuple[int, int, set[str]]:
     """An adapter on parameters as well as layers (peft's target_parameters: the fused expert stacks
     and routers of a mixture-of-experts model, which transformers 5 keeps fused in memory and saves
-    per expert): base and adapter loaded in fp32, merged by peft's merge_and_unload, saved by
-    transformers in the base's own checkpoint layout. Holds the whole model in memory, unlike the
-    shard-by-shard path."""
+    per expert), or with trained token rows (model.add_special_tokens, over a base grown to the
+    adapter's tokenizer first): base and adapter loaded in fp32, merged by peft's merge_and_unload,
+    saved by transformers in the base's own checkpoint layout. Holds the whole model in memory,
+    unlike the shard-by-shard path."""
     import warnings
 
     import torch
@@ -386,7 +394,8 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, set
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True)
+            model = grown(plan, AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32,
+                                                                     local_files_only=True), tokenizer)
             model = PeftModel.from_pretrained(model, plan.adapter)
             merged = sum(1 for _, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
             model = model.merge_and_unload()
@@ -395,6 +404,16 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None) -> tuple[int, int, set
     finally:
         logging.set_verbosity(verbosity)
     return merged, 0, {str(out).removeprefix("torch.")}
+
+
+def grown(plan: Plan, model, tokenizer):
+    """With trained token rows (model.add_special_tokens), the base with as many embedding rows as the
+    adapter's tokenizer has tokens, as the run trained it (the adapter's rows replace the new ones)."""
+    from .model import fit_vocabulary
+
+    if plan.grows:
+        fit_vocabulary(model, tokenizer, mean=False)
+    return model
 
 
 def write_tokenizer(plan: Plan, tmp: Path):
@@ -419,6 +438,12 @@ def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
     """config.json with the written dtype, and generation_config.json whose eos includes the
     tokenizer's (the token the chat template ends a turn with), so an inference server stops there."""
     config = dict(plan.config)
+    if plan.grows and len(tokenizer) > vocab_size(config):  # grown by write_whole to the adapter's tokenizer
+        text = config.get("text_config") if "vocab_size" not in config else None
+        if isinstance(text, dict):
+            config["text_config"] = {**text, "vocab_size": len(tokenizer)}
+        else:
+            config["vocab_size"] = len(tokenizer)
     if dtype is not None:
         config["dtype"] = dtype
         if "torch_dtype" in config:
@@ -436,6 +461,12 @@ def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
     if eos_ids:
         generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+
+
+def vocab_size(config: dict) -> int:
+    """The embedding rows a config.json gives (its own vocab_size, or its text model's)."""
+    text = config.get("text_config")
+    return int(config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else 0) or 0)
 
 
 # ----------------------------------------------------------------------------- the check
@@ -470,7 +501,7 @@ def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             base = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True)
-            reference = PeftModel.from_pretrained(base, plan.adapter).eval()
+            reference = PeftModel.from_pretrained(grown(plan, base, tokenizer), plan.adapter).eval()
             expected = [reference(ids).logits for ids in inputs]
             del base, reference
             merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32, local_files_only=True)

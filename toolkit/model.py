@@ -71,16 +71,29 @@ def build_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def fit_vocabulary(model: torch.nn.Module, tokenizer, full_shape=lambda p: p.shape) -> int:
+def fit_vocabulary(model: torch.nn.Module, tokenizer, full_shape=lambda p: p.shape, mean: bool = True) -> int:
     """model.add_special_tokens: grow the input embeddings and the output layer (tied or not) to
     the tokenizer's length where the model has fewer rows, the new rows at the mean of the old ones
     (transformers' mean resizing; the same on every rank from the run's seed). Returns the rows
-    added. `full_shape`: the backend's (a parameter partitioned at load is flat)."""
+    added. `full_shape`: the backend's (a parameter partitioned at load is flat). `mean=False`: the
+    new rows left as initialised, for a base whose adapter brings those rows (`token_rows`)."""
     rows = full_shape(model.get_input_embeddings().weight)[0]
     if len(tokenizer) <= rows:
         return 0
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=mean)
     return len(tokenizer) - rows
+
+
+def token_rows(model: torch.nn.Module, tokenizer, tokens: list[str], added: int,
+               full_shape=lambda p: p.shape) -> list[int]:
+    """The embedding rows a LoRA run trains for model.add_special_tokens: the listed tokens' (new, or
+    already in the tokenizer but perhaps never trained, like a base model's reserved chat tokens) and
+    every row `fit_vocabulary` added, so no row of the saved adapter's vocabulary is left as random
+    initialisation."""
+    if not tokens:
+        return []
+    rows = full_shape(model.get_input_embeddings().weight)[0]
+    return sorted(set(tokenizer.convert_tokens_to_ids(list(tokens))) | set(range(rows - added, rows)))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -197,7 +210,9 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, rows: list[int] = ()) -> torch.nn.Module:
+    """A peft LoRA adapter on `model`; `rows` (`token_rows`): embedding rows trained whole besides, in
+    the input embeddings and the output layer (peft's trainable tokens; a tied output layer shares them)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -215,9 +230,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     if widths and cfg.r > max(widths):  # an update's rank is at most its layer's smaller side
         raise ToolkitError(f"lora.r: {cfg.r} is larger than every adapted layer can use (the widest allows "
                            f"{max(widths)}); choose a rank of at most {max(widths)}")
+    tokens = trainable_token_layers(model, targets, rows) if rows else None
     peft_config = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none")
+        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none",
+        trainable_token_indices=tokens)
     if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms in fp32, input grads for checkpointing
         from peft import prepare_model_for_kbit_training
 
@@ -227,6 +244,20 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
     return model
+
+
+def trainable_token_layers(model: torch.nn.Module, targets, rows: list[int]) -> dict[str, list[int]]:
+    """peft's trainable_token_indices for `rows`: the input embeddings' and, when not tied to them,
+    the output layer's (whose new rows would otherwise stay as initialised)."""
+    names = {m: n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    layers = {names[embed]: list(rows)}
+    if head is not None and head.weight is not embed.weight:
+        if targets != "all-linear" and names[head] in targets:  # all-linear leaves the output layer out
+            raise ToolkitError(f"lora.target_modules: {names[head]} is the output layer, whose rows of "
+                               "model.add_special_tokens train whole; leave it out of the targets")
+        layers[names[head]] = list(rows)
+    return layers
 
 
 def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tuple[str, str | None]:

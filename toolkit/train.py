@@ -31,7 +31,7 @@ from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
 from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                    compiled_graphs, count_parameters, fit_vocabulary, isolation_probe)
+                    compiled_graphs, count_parameters, fit_vocabulary, isolation_probe, token_rows)
 from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -119,10 +119,13 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     added = fit_vocabulary(model, tokenizer, backend.full_shape)
+    rows = token_rows(model, tokenizer, recipe.model.add_special_tokens, added, backend.full_shape)
     if recipe.model.add_special_tokens:
         log(f"vocabulary: {len(tokenizer)} tokens with model.add_special_tokens; "
             + (f"embeddings grown by {added} rows (mean-initialised, trained)" if added else
-               "the model's spare embedding rows hold them"))
+               "the model's spare embedding rows hold them")
+            + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
+               if recipe.lora.enabled else ""))
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
     objective = objectives.for_recipe(recipe, model)
@@ -141,7 +144,9 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
             # that the adapter in final/ loads with plain peft.
             base_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             base_config = model.config
-        model = apply_lora(model, recipe.lora)
+        backend.check_adapter(bool(rows))
+        model = apply_lora(model, recipe.lora, rows)
+        backend.adapted(model)
         if recipe.model.preset is not None:
             model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
         elif not is_hub_id(recipe.model.path):  # absolute: the adapter loads from any working directory

@@ -90,6 +90,12 @@ class Backend:
     def after_accelerator(self) -> None:
         """Fix what accelerate set up differently from what was launched."""
 
+    def check_adapter(self, token_rows: bool) -> None:
+        """Refuse, in one line, a LoRA adapter this backend cannot train here (before it is built)."""
+
+    def adapted(self, model) -> None:
+        """What this backend needs to know of a LoRA-adapted model before it is prepared."""
+
     def check_distributed(self) -> None:
         """Several processes started, but accelerate not distributed: each rank would train alone."""
         started, accelerator = launched_world_size(), self.accelerator

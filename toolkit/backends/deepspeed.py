@@ -50,6 +50,24 @@ class DeepSpeed(Backend):
         if isinstance(model.optimizer, torch.optim.Optimizer) and not hasattr(model.optimizer, "_global_grad_norm"):
             measure_plain_optimizer_steps(model)
 
+    def check_adapter(self, token_rows: bool) -> None:
+        """peft builds the trained token rows of model.add_special_tokens under ZeRO-3 on a CUDA device
+        (peft 0.21, `TrainableTokensLayer._collect_token_weights`): refused on a host without CUDA."""
+        if token_rows and self.stage == 3 and not self.cuda:
+            raise ToolkitError("model.add_special_tokens: with LoRA under ZeRO-3 it needs CUDA (peft builds the "
+                               "trained token rows on a CUDA device); on this host use DDP, FSDP or ZeRO-1/2")
+
+    def adapted(self, model) -> None:
+        """ZeRO-3 gathers a module's own parameters before its forward; peft's trainable-token layer
+        (model.add_special_tokens under LoRA) reads its wrapped embedding's weight without calling
+        that module, so it is made a leaf: its forward gathers the parameters beneath it too."""
+        from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+        if self.stage == 3 and any(isinstance(m, TrainableTokensLayer) for m in model.modules()):
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, [TrainableTokensLayer])
+
     # -- what the run is ---------------------------------------------------------------------------
 
     def layout(self) -> str:
