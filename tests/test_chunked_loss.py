@@ -207,3 +207,34 @@ def test_memory_benchmark_runs():
     assert "ratio chunked/full: " in proc.stdout and "(tolerance 1e-05: within)" in proc.stdout, proc.stdout
     assert [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| f") or
             line.startswith("| c")] == ["full", "chunked"], proc.stdout
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1024])
+@pytest.mark.parametrize("variant", ["full_ft", "lora", "tied"])
+def test_per_row_log_probabilities(chunk, variant):
+    """`token_logps`: each row's sum of target log-probabilities and its target count, chunked as
+    full, both equal to the log-softmax of the model's own logits, gradients included; a row without
+    targets gives 0 of 0."""
+    from toolkit.loss import token_logps
+
+    model = {"full_ft": lambda: tiny_llama(), "lora": lambda: lora(tiny_llama(), "all-linear"),
+             "tied": lambda: tiny_llama(tied=True)}[variant]()
+    b = batch()
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1)
+    targets = b["labels"][:, 1:]
+    mask = targets != IGNORE
+    want = (logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * mask).sum(1)
+    results = {}
+    for kind in ("full", "chunked"):
+        m = copy.deepcopy(model)
+        use_token_loss(m, kind, chunk)
+        sums, counts = token_logps(m, b)
+        assert counts.tolist() == mask.sum(1).tolist() and counts[3] == 0 and sums[3] == 0
+        torch.testing.assert_close(sums.detach(), want, rtol=TOL, atol=TOL)
+        (sums * torch.tensor([1.0, -2.0, 0.5, 3.0])).sum().backward()  # unequal weights: rows stay apart
+        results[kind] = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert results["full"].keys() == results["chunked"].keys()
+    for name, g in results["chunked"].items():
+        torch.testing.assert_close(g, results["full"][name], rtol=TOL, atol=TOL, msg=name)

@@ -39,6 +39,15 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = Fal
     return model(**inputs, token_loss_labels=batch["labels"])
 
 
+def token_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the batch: the sum of the log-probabilities of its target tokens (labels != IGNORE)
+    and how many there are, the way `use_token_loss` set up (through the chunked output layer under
+    train.loss=chunked: no full-vocabulary logits held); a preference objective's log-likelihood of
+    each row's completion. `model` as prepared or not."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_row=True)
+
+
 def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backend=None) -> None:
     """Make `model(..., token_loss_labels=labels)` return the loss sum (`kind`: "chunked" or
     "full", as train.loss); without that argument the model does what it did (generation, the
@@ -54,17 +63,17 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
         check_chunked_loss(model, backend is not None and backend.partitioned_before_prepare(model))
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
-    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, **kwargs):
+    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=False, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
         if token_loss_router_aux:
             kwargs["output_router_logits"] = True
         if kind == "full":
             outputs = original(*args, **{**kwargs, "use_cache": False})
-            loss = full_loss_sum(outputs.logits, token_loss_labels)
+            loss = (full_row_logps if token_loss_per_row else full_loss_sum)(outputs.logits, token_loss_labels)
         else:
             loss, outputs = chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls,
-                                             return_outputs=True, **kwargs)
+                                             return_outputs=True, per_row=token_loss_per_row, **kwargs)
         if not token_loss_router_aux:
             return loss
         return loss, router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
@@ -92,17 +101,27 @@ def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+def full_row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the sum of its target tokens' log-probabilities, and their count."""
+    targets = labels[:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                             reduction="none").view_as(targets)  # 0 where ignored
+    return -losses.sum(1), (targets != IGNORE).sum(1)
+
+
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
-                     return_outputs: bool = False, **kwargs):
+                     return_outputs: bool = False, per_row: bool = False, **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
     calls (the backend's `same_call_count`; None: `n`). `return_outputs`: (the sum, the backbone's
-    outputs)."""
+    outputs). `per_row`: instead of the sum, (each row's sum of target log-probabilities, its count
+    of targets), as `full_row_logps`."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
     targets = labels[:, 1:] != IGNORE
+    rows = targets.nonzero()[:, 0] if per_row else None  # each target's row, in the order of the selection below
     hidden, labels = hidden[:, :-1][targets], labels[:, 1:][targets]  # before the output layer: (targets, hidden)
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and others
@@ -111,7 +130,7 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
         logits = head(h)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return F.cross_entropy(logits.float(), y, reduction="sum")
+        return F.cross_entropy(logits.float(), y, reduction="none" if per_row else "sum")
 
     # At least one call, so that the output layer takes part in every backward (DDP expects a
     # gradient for every parameter, zero or not); where each call is a collective (ZeRO-3
@@ -120,11 +139,16 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     if same_calls is not None:
         chunks = same_calls(head, chunks, hidden.device)
     total = hidden.new_zeros((), dtype=torch.float32)
+    per_rows = hidden.new_zeros(targets.shape[0], dtype=torch.float32)
     for i in range(chunks):
         h, y = hidden[i * chunk_tokens:(i + 1) * chunk_tokens], labels[i * chunk_tokens:(i + 1) * chunk_tokens]
-        total = total + (checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
-                         else chunk_loss(h, y))
-    return (total, outputs) if return_outputs else total
+        losses = checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled() else chunk_loss(h, y)
+        if per_row:
+            per_rows = per_rows.index_add(0, rows[i * chunk_tokens:(i + 1) * chunk_tokens], -losses)
+        else:
+            total = total + losses
+    result = (per_rows, targets.sum(1)) if per_row else total
+    return (result, outputs) if return_outputs else result
 
 
 def check_chunked_loss(model, partitioned: bool = False) -> None:

@@ -65,6 +65,44 @@ class Supervised:
                 for name in names}
 
 
+def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_n: torch.Tensor,
+                      rejected_n: torch.Tensor, ref_chosen: torch.Tensor | None = None,
+                      ref_rejected: torch.Tensor | None = None, *, beta: float, loss_type: str = "sigmoid",
+                      label_smoothing: float = 0.0, gamma: float = 0.5):
+    """Per pair: (loss, reward of the chosen, reward of the rejected), from each completion's summed
+    target log-probabilities (`loss.token_logps`) and target counts, as TRL 1.x defines them:
+    - "dpo": logits = (chosen - ref_chosen) - (rejected - ref_rejected); loss_type "sigmoid":
+      -log σ(β·logits) smoothed by label_smoothing (conservative DPO), "ipo": (logits - 1/(2β))² on
+      log-probabilities averaged over each completion's tokens; rewards β·(policy - reference).
+    - "simpo" (TRL's CPO with loss_type simpo, no NLL term): average log-probabilities c, r; -log
+      σ(β·(c - r - γ/β)), smoothed likewise; rewards β·c, β·r.
+    - "orpo": average log-probabilities c, r; the chosen completion's NLL -c minus β·log σ(log
+      odds(c) - log odds(r)), with log odds(p) = p - log(1 - e^p); rewards β·c, β·r. (TRL averages
+      the NLL over the batch's chosen tokens; here each pair's is averaged over its own tokens, so
+      that every pair weighs the same whatever the batch.)"""
+    import torch.nn.functional as F
+
+    def smoothed(logits):
+        return -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+
+    if method == "dpo":
+        if loss_type == "ipo":
+            chosen, rejected = chosen / chosen_n, rejected / rejected_n
+            ref_chosen, ref_rejected = ref_chosen / chosen_n, ref_rejected / rejected_n
+        logits = (chosen - ref_chosen) - (rejected - ref_rejected)
+        losses = (logits - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else smoothed(logits)
+        return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+    c, r = chosen / chosen_n, rejected / rejected_n
+    if method == "simpo":
+        losses = smoothed(c - r - gamma / beta)
+    elif method == "orpo":
+        log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        losses = -c - beta * F.logsigmoid(log_odds)
+    else:
+        raise ValueError(f"unknown preference method {method!r}")
+    return losses, beta * c.detach(), beta * r.detach()
+
+
 def for_recipe(recipe, model=None) -> Supervised:
     """The recipe's objective (supervised fine-tuning is the only one so far), for `model` as built
     (before LoRA and prepare): its router's load-balancing loss as model.router_aux_loss_coef says."""
