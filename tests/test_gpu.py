@@ -189,3 +189,37 @@ def test_fused_adamw_and_compile_on_cuda(workdir):  # noqa: F811
     record(test="compile_cuda", **losses)
     torch.testing.assert_close(torch.tensor(losses["compiled_bf16"]), torch.tensor(losses["eager_bf16"]),
                                rtol=BF16_LOSS_RTOL, atol=0)
+
+
+def test_lora_token_rows_under_zero3_on_cuda(tmp_path):
+    """model.add_special_tokens under LoRA with ZeRO-3 (refused on CPU hosts: peft builds the token
+    rows on a CUDA device): Llama 3 shape, untied, two new tokens; ZeRO-3 launched with one process
+    equals one plain process in fp32 (losses within 1e-4, adapter and token rows within 1e-4), which
+    needs the token layers marked as ZeRO-3 leaves (`DeepSpeed.adapted`)."""
+    from safetensors.torch import load_file
+
+    from families import build_family
+    from helpers import write_jsonl
+    from test_vocabulary import NEW, calc_rows
+
+    base = build_family("llama3", tmp_path / "llama3")
+    train_file = write_jsonl(tmp_path / "train.jsonl", calc_rows(32, 1))
+    runs = {}
+    for name, backend in (("single", None), ("zero3", "zero3")):
+        path = write_recipe(tmp_path / f"{name}_recipe.yaml", output_dir=str(tmp_path / name), seed=5,
+                            model={"path": str(base), "add_special_tokens": NEW}, lora={"enabled": True, "r": 4},
+                            data={"train_files": [str(train_file)], "format": "messages", "max_seq_len": 128},
+                            train={"micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 4,
+                                   "learning_rate": 1e-2, "warmup_steps": 1, "log_every_steps": 1})
+        launcher = None if backend is None else accelerate_launch(launch_config_for(backend, tmp_path), num_processes=1)
+        proc = run_toolkit("train", path, launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = tmp_path / name
+    want, have = train_losses(runs["single"]), train_losses(runs["zero3"])
+    record(case="lora_token_rows_zero3", single=want, zero3=have)
+    assert len(want) == 4 and have == pytest.approx(want, rel=1e-4)
+    a = load_file(str(runs["single"] / "final" / "adapter_model.safetensors"))
+    b = load_file(str(runs["zero3"] / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and sum("trainable_tokens" in k for k in a) == 2
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4, msg=k)
