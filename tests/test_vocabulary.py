@@ -153,7 +153,7 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     """Llama 3 (untied output layer) under LoRA with two new tokens: one process for 4 steps, the same
     run resumed at step 2 on 2 processes under FSDP ends where it ended (losses and adapter, token
     rows included, within 1e-4; ZeRO-3 is refused in one line on a host without CUDA, where peft
-    cannot build the rows); `toolkit merge` (its logits check against base + adapter over the grown
+    cannot build the rows); `toolkit eval` of the adapter gives the run's last eval loss; `toolkit merge` (its logits check against base + adapter over the grown
     base) writes a model whose vocabulary is the tokenizer's and whose new rows are the trained ones;
     `generate` loads the adapter over the original base; `checkpoint convert` merges the step-2 adapter
     into the grown base the same way."""
@@ -163,14 +163,17 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     from toolkit.inference import load_for_inference
 
     train = write_jsonl(tmp_path / "train.jsonl", calc_rows(32, 1))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", calc_rows(4, 2))
 
     def recipe(name, micro):
         return write_recipe(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), seed=5,
                             model={"path": str(folders["llama3"]), "add_special_tokens": NEW},
                             lora={"enabled": True, "r": 4, "alpha": 8},
-                            data={"train_files": [str(train)], "format": "messages", "max_seq_len": 128},
+                            data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "messages",
+                                  "max_seq_len": 128},
                             train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": 4,
-                                   "learning_rate": 1e-2, "warmup_steps": 1, "log_every_steps": 1},
+                                   "learning_rate": 1e-2, "warmup_steps": 1, "eval_every_steps": 4,
+                                   "log_every_steps": 1},
                             checkpoint={"every_steps": 2, "keep_last": 5})
 
     proc = run_toolkit("train", recipe("one", 4))
@@ -209,6 +212,10 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     ids = torch.tensor([tokenizer("x <|calc|>1+2", add_special_tokens=False)["input_ids"]])
     torch.testing.assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     assert len(peft_tokenizer) == len(tokenizer)
+    proc = run_toolkit("eval", one / "final", "--data", evaluation, "--max-new-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # its chunked-loss check had met peft's token wrapper
+    logged = [r["eval_loss"] for r in read_metrics(one) if "eval_loss" in r][-1]
+    assert json.loads(proc.stdout)["loss"] == pytest.approx(logged, rel=1e-4)
 
     out = tmp_path / "converted"
     proc = run_command([sys.executable, "-m", "toolkit", "checkpoint", "convert", str(checkpoint), "--out", str(out)])

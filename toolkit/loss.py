@@ -159,7 +159,8 @@ def check_chunked_loss(model, partitioned: bool = False) -> None:
     from .model import isolation_probe
 
     probe = isolation_probe(model, partitioned)
-    vocab = probe.get_input_embeddings().num_embeddings
+    embeddings = probe.get_input_embeddings()  # peft's trainable-token wrapper (added tokens) has no num_embeddings
+    vocab = getattr(embeddings, "num_embeddings", None) or probe.config.get_text_config().vocab_size
     device = next(probe.parameters()).device
     # No random numbers drawn (the run's stream stays as it was); eval mode: no dropout either.
     ids = (torch.arange(16, device=device) * 7 + 3).remainder(vocab)[None]
