@@ -5,6 +5,7 @@ tokens), and merge, generate and convert grow the base to carry them."""
 
 import json
 import math
+import shutil
 import sys
 
 import pytest
@@ -207,6 +208,13 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     torch.testing.assert_close(model.get_input_embeddings().weight[new_ids], embed_rows)
     head_rows = next(v for k, v in rows.items() if "lm_head" in k)
     torch.testing.assert_close(model.get_output_embeddings().weight[new_ids], head_rows)
+
+    bare = tmp_path / "adapter_without_tokenizer"  # from elsewhere, without the run's tokenizer: refused
+    shutil.copytree(one / "final", bare, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*",
+                                                                       "special_tokens_map.json", "added_tokens.json"))
+    proc = run_command([sys.executable, "-m", "toolkit", "merge", str(bare), "--out", str(tmp_path / "m2")])
+    assert user_error_line(proc).startswith(f"error: merge: {bare} trains token rows up to {max(new_ids)}, beyond the ")
+    assert not (tmp_path / "m2").exists()
 
     peft_model, peft_tokenizer = load_for_inference(str(one / "final"))  # the original base, grown on load
     ids = torch.tensor([tokenizer("x <|calc|>1+2", add_special_tokens=False)["input_ids"]])

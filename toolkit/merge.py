@@ -122,6 +122,12 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
                            "quality; merge into the unquantized original of that model (--base PATH) instead")
     shards, index = base_shards(base)
     tokens = adapter_config.get("trainable_token_indices")
+    if tokens:  # rows beyond the base's: grown to the adapter's tokenizer, which must be there
+        top = max((max(v, default=0) for v in tokens.values()), default=0) if isinstance(tokens, dict) else max(tokens)
+        if top >= vocab_size(config) and not any((adapter / f).is_file() for f in TOKENIZER_FILES[:5]):
+            raise ToolkitError(f"merge: {adapter} trains token rows up to {top}, beyond the {vocab_size(config)} rows of "
+                               f"the base {base}, and has no tokenizer to grow the base to; put the run's tokenizer "
+                               "files beside the adapter")
     whole = bool(adapter_config.get("target_parameters") or tokens)
     if whole:  # checked by peft when it loads them (write_whole)
         modules, bias_deltas, replaced = {}, {}, {}
@@ -396,7 +402,13 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> tuple[in
             warnings.simplefilter("ignore")
             model = grown(plan, AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32,
                                                                      local_files_only=True), tokenizer)
-            model = PeftModel.from_pretrained(model, plan.adapter)
+            try:
+                model = PeftModel.from_pretrained(model, plan.adapter)
+            except (RuntimeError, ValueError, KeyError, IndexError) as e:  # shapes or names the base does not have
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise ToolkitError(f"merge: peft cannot load {plan.adapter} onto {plan.base}: {first}"
+                                   + ("; the adapter's trained token rows need its own tokenizer beside it"
+                                      if plan.grows else "")) from None
             merged = sum(1 for _, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
             model = model.merge_and_unload()
             out = getattr(torch, dtype or base_dtype(plan.config) or "float32")
