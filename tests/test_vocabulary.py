@@ -93,6 +93,18 @@ def calc_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def calc_recipe(tmp_path, name, base, micro, train, evaluation, learning_rate, eval_every_steps, **sections):
+    """A 4-step run of `base` with NEW added, on calc_rows, checkpointing at steps 2 and 4."""
+    return write_recipe(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), seed=5,
+                        model={"path": str(base), "add_special_tokens": NEW},
+                        data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "messages",
+                              "max_seq_len": 128},
+                        train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": 4,
+                               "learning_rate": learning_rate, "warmup_steps": 1, "eval_every_steps": eval_every_steps,
+                               "log_every_steps": 1},
+                        checkpoint={"every_steps": 2, "keep_last": 5}, **sections)
+
+
 @pytest.mark.launch
 def test_grown_vocabulary_trains_resumes_on_another_layout_and_converts(tmp_path, folders):
     """Qwen 2.5 (tied embeddings) with two new tokens in its answers: one process for 4 steps; the
@@ -106,14 +118,7 @@ def test_grown_vocabulary_trains_resumes_on_another_layout_and_converts(tmp_path
     evaluation = write_jsonl(tmp_path / "eval.jsonl", calc_rows(4, 2))
 
     def recipe(name, micro):
-        return write_recipe(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), seed=5,
-                            model={"path": str(folders["qwen2.5"]), "add_special_tokens": NEW},
-                            data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "messages",
-                                  "max_seq_len": 128},
-                            train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": 4,
-                                   "learning_rate": 3e-3, "warmup_steps": 1, "eval_every_steps": 2,
-                                   "log_every_steps": 1},
-                            checkpoint={"every_steps": 2, "keep_last": 5})
+        return calc_recipe(tmp_path, name, folders["qwen2.5"], micro, train, evaluation, 3e-3, eval_every_steps=2)
 
     proc = run_toolkit("train", recipe("one", 4))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,15 +172,8 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     evaluation = write_jsonl(tmp_path / "eval.jsonl", calc_rows(4, 2))
 
     def recipe(name, micro):
-        return write_recipe(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), seed=5,
-                            model={"path": str(folders["llama3"]), "add_special_tokens": NEW},
-                            lora={"enabled": True, "r": 4, "alpha": 8},
-                            data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "messages",
-                                  "max_seq_len": 128},
-                            train={"micro_batch_size": micro, "gradient_accumulation_steps": 2, "max_steps": 4,
-                                   "learning_rate": 1e-2, "warmup_steps": 1, "eval_every_steps": 4,
-                                   "log_every_steps": 1},
-                            checkpoint={"every_steps": 2, "keep_last": 5})
+        return calc_recipe(tmp_path, name, folders["llama3"], micro, train, evaluation, 1e-2, eval_every_steps=4,
+                           lora={"enabled": True, "r": 4, "alpha": 8})
 
     proc = run_toolkit("train", recipe("one", 4))
     assert proc.returncode == 0, proc.stderr[-3000:]

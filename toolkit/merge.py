@@ -121,14 +121,15 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
         raise ToolkitError(f"merge: the base {base} is quantized ({method}); merge into a quantized base loses "
                            "quality; merge into the unquantized original of that model (--base PATH) instead")
     shards, index = base_shards(base)
-    tokens = adapter_config.get("trainable_token_indices")
-    if tokens:  # rows beyond the base's: grown to the adapter's tokenizer, which must be there
-        top = max((max(v, default=0) for v in tokens.values()), default=0) if isinstance(tokens, dict) else max(tokens)
-        if top >= vocab_size(config) and not any((adapter / f).is_file() for f in TOKENIZER_FILES[:5]):
+    tokens = adapter_config.get("trainable_token_indices")  # a list, or lists by layer
+    token_lists = [v for v in (tokens.values() if isinstance(tokens, dict) else [tokens]) if v] if tokens else []
+    if token_lists:  # rows beyond the base's: grown to the adapter's tokenizer, which must be there
+        top = max(max(v) for v in token_lists)
+        if top >= vocab_size(config) and not has_tokenizer(adapter):
             raise ToolkitError(f"merge: {adapter} trains token rows up to {top}, beyond the {vocab_size(config)} rows of "
                                f"the base {base}, and has no tokenizer to grow the base to; put the run's tokenizer "
                                "files beside the adapter")
-    whole = bool(adapter_config.get("target_parameters") or tokens)
+    whole = bool(adapter_config.get("target_parameters") or token_lists)
     if whole:  # checked by peft when it loads them (write_whole)
         modules, bias_deltas, replaced = {}, {}, {}
     else:
@@ -141,10 +142,10 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
         description = ", ".join(parts) + f" on layers and parameters ({', '.join(adapter_config['target_parameters'])})"
     else:
         description = ", ".join(parts) + f" on {'layers' if whole else f'{len(modules)} layers'}"
-    if tokens:
-        rows = max((len(v) for v in tokens.values()), default=0) if isinstance(tokens, dict) else len(tokens)
-        description += f", {rows} embedding rows trained whole (model.add_special_tokens)"
-    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole, bool(tokens))
+    if token_lists:
+        description += f", {max(map(len, token_lists))} embedding rows trained whole (model.add_special_tokens)"
+    return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole,
+                bool(token_lists))
 
 
 def read_json(path: Path, missing: str) -> dict:
@@ -428,12 +429,16 @@ def grown(plan: Plan, model, tokenizer):
     return model
 
 
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES[:5])
+
+
 def write_tokenizer(plan: Plan, tmp: Path):
     """The adapter's tokenizer when it has one (a run saves it beside the adapter, chat template and
     all), else the base's; copied file by file, then loaded once to check it and to learn its eos."""
     from transformers import AutoTokenizer
 
-    source = plan.adapter if any((plan.adapter / f).is_file() for f in TOKENIZER_FILES[:5]) else plan.base
+    source = plan.adapter if has_tokenizer(plan.adapter) else plan.base
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, tmp / name)
