@@ -4,8 +4,9 @@ sums) and one it does not (writing a word in capitals, which needs copying every
 Single-digit sums have only 100 distinct rows, all of them in the training set, so none is held out.
 
 Deterministic (fixed seed): running it again rewrites identical files. Each task appears in
-`alpaca` form (instruction, input, output) and `messages` form (chat turns). Eval rows are
-disjoint from training rows.
+`alpaca` form (instruction, input, output) and `messages` form (chat turns), and as preference
+pairs (TRL's conversational preference format: the right answer chosen, a wrong one rejected).
+Eval rows are disjoint from training rows.
 
     python examples/make_data.py [--out examples/data] [--train 3000] [--eval 200]
 """
@@ -40,6 +41,26 @@ def as_messages(row: dict) -> dict:
                          {"role": "assistant", "content": row["output"]}]}
 
 
+def wrong_answer(row: dict, rng: random.Random) -> str:
+    """A plausible wrong answer to a task row: another letter, a count or sum off by a little, the
+    other parity, capitals with one letter changed."""
+    right = row["output"]
+    if right.isdigit():
+        return str(max(0, int(right) + rng.choice([-2, -1, 1, 2])) if right != "0" else rng.randint(1, 3))
+    if right in ("even", "odd"):
+        return "odd" if right == "even" else "even"
+    if len(right) == 1:
+        return rng.choice([c for c in string.ascii_lowercase if c != right])
+    i = rng.randrange(len(right))
+    return right[:i] + rng.choice([c for c in string.ascii_uppercase if c != right[i]]) + right[i + 1:]
+
+
+def as_preference(row: dict, rng: random.Random) -> dict:
+    prompt = [{"role": "user", "content": f"{row['instruction']} {row['input']}"}]
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": row["output"]}],
+            "rejected": [{"role": "assistant", "content": wrong_answer(row, rng)}]}
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -66,6 +87,9 @@ def main() -> None:
     write_jsonl(out / "tasks_eval.jsonl", evaluation)
     write_jsonl(out / "tasks_messages_train.jsonl", [as_messages(r) for r in train])
     write_jsonl(out / "tasks_messages_eval.jsonl", [as_messages(r) for r in evaluation])
+    wrong = random.Random(args.seed + 1)  # its own stream: the files above stay as they were
+    write_jsonl(out / "tasks_preference_train.jsonl", [as_preference(r, wrong) for r in train])
+    write_jsonl(out / "tasks_preference_eval.jsonl", [as_preference(r, wrong) for r in evaluation])
     print(f"wrote {len(train)} train and {len(evaluation)} eval rows to {out}")
 
 

@@ -92,8 +92,9 @@ class DataSource:
     """An entry of data.train_files / data.eval_files written as a mapping."""
     path: str = ""
     """A .json, .jsonl, .parquet or .csv file, a folder or glob of such shards, or a Hub dataset id."""
-    format: Optional[Literal["alpaca", "messages", "text"]] = None
-    """This entry's format (default: data.format); every format renders through the same tokenizer."""
+    format: Optional[Literal["alpaca", "messages", "text", "preference"]] = None
+    """This entry's format (default: data.format); every format renders through the same tokenizer.
+    `preference` entries mix only with `preference` entries."""
     weight: Optional[float] = None
     """Share of the training set drawn from this entry, relative to the other entries' weights
     (the set keeps its total size: a heavier entry is repeated, a lighter one subsampled)."""
@@ -114,9 +115,16 @@ class DataConfig:
     """Held-out data, the same kinds of entries as train_files; its loss is the eval loss."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
-    format: Literal["alpaca", "messages", "text"] = "alpaca"
+    format: Literal["alpaca", "messages", "text", "preference"] = "alpaca"
     """`alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
-    template; ShareGPT `conversations` too), or `text` (a `text` field, every token of it trained on, eos appended)."""
+    template; ShareGPT `conversations` too), `text` (a `text` field, every token of it trained on, eos
+    appended), or `preference` (`prompt`, `chosen`, `rejected`, each text or a list of chat messages,
+    TRL's standard and conversational preference formats; a row without `prompt` whose chosen and
+    rejected conversations share their opening turns has those turns as its prompt): each row is a
+    pair of sequences, prompt + chosen and prompt + rejected, with targets on the completions only;
+    text completions get the tokenizer's eos appended, chat ones end as the template ends a turn.
+    A pair longer than max_seq_len keeps its prompt and has its completions cut (or is dropped
+    with overlong=drop); for preference.method, which needs it."""
     max_seq_len: int = 512
     """Longest example in tokens (see overlong); with packing, the length of a packed row."""
     packing: bool = False
@@ -210,6 +218,31 @@ class TrainConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    method: Optional[Literal["dpo", "orpo", "simpo"]] = None
+    """None: supervised fine-tuning. `dpo` (Direct Preference Optimization, against a reference
+    model), `orpo` (odds-ratio preference plus the chosen completion's NLL, no reference) or `simpo`
+    (length-normalised margin, no reference); data.format must be `preference`. The loss is
+    averaged over the global batch's pairs; metrics.jsonl gets rewards_chosen, rewards_rejected,
+    reward_margin and reward_accuracy (the share of pairs whose chosen reward is higher)."""
+    beta: Optional[float] = None
+    """The method's β (default 0.1 as TRL for dpo and orpo, whose β is ORPO's λ; 2.0 for simpo, as the SimPO paper)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo only: `sigmoid` (the DPO loss) or `ipo` (squared, on per-token average log-ratios)."""
+    label_smoothing: float = 0.0
+    """dpo sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
+    gamma: Optional[float] = None
+    """simpo only: the target reward margin γ (default 0.5 as TRL's simpo_gamma; the loss uses γ/β)."""
+    reference: Literal["auto", "adapter", "precomputed"] = "auto"
+    """dpo only: where the reference log-probabilities come from. `adapter` (LoRA only): the model
+    with its adapter disabled, one extra forward without gradient per micro-batch, no second model;
+    `precomputed`: one pass over the train and eval data before step 1 with the starting weights,
+    on whatever backend is launched, stored beside the prepared data and keyed by the base model,
+    so ZeRO-3 and FSDP need no second sharded model and a resume reads them back; `auto`: adapter
+    with LoRA, precomputed for full fine-tuning."""
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 0
     """Save the full training state every N optimizer steps and at the end (0: no checkpoints,
@@ -249,6 +282,8 @@ class Recipe:
     """Optimization, precision, evaluation, logging and what watches the run."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints of the full training state."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """Preference training (DPO, ORPO, SimPO) on data.format=preference pairs; unset: supervised."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -505,6 +540,45 @@ def validate(r: Recipe, source: str) -> None:
          f"must be non-negative, got {r.checkpoint.every_steps}")
     need(r.checkpoint.keep_last > 0, "checkpoint.keep_last", f"must be positive, got {r.checkpoint.keep_last}")
     need(not (r.resume and r.overwrite), "resume", "resume and overwrite=true contradict each other")
+    validate_preference(r, need)
+
+
+def validate_preference(r: Recipe, need) -> None:
+    """The preference section against itself and the data: pairs and a method come together."""
+    p = r.preference
+    formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
+                                 if isinstance(e, DataSource) and e.format}
+    if p.method is None:
+        need("preference" not in formats, "data.format",
+             "preference pairs train only with a preference.method (dpo, orpo or simpo)")
+        changed = [f.name for f in dataclasses.fields(PreferenceConfig)
+                   if getattr(p, f.name) != getattr(PreferenceConfig(), f.name)]
+        need(not changed, f"preference.{changed[0] if changed else ''}",
+             "set only with preference.method (dpo, orpo or simpo)")
+        return
+    need(formats == {"preference"}, "data.format",
+         f"preference.method={p.method} trains on pairs: data.format (and every entry's format) must be "
+         f"preference, got {', '.join(sorted(formats))}")
+    if p.beta is None:
+        p.beta = 2.0 if p.method == "simpo" else 0.1
+    need(p.beta > 0, "preference.beta", f"must be positive, got {p.beta}")
+    need(p.loss_type == "sigmoid" or p.method == "dpo", "preference.loss_type",
+         f"a DPO setting; preference.method={p.method} has its own loss")
+    need(0.0 <= p.label_smoothing < 0.5, "preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
+    need(p.label_smoothing == 0 or (p.method, p.loss_type) in (("dpo", "sigmoid"), ("simpo", "sigmoid")),
+         "preference.label_smoothing", "applies to dpo with loss_type=sigmoid and to simpo only")
+    need(p.gamma is None or p.method == "simpo", "preference.gamma", f"a SimPO setting, not {p.method}'s")
+    if p.method == "simpo" and p.gamma is None:
+        p.gamma = 0.5
+    need(p.reference == "auto" or p.method == "dpo", "preference.reference",
+         f"{p.method} needs no reference model; remove the key")
+    need(p.reference != "adapter" or r.lora.enabled, "preference.reference",
+         "adapter: the reference is the model with its LoRA adapter disabled, which needs lora.enabled=true")
+    if p.method == "dpo" and p.reference == "auto":
+        p.reference = "adapter" if r.lora.enabled else "precomputed"
+    need(not r.data.packing, "data.packing", "preference pairs are not packed (each pair is two padded rows)")
+    need(not r.data.padding_free, "data.padding_free", "not yet for preference pairs (each pair is two padded rows)")
+    need(not r.data.train_on_prompt, "data.train_on_prompt", "preference losses take completions only")
 
 
 def dump_recipe(r: Recipe) -> str:

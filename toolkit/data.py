@@ -38,7 +38,8 @@ from .packing import best_fit_decreasing, pack_stats
 
 IGNORE = -100
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",)}
+COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",),
+           "preference": ("chosen", "rejected")}  # `prompt` too, unless the conversations carry it (implicit)
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 TOKENIZE_VERSION = 6  # bump when tokenization or preparation changes what it produces
@@ -262,11 +263,13 @@ def load_rows(source: Source, cache_dir: Path | None = None):
 
 
 class MissingField(ToolkitError):
-    """A row whose required field is null or absent: dropped under the EMPTY_ROWS_TOLERATED rule
-    (in training), refused by file and row otherwise. `field` names it (`output`, `messages[2].content`)."""
+    """A row whose required field is null or absent (or that cannot train for another `reason`: a
+    preference pair whose completions are empty or identical): dropped under the
+    EMPTY_ROWS_TOLERATED rule (in training), refused by file and row otherwise. `field` names it
+    (`output`, `messages[2].content`)."""
 
-    def __init__(self, field: str):
-        super().__init__(f"{field} is null or missing")
+    def __init__(self, field: str, reason: str = "is null or missing"):
+        super().__init__(f"{field} {reason}")
         self.field = field
 
 
@@ -352,7 +355,62 @@ def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, in
         return [(text, [(len(prompt), len(text))], True)]
     if fmt == "text":
         return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
+    if fmt == "preference":
+        return preference_examples(row, tokenizer)
     return chat_examples(chat_messages(row), row.get("tools") or None, tokenizer)
+
+
+def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """A preference row as its two examples, prompt + chosen and prompt + rejected, each with its
+    completion as the span that carries loss (TRL's standard and conversational formats).
+    Text: the completions get eos (unless they end with it), and BOS is added as for `text`.
+    Chat: the prompt is the template's rendering with the generation prompt, each completion what
+    the template adds after it (where the prompt alone renders differently, the text both share).
+    A row without `prompt` whose chosen and rejected conversations open alike has those turns as
+    its prompt. Empty or identical completions: MissingField (the 1% rule)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if chosen is None or rejected is None:
+        raise MissingField("chosen" if chosen is None else "rejected")
+    chat = isinstance(chosen, list)
+    if chat != isinstance(rejected, list):
+        raise ToolkitError("chosen and rejected must both be text or both be lists of chat messages")
+    if chat:
+        prompt = row.get("prompt")
+        if prompt is None and "prompt" not in row:  # implicit prompt: the turns both conversations open with
+            shared = 0
+            while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+                shared += 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if prompt is None:
+            raise MissingField("prompt")
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        for name, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not turns:
+                raise MissingField(name, "is empty")
+            chat_messages({"messages": turns + ([{"role": "assistant", "content": ""}] if name == "prompt" else [])})
+        tools = row.get("tools") or None
+        before = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+        texts = [tokenizer.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
+                 for turns in (chosen, rejected)]
+        cut = min(len(os.path.commonprefix([before, t])) for t in texts)
+        completions = [t[cut:] for t in texts]
+        empty = [not "".join(str(m.get("content") or "") for m in turns).strip() and not any(
+            m.get("tool_calls") for m in turns) for turns in (chosen, rejected)]
+        has_specials = True
+    else:
+        prompt = text_value(row, "prompt")
+        completions = [text_value(row, name) for name in ("chosen", "rejected")]
+        empty = [not c.strip() for c in completions]
+        eos = tokenizer.eos_token or ""
+        completions = [c if c.endswith(eos) else c + eos for c in completions]
+        texts, cut, has_specials = [prompt + c for c in completions], len(prompt), False
+    for name, is_empty in zip(("chosen", "rejected"), empty):
+        if is_empty:
+            raise MissingField(name, "is empty")
+    if completions[0] == completions[1]:
+        raise MissingField("chosen", "is identical to rejected")
+    return [(t, [(cut, len(t))], has_specials) for t in texts]
 
 
 def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
@@ -388,7 +446,7 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
     """Labels: a token is a target when its first character lies inside a span that carries loss."""
     ids = np.asarray(enc_ids, dtype=np.int64)
     starts = np.asarray([a for a, _ in offsets], dtype=np.int64)
-    if fmt == "text" and tokenizer.bos_token_id is not None and not has_specials:
+    if fmt in ("text", "preference") and tokenizer.bos_token_id is not None and not has_specials:
         ids, starts = np.concatenate([[tokenizer.bos_token_id], ids]), np.concatenate([[0], starts])
     if fmt == "text" or train_on_prompt:
         target = np.ones(len(ids), dtype=bool)
@@ -435,8 +493,8 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
         try:
             return render(rows[k], fmt, tokenizer)
         except MissingField as e:
-            missing[k] = e.field
-            return [("", [], True)]
+            missing[k] = str(e)
+            return [("", [], True)] * (2 if fmt == "preference" else 1)
         except ToolkitError as e:
             raise ToolkitError(f"row {indices[k] + 1}: {e}") from None
         except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
@@ -456,15 +514,32 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
             if k in missing:
                 out[-1].update(n_targets=0, full_targets=0, labels=np.full(1, IGNORE, dtype=np.int32))
         del rendered, enc
+    if fmt == "preference":
+        out = [pair(chosen, rejected) for chosen, rejected in zip(out[::2], out[1::2])]
     columns = {k: [o[k] for o in out] for k in out[0]}
     columns["source"] = [source] * len(out)
     return columns
 
 
-def _features():
+def pair(chosen: dict, rejected: dict) -> dict:
+    """A preference row's two examples as one: the chosen one's columns, `rejected_input_ids` and
+    `rejected_labels`; its counts those of both (its targets 0 when either completion has none, so
+    that the rules for rows without targets drop the pair), its full length the longer one's (so
+    the pair is overlong when either is)."""
+    both = chosen["n_targets"] > 0 and rejected["n_targets"] > 0
+    return {**chosen, "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"],
+            "n_targets": chosen["n_targets"] + rejected["n_targets"] if both else 0,
+            "full_targets": chosen["full_targets"] + rejected["full_targets"],
+            "length": chosen["length"] + rejected["length"],
+            "full_length": max(chosen["full_length"], rejected["full_length"])}
+
+
+def _features(fmt: str = "text"):
     from datasets import Features, Sequence, Value
 
+    pairs = {"rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32"))}
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
+                     **(pairs if fmt == "preference" else {}),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
                      "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
                      "row": Value("int32")})
@@ -492,7 +567,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     try:
         tokenized = ds.map(_tokenize_batch, batched=True, with_indices=True, batch_size=MAP_BATCH_ROWS,
                            remove_columns=ds.column_names,
-                           features=_features(), num_proc=procs if procs > 1 else None,
+                           features=_features(source.format), num_proc=procs if procs > 1 else None,
                            cache_file_name=str(cache_file), new_fingerprint=cache_file.stem,
                            fn_kwargs=dict(fmt=source.format, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
                                           train_on_prompt=cfg.train_on_prompt, source=index),
@@ -529,7 +604,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     empty = keep & (n_targets == 0)
     if empty.any():
         i = int(np.flatnonzero(empty)[0])
-        reason = (f"{cols['missing'][i]} is null or missing" if cols["missing"][i] else
+        reason = (cols["missing"][i] if cols["missing"][i] else
                   f"the prompt fills data.max_seq_len={cfg.max_seq_len}" if full_targets[i] > 0
                   else "it has no response tokens")
         where = f"{source.name}: row {int(row_of[i])}: no target tokens left ({reason})"
@@ -748,6 +823,7 @@ class Datasets:
     lines: list  # the start-of-run `data:` summary
     warnings: list
     train_fingerprint: str = ""  # the training data's alone: eval files may change on resume
+    folder: Path | None = None  # where it is prepared (preference pairs keep their reference log-probabilities there)
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,
@@ -801,7 +877,7 @@ def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = N
                      f"({report.targets_lost:,} target tokens lost)")
     lines += report.lines
     return Datasets(train=train, eval=evaluation or Examples(None, None), fingerprint=fp, lines=lines,
-                    warnings=report.warnings, train_fingerprint=train_fp or fp)
+                    warnings=report.warnings, train_fingerprint=train_fp or fp, folder=folder)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -813,8 +889,12 @@ class Examples(torch.utils.data.Dataset):
 
     def __init__(self, docs, bins=None):
         self.table = docs  # every column, for counting
-        self.docs = docs.select_columns(["input_ids", "labels"]).with_format("numpy") if docs is not None else None
+        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
+                   if docs is not None and c in docs.column_names]
+        self.docs = docs.select_columns(columns).with_format("numpy") if docs is not None else None
         self.bins = bins.with_format("numpy") if bins is not None else None
+        self.pairs = "rejected_input_ids" in columns
+        self.reference = None  # preference pairs: each example's reference log-probabilities (chosen, rejected)
 
     def __len__(self) -> int:
         if self.docs is None:
@@ -825,7 +905,10 @@ class Examples(torch.utils.data.Dataset):
         if i is None:
             return None
         if self.bins is None:
-            return self.docs[int(i)]
+            example = self.docs[int(i)]
+            if self.reference is not None:
+                example["reference"] = self.reference[int(i)]
+            return example
         rows = self.docs[self.bins[int(i)]["docs"]]
         ids = [np.asarray(x) for x in rows["input_ids"]]
         return {"input_ids": np.concatenate(ids), "labels": np.concatenate(list(rows["labels"])),
@@ -846,14 +929,22 @@ class Collator:
     - `bounds`: packed and padding-free batches also carry the documents' bounds for varlen
       attention (`cu_seq_lens_q/k`, `max_length_q/k`), computed here on the host.
 
+    - `pairs` (preference pairs): the chosen sequences are the batch's first rows and the rejected
+      ones the rows after them, in the same order, padded alike, so both go through one forward;
+      `reference_logps` holds their reference log-probabilities where the examples carry them.
+
     An example of None (eval padding, see EvalShardSampler) becomes a row (padding-free: a document)
     without targets; a batch of nothing but None (a rank whose eval share ran out) is one such row
     per example."""
 
-    def __init__(self, pad_token_id: int, packed: bool = False, padding_free: bool = False, bounds: bool = False):
+    def __init__(self, pad_token_id: int, packed: bool = False, padding_free: bool = False, bounds: bool = False,
+                 pairs: bool = False):
         self.pad_token_id, self.packed, self.padding_free, self.bounds = pad_token_id, packed, padding_free, bounds
+        self.pairs = pairs
 
     def __call__(self, examples: list[dict | None]) -> dict:
+        if self.pairs:
+            return self.pair_batch(examples)
         real = [e for e in examples if e is not None]
         packed = "position_ids" in real[0] if real else self.packed
         examples = [e if e is not None else {"input_ids": [self.pad_token_id], "labels": [IGNORE],
@@ -887,6 +978,21 @@ class Collator:
         for i, e in enumerate(examples):
             mask[i, : len(e["input_ids"])] = 1
         batch["attention_mask"] = mask
+        return batch
+
+    def pair_batch(self, examples: list[dict | None]) -> dict:
+        none = {"input_ids": [self.pad_token_id], "labels": [IGNORE]}
+        rows = ([e or none for e in examples]
+                + [{"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]} if e else none
+                   for e in examples])
+        batch = Collator(self.pad_token_id)(rows)
+        if any(e is not None and "reference" in e for e in examples):
+            reference = np.zeros((len(examples), 2))
+            for i, e in enumerate(examples):
+                if e is not None:
+                    reference[i] = e["reference"]
+            batch["reference_logps"] = torch.as_tensor(np.concatenate([reference[:, 0], reference[:, 1]]),
+                                                       dtype=torch.float32)
         return batch
 
     def with_bounds(self, batch: dict) -> dict:

@@ -20,7 +20,7 @@ import torch
 from . import observe
 from .data import IGNORE
 from .errors import ToolkitError
-from .loss import has_router, token_loss_sum
+from .loss import has_router, token_logps, token_loss_sum
 
 
 class Supervised:
@@ -103,9 +103,77 @@ def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor,
     return losses, beta * c.detach(), beta * r.detach()
 
 
-def for_recipe(recipe, model=None) -> Supervised:
-    """The recipe's objective (supervised fine-tuning is the only one so far), for `model` as built
-    (before LoRA and prepare): its router's load-balancing loss as model.router_aux_loss_coef says."""
+class Preference:
+    """A preference loss (`preference_losses`) over pairs: each micro-batch holds its chosen
+    sequences in its first rows and the rejected ones after them (`Collator(pairs=True)`), both in
+    one forward through `loss.token_logps`. A pair whose chosen or rejected completion has no
+    target (eval padding) counts for nothing. The reference log-probabilities (DPO) come with the
+    batch (`reference_logps`, precomputed before training: `reference.py`) or from the same
+    forward with the LoRA adapter disabled (`adapter`: the peft model, as built). Logged per pair:
+    rewards_chosen, rewards_rejected, reward_margin, reward_accuracy (ties count as wrong, as TRL)."""
+
+    unit = "pairs"
+    metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+    def __init__(self, cfg, adapter=None):
+        self.cfg, self.adapter = cfg, adapter
+        self.needs_reference = cfg.method == "dpo"
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
+        """Pairs, processed tokens and squared sequence lengths of one step's host batches."""
+        pairs = sum(self.units(b) for b in micro_batches)
+        tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+        squared = sum(int(b["attention_mask"].sum(1).pow(2).sum()) for b in micro_batches)
+        return [pairs, tokens, squared]
+
+    def units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(self.valid(batch["labels"]).sum())
+
+    @staticmethod
+    def valid(labels: torch.Tensor) -> torch.Tensor:
+        has_targets = (labels[:, 1:] != IGNORE).any(1)
+        n = len(labels) // 2
+        return has_targets[:n] & has_targets[n:]
+
+    def reference_logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
+        if self.adapter is None:
+            raise ToolkitError("preference: DPO has no reference log-probabilities for this batch")
+        with torch.no_grad(), self.adapter.disable_adapter():
+            return token_logps(model, batch)[0]
+
+    def loss_sum(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        reference = self.reference_logps(model, batch) if self.needs_reference else None
+        logps, counts = token_logps(model, {k: v for k, v in batch.items() if k != "reference_logps"})
+        n = len(logps) // 2
+        valid = self.valid(batch["labels"])
+        counts = counts.clamp(min=1).to(logps.dtype)
+        ref = (reference[:n].to(logps.dtype), reference[n:].to(logps.dtype)) if reference is not None else (None, None)
+        p = self.cfg
+        losses, chosen, rejected = preference_losses(p.method, logps[:n], logps[n:], counts[:n], counts[n:], *ref,
+                                                     beta=p.beta, loss_type=p.loss_type,
+                                                     label_smoothing=p.label_smoothing, gamma=p.gamma or 0.0)
+        zero = torch.zeros((), device=logps.device, dtype=torch.float64)
+        kept = valid.to(torch.float64)
+        for name, value in zip(self.metrics, (chosen, rejected, chosen - rejected, (chosen > rejected))):
+            self.sums[name] = self.sums.get(name, zero) + (value.double() * kept).sum()
+        return torch.where(valid, losses, torch.zeros_like(losses)).sum()
+
+    def step_metrics(self, device) -> dict[str, torch.Tensor]:
+        sums, self.sums = self.sums, {}
+        return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
+                for name in self.metrics}
+
+
+def for_recipe(recipe, model=None) -> Supervised | Preference:
+    """The recipe's objective for `model` as built (before prepare; after LoRA for a preference
+    objective, whose DPO reference may be the model with its adapter disabled): supervised, with
+    the router's load-balancing loss as model.router_aux_loss_coef says, or preference."""
+    if recipe.preference.method is not None:
+        adapter = model if recipe.preference.reference == "adapter" else None
+        return Preference(recipe.preference, adapter)
     coef = recipe.model.router_aux_loss_coef
     if model is None:
         return Supervised()

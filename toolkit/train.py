@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backends, base_identity, checkpoint, disk, faults, objectives, observe, run_folder
+from . import backends, base_identity, checkpoint, disk, faults, objectives, observe, reference, run_folder
 from .config import Recipe
 from .errors import ToolkitError
 from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
@@ -71,7 +71,7 @@ class Run:
     state: checkpoint.TrainerState
     total_steps: int
     out: Path
-    objective: objectives.Supervised
+    objective: objectives.Supervised | objectives.Preference
     monitor: Monitor
     preemption: Preemption
     samples: Samples
@@ -128,9 +128,6 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                if recipe.lora.enabled else ""))
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
-    objective = objectives.for_recipe(recipe, model)
-    if objective.router_aux_coef:
-        log(f"router: load-balancing loss x {objective.router_aux_coef:g} added to the training loss (aux_loss)")
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(
             isolation_probe(model, backend.partitioned_before_prepare(model))):
@@ -151,6 +148,9 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
             model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
         elif not is_hub_id(recipe.model.path):  # absolute: the adapter loads from any working directory
             model.peft_config["default"].base_model_name_or_path = str(Path(recipe.model.path).resolve())
+    objective = objectives.for_recipe(recipe, model)
+    if getattr(objective, "router_aux_coef", 0):
+        log(f"router: load-balancing loss x {objective.router_aux_coef:g} added to the training loss (aux_loss)")
     if t.compile:
         backend.check_compile(recipe)
         log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
@@ -186,7 +186,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
         run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
     collate = Collator(tokenizer.pad_token_id, packed=packing, padding_free=padding_free,
-                       bounds=model_cfg.attn_implementation == "varlen")
+                       bounds=model_cfg.attn_implementation == "varlen", pairs=data.train.pairs)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
@@ -211,6 +211,12 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     faults.at("prepare")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     backend.check_prepared(model)
+    if recipe.preference.method is not None:
+        log(f"preference: {preference_line(recipe)}")
+    if recipe.preference.reference == "precomputed":  # with the starting weights, before any resume loads others
+        for line in reference.precompute(accelerator, model, {"train": data.train, "eval": data.eval}, data.folder,
+                                         reference.weights_key(recipe), eval_batch, tokenizer.pad_token_id):
+            log(f"reference: {line}")
 
     if resume_from is not None:
         state = run_folder.resume(backend, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
@@ -236,6 +242,20 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                train_loader=train_loader, eval_loader=eval_loader, sampler=sampler, state=state,
                total_steps=total_steps, out=out, objective=objective, monitor=monitor, preemption=preemption,
                samples=samples, speed=speed), tokenizer
+
+
+def preference_line(recipe: Recipe) -> str:
+    """What the preference objective is and where DPO's reference comes from, for the start of the run."""
+    p = recipe.preference
+    knobs = [f"beta {p.beta:g}"] + ([f"loss_type {p.loss_type}"] if p.method == "dpo" else []) \
+        + ([f"gamma {p.gamma:g}"] if p.method == "simpo" else []) \
+        + ([f"label_smoothing {p.label_smoothing:g}"] if p.label_smoothing else [])
+    where = {"adapter": "reference: the model with its LoRA adapter disabled (one more forward per micro-batch, "
+                        "without gradient; no second model)",
+             "precomputed": "reference: log-probabilities computed once with the starting weights, before step 1, "
+                            "and kept beside the prepared data (no second model)"}
+    return f"{p.method}, " + ", ".join(knobs) + (f"; {where[p.reference]}" if p.method == "dpo" else
+                                                 "; no reference model") + "; the loss is a mean over pairs"
 
 
 def save_final(run: Run, tokenizer) -> None:
@@ -382,9 +402,9 @@ def evaluation(run: Run, step: int) -> dict:
     where = "step 0" if step == 0 else f"step {step}/{run.total_steps}"
     found = {}
     with run.monitor.outside_steps("eval", step, "eval"):
-        found["eval_loss"] = evaluate(run.accelerator, run.model, run.eval_loader, run.objective, run.monitor, step)
+        found.update(evaluate(run.accelerator, run.model, run.eval_loader, run.objective, run.monitor, step))
         if found["eval_loss"] is not None:
-            say(run.accelerator, f"{where} | eval_loss {found['eval_loss']:.4f}")
+            say(run.accelerator, f"{where} | " + " | ".join(f"{k} {v:.4f}" for k, v in found.items()))
         if run.samples:
             found["samples"] = show_samples(run.accelerator, run.samples(run.model), where)
     return found
@@ -408,23 +428,28 @@ def last_checkpoint(out: Path) -> str:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader, objective, monitor: Monitor | None = None, step: int = 0) -> float | None:
-    """Unit-weighted mean loss over the whole eval set (each rank holds a disjoint share)."""
+def evaluate(accelerator, model, eval_loader, objective, monitor: Monitor | None = None, step: int = 0) -> dict:
+    """`eval_loss`: the unit-weighted mean loss over the whole eval set (each rank holds a disjoint
+    share), None without eval data; and the objective's own metrics over it (`eval_reward_accuracy`...)."""
     if len(eval_loader.dataset) == 0:
-        return None
+        return {"eval_loss": None}
     if monitor is not None:
         monitor.watchdog.at("eval", step)
     if step > 0:
         faults.at("eval")
     model.eval()
+    objective.step_metrics(accelerator.device)  # a clean start: only the eval batches' metrics below
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in eval_loader:
         batch = to_device(batch, accelerator.device)
         totals[0] += objective.loss_sum(model, batch).double()
         totals[1] += objective.units(batch)
     model.train()
-    totals = accelerator.reduce(totals, reduction="sum")
-    return (totals[0] / totals[1]).item()
+    extra = {k: v for k, v in objective.step_metrics(accelerator.device).items()
+             if k in getattr(objective, "metrics", ())}  # the per-pair rewards; not the router's training-only loss
+    totals = accelerator.reduce(torch.cat([totals, *(v.reshape(1) for v in extra.values())]), reduction="sum")
+    n = totals[1]
+    return {"eval_loss": (totals[0] / n).item(), **{f"eval_{k}": (v / n).item() for k, v in zip(extra, totals[2:])}}
 
 
 def global_batches(loader, sampler, accumulation: int):

@@ -1,0 +1,93 @@
+"""DPO's reference log-probabilities, computed once before training (preference.reference=precomputed).
+
+One pass over the train and eval pairs with the starting weights, on the model as the launch
+prepared it (DDP, FSDP, ZeRO-3: each rank its share, as `EvalShardSampler` splits the eval set, so
+no second sharded model is ever built), gathered to every rank and kept beside the prepared data
+as `reference-KEY-train.npy` / `-eval.npy`: each example's (chosen, rejected) summed log-probability.
+KEY names the starting weights (the base folder's content fingerprint, or the preset and seed)
+and everything that changes the numbers (dtypes, precision, attention, the loss), so a resume, a
+second run on the same data and base, or a run on another backend reads them back instead of
+computing them again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import base_identity, disk
+from .data import Collator, EvalShardSampler, Examples
+from .errors import ToolkitError
+from .hub import resolve_model
+from .loss import token_logps
+
+
+def weights_key(recipe) -> str:
+    """What the reference log-probabilities depend on: the starting weights and how they compute."""
+    m, t = recipe.model, recipe.train
+    h = hashlib.sha256()
+    if m.preset is not None:  # built from the preset's config and the seed
+        h.update(json.dumps(["preset", m.preset, recipe.seed]).encode())
+    else:
+        h.update(base_identity.fingerprint(resolve_model(m.path, m.revision)).encode())
+    h.update(json.dumps([m.dtype, t.precision, m.attn_implementation, m.add_special_tokens, t.loss,
+                         t.loss_chunk_tokens]).encode())
+    return h.hexdigest()[:16]
+
+
+def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, key: str, batch_size: int,
+               pad_token_id: int) -> list[str]:
+    """Set each part's `reference` (read from `folder` or computed with `model` as it is now, then
+    written there by each node's main process); returns the start-of-run lines saying which."""
+    lines = []
+    for name, part in parts.items():
+        if len(part) == 0:
+            continue
+        path = folder / f"reference-{key}-{name}.npy"
+        if path.is_file():
+            part.reference = np.load(path)
+            lines.append(f"{name}: read from {path}")
+            continue
+        part.reference = compute(accelerator, model, part, batch_size, pad_token_id, name)
+        if accelerator.is_local_main_process:
+            tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
+            with disk.writing("data: the reference log-probabilities (HF_DATASETS_CACHE)", tmp, error=ToolkitError):
+                np.save(tmp, part.reference)
+                tmp.rename(path)
+        lines.append(f"{name}: computed for {len(part):,} pairs with the starting weights, kept in {path}")
+    return lines
+
+
+@torch.no_grad()
+def compute(accelerator, model, part: Examples, batch_size: int, pad_token_id: int, name: str) -> np.ndarray:
+    """(examples, 2): each example's chosen and rejected summed target log-probability under `model`
+    in eval mode, every rank computing its share with the same number of forwards."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    indices = EvalShardSampler(len(part), batch_size, rank, world).indices
+    collate = Collator(pad_token_id, pairs=True)
+    was_training = model.training
+    model.eval()
+    mine = []
+    try:
+        for start in tqdm(range(0, len(indices), batch_size), desc=f"reference log-probabilities ({name})",
+                          disable=not accelerator.is_main_process, dynamic_ncols=True,
+                          mininterval=0.5 if sys.stderr.isatty() else 30):  # logs that are files get few updates
+            chunk = indices[start:start + batch_size]
+            batch = {k: v.to(accelerator.device) for k, v in collate([part[i] for i in chunk]).items()}
+            logps, _ = token_logps(model, batch)
+            mine.append(torch.stack([logps[:len(chunk)], logps[len(chunk):]], 1).double())
+    finally:
+        model.train(was_training)
+    where = torch.tensor([-1 if i is None else i for i in indices], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(torch.cat([where[:, None], torch.cat(mine)], 1)).cpu().numpy()
+    kept = gathered[gathered[:, 0] >= 0]
+    values = np.zeros((len(part), 2))
+    values[kept[:, 0].astype(np.int64)] = kept[:, 1:]
+    return values
