@@ -1,6 +1,7 @@
 """Groundwork of preference training (issue 29): each completion's summed log-probability through
 the chunked output layer, and the DPO, IPO, SimPO and ORPO losses on hand-computed log-probabilities."""
 
+import json
 import math
 
 import pytest
@@ -77,3 +78,180 @@ def test_gradients_push_the_chosen_up_and_the_rejected_down():
                                        torch.tensor([-5.0]), torch.tensor([-5.0]), beta=0.1, **kw)
         loss.sum().backward()
         assert chosen.grad.item() < 0 < rejected.grad.item(), method
+
+
+# ----------------------------------------------------------------------------- pairs: data, batches, config
+
+from families import family_tokenizer  # noqa: E402
+
+from toolkit.config import ConfigError, load_recipe  # noqa: E402
+from toolkit.data import (IGNORE, Collator, MissingField, build_datasets, tokenize_examples)  # noqa: E402
+from toolkit.config import DataConfig  # noqa: E402
+from toolkit.errors import ToolkitError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return family_tokenizer("llama3")
+
+
+def trained(example, tokenizer) -> str:
+    return tokenizer.decode([i for i, y in zip(example["input_ids"], example["labels"]) if y != IGNORE])
+
+
+def test_text_pairs_train_on_the_completions_with_eos(tok):
+    chosen, rejected = tokenize_examples({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}, "preference",
+                                         tok, 64, False)
+    for example, answer in ((chosen, " 4"), (rejected, " 5")):
+        assert example["input_ids"][0] == tok.bos_token_id  # as data.format=text adds it
+        assert trained(example, tok) == answer + tok.eos_token
+        assert tok.decode(example["input_ids"][1:]) == "Q: 2+2?\nA:" + answer + tok.eos_token
+    assert chosen["input_ids"][:-3] == rejected["input_ids"][:-3]  # one prompt
+
+
+def test_chat_pairs_train_on_what_the_template_adds_after_the_prompt(tok):
+    prompt = [{"role": "user", "content": "2+2?"}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}],
+           "rejected": [{"role": "assistant", "content": "5"}]}
+    chosen, rejected = tokenize_examples(row, "preference", tok, 256, False)
+    assert trained(chosen, tok) == "4<|eot_id|>" and trained(rejected, tok) == "5<|eot_id|>"
+    whole = tok.apply_chat_template(prompt + row["chosen"], tokenize=False)
+    assert tok.decode(chosen["input_ids"]) == whole
+    # TRL's implicit prompt: whole conversations that open alike
+    implicit = {"chosen": prompt + row["chosen"], "rejected": prompt + row["rejected"]}
+    assert tokenize_examples(implicit, "preference", tok, 256, False) == [chosen, rejected]
+    # a prompt written as text is one user turn
+    assert tokenize_examples({**row, "prompt": "2+2?"}, "preference", tok, 256, False) == [chosen, rejected]
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"prompt": "q", "chosen": None, "rejected": "b"}, "chosen is null or missing"),
+    ({"prompt": "q", "chosen": "a", "rejected": "  "}, "rejected is empty"),
+    ({"prompt": "q", "chosen": "same", "rejected": "same"}, "chosen is identical to rejected"),
+    ({"prompt": None, "chosen": "a", "rejected": "b"}, "prompt is null or missing"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [], "rejected": [{"role": "assistant", "content": "b"}]},
+     "chosen is empty"),
+])
+def test_pairs_that_cannot_train_fall_under_the_rule_for_empty_rows(tok, row, reason):
+    with pytest.raises(MissingField, match=reason):
+        tokenize_examples(row, "preference", tok, 64, False)
+
+
+def test_a_pair_of_text_and_messages_is_refused(tok):
+    with pytest.raises(ToolkitError, match="both be text or both be lists"):
+        tokenize_examples({"prompt": "q", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
+                          "preference", tok, 64, False)
+
+
+def test_a_long_pair_keeps_its_prompt_and_cuts_its_completions(tok):
+    row = {"prompt": "p" * 10, "chosen": "c" * 20, "rejected": "r" * 5}
+    chosen, rejected = tokenize_examples(row, "preference", tok, 16, False)
+    assert chosen["length"] == 16 and trained(chosen, tok) == "c" * 5  # BOS + 10 prompt bytes + 5 of 21
+    assert trained(rejected, tok) == "r" * 5  # its eos cut: 1 + 10 + 5 = 16
+    assert chosen["full_targets"] == 21
+    short = tokenize_examples(row, "preference", tok, 11, False)
+    assert all(e["n_targets"] == 0 for e in short)  # the prompt fills max_seq_len: nothing left to compare
+
+
+def test_collated_pairs_put_the_chosen_rows_first_then_the_rejected(tok):
+    examples = [{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3], "rejected_input_ids": [1, 2],
+                 "rejected_labels": [IGNORE, 9], "reference": [-1.0, -2.0]},
+                None]
+    batch = Collator(0, pairs=True)(examples)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [0, 0, 0], [1, 2, 0], [0, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 2, 3], [IGNORE] * 3, [IGNORE, 9, IGNORE], [IGNORE] * 3]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert batch["reference_logps"].tolist() == [-1.0, 0.0, -2.0, 0.0]
+    from toolkit.objectives import Preference
+
+    assert Preference.valid(batch["labels"]).tolist() == [True, False]  # eval padding is no pair
+
+
+def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():
+    """Preference.loss_sum on a tiny model equals preference_losses of the pairs' log-probabilities
+    summed by hand from the model's own logits; a pair without targets adds nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.config import PreferenceConfig
+    from toolkit.loss import use_token_loss
+    from toolkit.objectives import Preference
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    use_token_loss(model, "chunked", 3)
+    ids = torch.randint(1, 50, (6, 7))
+    labels = ids.clone()
+    labels[:, :3] = IGNORE
+    labels[2] = IGNORE  # the third pair's chosen: no targets
+    reference = torch.randn(6)
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), "reference_logps": reference}
+    objective = Preference(PreferenceConfig(method="dpo", beta=0.1))
+    got = objective.loss_sum(model, batch)
+    logits = model(input_ids=ids).logits[:, :-1].log_softmax(-1)
+    picked = logits.gather(-1, ids[:, 1:, None])[..., 0]
+    logps = (picked * (labels[:, 1:] != IGNORE)).sum(1)
+    counts = (labels[:, 1:] != IGNORE).sum(1).clamp(min=1)
+    want, _, _ = preference_losses("dpo", logps[:3], logps[3:], counts[:3], counts[3:], reference[:3], reference[3:],
+                                   beta=0.1)
+    torch.testing.assert_close(got, want[:2].sum(), rtol=1e-5, atol=1e-6)
+    assert objective.units(batch) == 2
+    metrics = objective.step_metrics("cpu")
+    assert set(metrics) == {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"}
+    torch.testing.assert_close(metrics["reward_margin"], metrics["rewards_chosen"] - metrics["rewards_rejected"])
+
+
+def test_the_rule_for_empty_rows_drops_a_few_bad_pairs_and_refuses_many(tmp_path, tok):
+    good = [{"prompt": f"q{i}", "chosen": f"a{i}", "rejected": f"b{i}"} for i in range(199)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + [{"prompt": "q", "chosen": "x", "rejected": "x"}]))
+    data = build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32), tok, 0, False)
+    assert len(data.train) == 199 and data.train.pairs
+    assert any("row 200: no target tokens left (chosen is identical to rejected); dropped 1" in w for w in data.warnings)
+    path.write_text("".join(json.dumps(r) + "\n" for r in good[:50] + [{"prompt": "q", "chosen": "", "rejected": "x"}] * 2))
+    with pytest.raises(ToolkitError, match="row 51: no target tokens left \\(chosen is empty\\); 2 of 52 rows"):
+        build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32), tok, 0, False)
+
+
+def recipe_file(tmp_path, **sections):
+    import yaml
+
+    body = {"output_dir": str(tmp_path / "run"), "model": {"preset": "tiny-llama"},
+            "data": {"train_files": ["x.jsonl"], "format": "preference"}, "preference": {"method": "dpo"}}
+    for key, value in sections.items():
+        section, _, name = key.partition("__")
+        body.setdefault(section, {})[name] = value
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    ({"data__format": "messages"}, "data.format", "must be preference"),
+    ({"preference__method": None}, "data.format", "only with a preference.method"),
+    ({"preference__gamma": 1.0}, "preference.gamma", "SimPO setting"),
+    ({"preference__method": "orpo", "preference__loss_type": "ipo"}, "preference.loss_type", "DPO setting"),
+    ({"preference__reference": "adapter"}, "preference.reference", "lora.enabled"),
+    ({"preference__method": "simpo", "preference__reference": "precomputed"}, "preference.reference", "no reference"),
+    ({"preference__beta": 0}, "preference.beta", "positive"),
+    ({"preference__label_smoothing": 0.5}, "preference.label_smoothing", "[0, 0.5)"),
+    ({"data__packing": True}, "data.packing", "not packed"),
+    ({"data__padding_free": True}, "data.padding_free", "not yet"),
+    ({"data__train_on_prompt": True}, "data.train_on_prompt", "completions only"),
+    ({"preference__bta": 1}, "preference.bta", "did you mean beta"),
+])
+def test_contradicting_preference_keys_are_refused_naming_the_key(tmp_path, overrides, key, words):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(recipe_file(tmp_path, **overrides))
+    assert e.value.key == key and words in str(e.value), str(e.value)
+
+
+def test_preference_defaults_follow_the_method(tmp_path):
+    dpo = load_recipe(recipe_file(tmp_path)).preference
+    assert (dpo.beta, dpo.reference, dpo.gamma) == (0.1, "precomputed", None)
+    lora = load_recipe(recipe_file(tmp_path, lora__enabled=True)).preference
+    assert lora.reference == "adapter"
+    simpo = load_recipe(recipe_file(tmp_path, preference__method="simpo")).preference
+    assert (simpo.beta, simpo.gamma) == (2.0, 0.5)
+    plain = load_recipe(recipe_file(tmp_path, data__format="alpaca", preference__method=None))
+    assert plain.preference.method is None

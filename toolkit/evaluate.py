@@ -6,7 +6,10 @@ token-weighted mean of next-token cross-entropy over target tokens (`toolkit.los
 summed, divided by the count). So a run's final/ on its eval file gives the eval_loss the run
 logged at its last step. Answers: for rows with a reference (alpaca `output`; messages: the last
 assistant turn, prompted with the turns before it), a greedy answer scored by exact match after
-strip, or by containment.
+strip, or by containment. Preference pairs (`prompt`, `chosen`, `rejected`): the loss is the
+chosen completions', and `preference` gives the share of pairs whose chosen completion the model
+finds more likely than the rejected one (summed log-probabilities); for a LoRA adapter also the
+DPO reward accuracy against its base (the adapter disabled) and the mean log-ratio margin.
 
 Under `accelerate launch` (WORLD_SIZE > 1) the rows are split over the processes as
 `EvalShardSampler` splits them (row i to rank i % world), the sums gathered, and the main process
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from .errors import ToolkitError
 
-FORMATS = ("alpaca", "messages", "text")
+FORMATS = ("alpaca", "messages", "text", "preference")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
 EXAMPLES = 3  # right and wrong answers each, shown in the summary and kept in the JSON
 
@@ -36,7 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--data", required=True, metavar="FILE",
                    help="a .jsonl, .json, .parquet or .csv file, a folder or glob of them, or a Hub dataset id")
     p.add_argument("--format", choices=FORMATS, default=None,
-                   help="default: from the first row's keys (instruction/output: alpaca, messages, text)")
+                   help="default: from the first row's keys (instruction/output: alpaca, messages, text, "
+                        "chosen/rejected: preference)")
     p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                    help="truncate examples to this many tokens, as training does (default: the run's "
                         f"data.max_seq_len when MODEL_DIR is a run's final/, else {DEFAULT_MAX_SEQ_LEN})")
@@ -130,6 +134,15 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
     if error is not None:
         raise ToolkitError(error)
 
+    if fmt == "preference":
+        part = pair_sums(model, tokenizer, examples, args.batch_size)
+        part["truncated"] = sum(e["full_length"] > max_seq_len for e in examples[::2])
+        if state is None:
+            return [part]
+        from accelerate.utils import gather_object
+
+        parts = gather_object([part])
+        return parts if state.is_main_process else None
     loss_sum, n_targets = loss_sums(model, tokenizer, examples, args.batch_size)
     answers = generate_texts(model, tokenizer, [q["text"] for q in questions], add_bos=False,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
@@ -155,6 +168,14 @@ def results(args, parts: list[dict], rows: list, fmt: str, max_seq_len: int, tra
               "truncated_rows": sum(p["truncated"] for p in parts),
               "target_tokens": targets, "loss": loss, "perplexity": perplexity(loss), "processes": len(parts),
               "answers": None}
+    if fmt == "preference":
+        pairs = sum(p["pairs"] for p in parts)
+        with_reference = parts[0]["reward_preferred"] is not None
+        result["preference"] = {
+            "pairs": pairs, "accuracy": sum(p["preferred"] for p in parts) / pairs if pairs else None,
+            "reward_accuracy": sum(p["reward_preferred"] for p in parts) / pairs if pairs and with_reference else None,
+            "mean_log_ratio_margin": sum(p["margin_sum"] for p in parts) / pairs if pairs and with_reference else None}
+        return result
     if args.answers != "none":
         records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["row"])
         correct = sum(r["correct"] for r in records)
@@ -208,8 +229,10 @@ def infer_format(source) -> str:
         return "messages"
     if "text" in keys:
         return "text"
+    if {"chosen", "rejected"} <= keys:
+        return "preference"
     raise ToolkitError(f"{source.name}: cannot tell the format from the first row's keys "
-                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages or text")
+                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages, text or preference")
 
 
 def read_rows(source, cache: Path, limit: int | None):
@@ -326,6 +349,46 @@ def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[
     return total.item(), count
 
 
+def pair_sums(model, tokenizer, examples: list[dict], batch_size: int) -> dict:
+    """Preference pairs (`examples`: chosen, rejected, chosen, ...; pairs without targets on both
+    sides left out): how many, how many the model prefers the chosen completion of (summed
+    log-probabilities), the chosen completions' loss sum and targets; for a peft adapter also the
+    pairs whose log-ratio to the base (the adapter disabled) is higher for the chosen, and the sum of
+    those margins. In training's pair batches and its log-probabilities (`loss.token_logps`)."""
+    import torch
+
+    from .data import Collator
+    from .loss import token_logps, use_token_loss
+
+    try:
+        use_token_loss(model)
+    except ToolkitError:
+        use_token_loss(model, "full")
+    pairs = [{"input_ids": c["input_ids"], "labels": c["labels"], "rejected_input_ids": r["input_ids"],
+              "rejected_labels": r["labels"]}
+             for c, r in zip(examples[::2], examples[1::2]) if c["n_targets"] and r["n_targets"]]
+    collate = Collator(tokenizer.pad_token_id, pairs=True)
+    device = next(model.parameters()).device
+    adapter = hasattr(model, "disable_adapter")
+    sums = {"pairs": len(pairs), "preferred": 0, "loss_sum": 0.0, "targets": 0,
+            "reward_preferred": 0 if adapter else None, "margin_sum": 0.0 if adapter else None}
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            batch = {k: v.to(device) for k, v in collate(pairs[start:start + batch_size]).items()}
+            logps, counts = token_logps(model, batch)
+            n = len(logps) // 2
+            sums["preferred"] += int((logps[:n] > logps[n:]).sum())
+            sums["loss_sum"] += -float(logps[:n].double().sum())
+            sums["targets"] += int(counts[:n].sum())
+            if adapter:
+                with model.disable_adapter():
+                    reference, _ = token_logps(model, batch)
+                margin = (logps[:n] - reference[:n]) - (logps[n:] - reference[n:])
+                sums["reward_preferred"] += int((margin > 0).sum())
+                sums["margin_sum"] += float(margin.double().sum())
+    return sums
+
+
 def is_correct(answer: str, reference: str, mode: str) -> bool:
     a, r = answer.strip(), reference.strip()
     return a == r if mode == "exact" else bool(r) and r in a
@@ -348,6 +411,16 @@ def summary(result: dict, origin: str | None) -> str:
     else:
         lines.append(f"loss     {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
                      f"{result['target_tokens']:,} target tokens")
+    pref = result.get("preference")
+    if pref is not None:
+        if not pref["pairs"]:
+            lines.append("pairs    none: no pair has targets on both sides")
+        else:
+            line = f"pairs    {pref['pairs']:,}: the chosen completion more likely in {pref['accuracy']:.1%}"
+            if pref["reward_accuracy"] is not None:
+                line += (f" | reward accuracy against the base {pref['reward_accuracy']:.1%}, mean log-ratio margin "
+                         f"{pref['mean_log_ratio_margin']:.4f}")
+            lines.append(line)
     answers = result["answers"]
     if answers is not None:
         if not answers["scored"]:

@@ -46,14 +46,17 @@ class Flops:
     """Training FLOPs per token: `dense` x tokens for the matrix multiplications (6 per weight for
     full fine-tuning: forward, input gradient, weight gradient; 4 under LoRA, whose frozen weights
     get no weight gradient; 6 for the adapters themselves), plus causal attention over each
-    document's own length: 6 x layers x query width x length^2 / 2 x 2 (QK^T and AV) per document."""
+    document's own length: 6 x layers x query width x length^2 / 2 x 2 (QK^T and AV) per document.
+    `extra_forwards`: forwards without gradient per token besides training's own (DPO's reference
+    through the disabled adapter: 1), each 2 per weight and a third of the attention's."""
     dense: float
     attention: float  # times the sum over documents of length^2
 
     @classmethod
-    def of(cls, counts, lora: bool) -> "Flops":
+    def of(cls, counts, lora: bool, extra_forwards: int = 0) -> "Flops":
         dense = 4 * counts.matmul + 6 * counts.trainable if lora else 6 * counts.matmul
-        return cls(dense=float(dense), attention=6.0 * counts.layers * counts.query)
+        dense += 2 * counts.matmul * extra_forwards
+        return cls(dense=float(dense), attention=(6.0 + 2.0 * extra_forwards) * counts.layers * counts.query)
 
     def of_batch(self, tokens: int, squared_lengths: int) -> float:
         return self.dense * tokens + self.attention * squared_lengths

@@ -434,8 +434,9 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     config = read_config(source, revision=recipe.model.revision,
                          key="model.preset" if recipe.model.preset else "model.path")
     model = count_model(config, source, recipe.lora)
+    pairs = recipe.preference.method is not None  # a pair is two sequences in one forward
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
-                 micro_batch=recipe.train.micro_batch_size, seq_len=recipe.data.max_seq_len,
+                 micro_batch=recipe.train.micro_batch_size * (2 if pairs else 1), seq_len=recipe.data.max_seq_len,
                  gradient_checkpointing=recipe.model.gradient_checkpointing,
                  attention=recipe.model.attn_implementation, loss=recipe.train.loss,
                  loss_chunk_tokens=recipe.train.loss_chunk_tokens, **kwargs)
@@ -460,7 +461,9 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name
     line = (f"estimate per process ({name}, toolkit estimate): params {size_text(g['params'])}, gradients "
             f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, activations "
-            f"{size_text(g['activations'] + g['logits'])} (micro-batch {setup.micro_batch} x {setup.seq_len} tokens) "
+            f"{size_text(g['activations'] + g['logits'])} (micro-batch {setup.micro_batch}"
+            + (f" sequences: {recipe.train.micro_batch_size} preference pairs" if recipe.preference.method else "")
+            + f" x {setup.seq_len} tokens) "
             f"= {size_text(g['total'])}")
     if row.host_per_node:
         line += f"; host RAM {size_text(row.host_per_node)} per node"

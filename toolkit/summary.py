@@ -27,7 +27,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
 
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world
     length = "train.max_steps" if t.max_steps else f"train.epochs {t.epochs}"
-    lines.append(f"batch {global_batch} sequences per optimizer step = micro_batch_size {t.micro_batch_size} x "
+    unit = "preference pairs" if recipe.preference.method else "sequences"
+    lines.append(f"batch {global_batch} {unit} per optimizer step = micro_batch_size {t.micro_batch_size} x "
                  f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} process"
                  f"{'es' if world > 1 else ''}; {rows:,} rows give {steps_per_epoch} steps per epoch; "
                  f"{total_steps} steps ({length}); {eval_rows:,} eval rows")

@@ -126,7 +126,8 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                "the model's spare embedding rows hold them")
             + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
                if recipe.lora.enabled else ""))
-    flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled)
+    flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
+                             extra_forwards=int(recipe.preference.reference == "adapter"))
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(
