@@ -293,14 +293,19 @@ def session_op_builds(shared: Path):
 
 
 def stop_op_builds(shared: Path) -> None:
-    """Kill the session's op builds if still running (a build killed midway leaves its lock: the next
-    session clears it)."""
+    """Kill the session's op builds if still running, and clear the lock files of the builds that
+    did not finish: a build killed midway leaves its lock, and when an older build's .so is beside it
+    (a rebuild), `start_op_builds` of the next session cannot tell it from a live build's, so every
+    later DeepSpeed launch would wait on it forever (seen: a short unit-tier session, then ZeRO-3)."""
     pid_file = shared / "op-builds.pid"
     if pid_file.exists():
         try:
             os.killpg(int(pid_file.read_text()), signal.SIGKILL)
         except (ProcessLookupError, PermissionError, ValueError):
-            pass
+            return
+        if not all((EXTENSIONS / f"{builder}.exit").exists() for builder in OPS.values()):
+            for lock in EXTENSIONS.glob("*/lock"):  # the session's processes are done: no build is live
+                lock.unlink(missing_ok=True)
 
 
 class OpResults(dict):

@@ -129,6 +129,13 @@ def test_lora_reference_is_the_disabled_adapter_under_zero3(workdir, single_lora
     assert "reference: the model with its LoRA adapter disabled" in log
     assert read_metrics(single_lora[0])[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert_close(single_lora[0], run)
+    merged = run_toolkit("merge", str(run / "final"), "--out", str(workdir / "lora_merged"))  # a DPO adapter merges
+    assert merged.returncode == 0 and (workdir / "lora_merged" / "model.safetensors").is_file(), merged.stderr[-2000:]
+    evaluated = run_toolkit("eval", str(run / "final"), "--data", str(workdir / "eval.jsonl"), "--json")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    pref = json.loads(evaluated.stdout)["preference"]  # the adapter against its base: the run's last eval
+    assert pref["pairs"] == 6
+    assert pref["reward_accuracy"] == pytest.approx(read_metrics(run)[-1]["eval_reward_accuracy"], abs=1e-9)
 
 
 def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
@@ -174,7 +181,7 @@ def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
 def test_reference_free_methods_train(method, workdir):
     run, log = train(workdir, method, method=method, **{"train__max_steps": 2})
     assert f"preference: {method}, beta {0.1 if method == 'orpo' else 2:g}" in log and "no reference model" in log
-    assert "reference:" not in log.replace("no reference model", "")
+    assert not any(line.startswith("reference:") for line in log.splitlines())  # nothing precomputed
     metrics = read_metrics(run)
     assert all(math.isfinite(r["loss"]) for r in metrics[1:]) and "eval_reward_accuracy" in metrics[-1]
 

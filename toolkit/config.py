@@ -579,6 +579,8 @@ def validate_preference(r: Recipe, need) -> None:
     need(not r.data.packing, "data.packing", "preference pairs are not packed (each pair is two padded rows)")
     need(not r.data.padding_free, "data.padding_free", "not yet for preference pairs (each pair is two padded rows)")
     need(not r.data.train_on_prompt, "data.train_on_prompt", "preference losses take completions only")
+    need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
+         "not with preference.method: the preference loss has no router term yet")
 
 
 def dump_recipe(r: Recipe) -> str:
