@@ -238,3 +238,25 @@ def test_per_row_log_probabilities(chunk, variant):
     assert results["full"].keys() == results["chunked"].keys()
     for name, g in results["chunked"].items():
         torch.testing.assert_close(g, results["full"][name], rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["full", "chunked"])
+def test_per_document_log_probabilities_in_a_padding_free_row(kind):
+    """The rows of `batch()` without their padding, concatenated into one padding-free row with
+    `position_ids` restarting at each: `token_logps` gives each document what it gave each padded
+    row (sums within 1e-5, the same counts), so a preference pair may sit in one row."""
+    from toolkit.data import Collator
+    from toolkit.loss import token_logps
+
+    model = tiny_llama()
+    use_token_loss(model, kind, 7)
+    b = batch()
+    padded, padded_n = token_logps(model, b)
+    lengths = b["attention_mask"].sum(1).tolist()
+    examples = [{"input_ids": b["input_ids"][i, :n].numpy(), "labels": b["labels"][i, :n].numpy()}
+                for i, n in enumerate(lengths)]
+    row = Collator(0, padding_free=True)(examples)
+    assert row["input_ids"].shape == (1, sum(lengths))
+    sums, counts = token_logps(model, row)
+    assert counts.tolist() == padded_n.tolist()
+    torch.testing.assert_close(sums, padded, rtol=TOL, atol=TOL)

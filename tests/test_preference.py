@@ -164,7 +164,7 @@ def test_collated_pairs_put_the_chosen_rows_first_then_the_rejected(tok):
     assert batch["reference_logps"].tolist() == [-1.0, 0.0, -2.0, 0.0]
     from toolkit.objectives import Preference
 
-    assert Preference.valid(batch["labels"]).tolist() == [True, False]  # eval padding is no pair
+    assert Preference.valid(batch).tolist() == [True, False]  # eval padding is no pair
 
 
 def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():
@@ -199,6 +199,47 @@ def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():
     metrics = objective.step_metrics("cpu")
     assert set(metrics) == {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"}
     torch.testing.assert_close(metrics["reward_margin"], metrics["rewards_chosen"] - metrics["rewards_rejected"])
+
+
+def test_padding_free_pairs_give_the_padded_pairs_loss_and_metrics():
+    """The same pairs collated padded (2 x batch rows) and padding-free (one row of 2 x batch
+    documents): the objective's loss sum, units and metrics agree within 1e-5 (eval padding included)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.config import PreferenceConfig
+    from toolkit.loss import use_token_loss
+    from toolkit.objectives import Preference
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    use_token_loss(model, "chunked", 4)
+    g = torch.Generator().manual_seed(3)
+
+    def sequence(n, prompt):
+        ids = torch.randint(1, 50, (n,), generator=g)
+        labels = ids.clone()
+        labels[:prompt] = IGNORE
+        return ids.numpy(), labels.numpy()
+
+    examples = []
+    for n_c, n_r in ((9, 5), (4, 12), (7, 7)):
+        (c, cl), (r, rl) = sequence(n_c, 3), sequence(n_r, 3)
+        examples.append({"input_ids": c, "labels": cl, "rejected_input_ids": r, "rejected_labels": rl,
+                         "reference": [-3.0, -4.0]})
+    examples.append(None)
+    results = []
+    for padding_free in (False, True):
+        batch = Collator(0, padding_free=padding_free, pairs=True)(examples)
+        assert ("attention_mask" in batch) != padding_free
+        objective = Preference(PreferenceConfig(method="dpo", beta=0.1))
+        loss = objective.loss_sum(model, batch)
+        results.append((loss, objective.units(batch), objective.step_metrics("cpu")))
+    (a, units_a, ma), (b, units_b, mb) = results
+    assert units_a == units_b == 3
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_the_rule_for_empty_rows_drops_a_few_bad_pairs_and_refuses_many(tmp_path, tok):
@@ -236,7 +277,6 @@ def recipe_file(tmp_path, **sections):
     ({"preference__beta": 0}, "preference.beta", "positive"),
     ({"preference__label_smoothing": 0.5}, "preference.label_smoothing", "[0, 0.5)"),
     ({"data__packing": True}, "data.packing", "not packed"),
-    ({"data__padding_free": True}, "data.padding_free", "not yet"),
     ({"data__train_on_prompt": True}, "data.train_on_prompt", "completions only"),
     ({"preference__bta": 1}, "preference.bta", "did you mean beta"),
 ])

@@ -124,6 +124,14 @@ def test_two_processes_equal_one(layout, workdir, single):
     assert_close(single[0], run)
 
 
+def test_padding_free_equals_padded(workdir, single):
+    """data.padding_free: each micro-batch's chosen and rejected sequences in one row without padding
+    (varlen attention), the reference precomputed in the same batches: the padded run's result."""
+    run, log = train(workdir, "padding_free", **{"data__padding_free": True})
+    assert "attention: varlen" in log and "reference: train: computed" in log  # its own reference (another key)
+    assert_close(single[0], run, tol=1e-5)
+
+
 def test_lora_reference_is_the_disabled_adapter_under_zero3(workdir, single_lora):
     run, log = train(workdir, "lora_zero3", "zero3", lora=True)
     assert "reference: the model with its LoRA adapter disabled" in log

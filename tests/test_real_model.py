@@ -274,3 +274,35 @@ def test_zero3_two_processes_match_one(tmp_path, real_model_dir, capital_data):
         assert (have[k] - want[k]).norm() / want[k].norm() <= 1e-2, k
     flat_want, flat_have = (torch.cat([w[k].flatten() for k in sorted(want)]) for w in (want, have))
     assert (flat_have - flat_want).norm() / flat_want.norm() <= 1e-4
+
+
+@pytest.mark.slow
+def test_dpo_raises_held_out_preference_accuracy(tmp_path, real_model_dir):
+    """LoRA DPO (β 0.1, the reference the disabled adapter) on the quickstart's preference pairs
+    (a right and a wrong answer to letter, count and sum tasks), 16 steps of 8 pairs: on 100 held-out
+    pairs the preference loss falls from ln 2 and the reward accuracy rises from 0, and `toolkit
+    eval` on final/ gives the run's last reward accuracy.
+    Measured 2026-11-26 (2 CPU cores, 512 train pairs, 3.9 s per step): eval_loss 0.693 -> 0.553,
+    eval_reward_accuracy 0 -> 0.73 after 16 steps (0.487 and 0.74 after 32); the chosen answer more
+    likely than the rejected one in 67% of pairs for the base model, 71% after 32 steps."""
+    pairs = ROOT / "examples" / "data"
+    train = write_jsonl(tmp_path / "train.jsonl", [json.loads(x) for x in
+                                                   (pairs / "tasks_preference_train.jsonl").read_text().splitlines()[:512]])
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", [json.loads(x) for x in
+                                                       (pairs / "tasks_preference_eval.jsonl").read_text().splitlines()[:100]])
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "dpo.yaml", output_dir=str(out), seed=42, model={"path": str(real_model_dir)},
+                        lora={"enabled": True, "r": 8, "alpha": 16},
+                        data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "preference",
+                              "max_seq_len": 128},
+                        preference={"method": "dpo", "beta": 0.1},
+                        train={"micro_batch_size": 8, "max_steps": 16, "learning_rate": 5e-4, "warmup_steps": 2,
+                               "log_every_steps": 8})
+    proc = run_toolkit("train", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = read_metrics(out)[0], read_metrics(out)[-1]
+    assert first["eval_loss"] == pytest.approx(0.6931, abs=1e-3) and first["eval_reward_accuracy"] == 0
+    assert last["eval_loss"] < 0.62 and last["eval_reward_accuracy"] > 0.6 and last["eval_reward_margin"] > 0.1, last
+    evaluated = run_toolkit("eval", str(out / "final"), "--data", str(evaluation), "--json")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads(evaluated.stdout)["preference"]["reward_accuracy"] == pytest.approx(last["eval_reward_accuracy"])

@@ -124,7 +124,8 @@ class DataConfig:
     pair of sequences, prompt + chosen and prompt + rejected, with targets on the completions only;
     text completions get the tokenizer's eos appended, chat ones end as the template ends a turn.
     A pair longer than max_seq_len keeps its prompt and has its completions cut (or is dropped
-    with overlong=drop); for preference.method, which needs it."""
+    with overlong=drop); for preference.method, which needs it; not with packing (padding_free
+    puts a micro-batch's sequences in one row)."""
     max_seq_len: int = 512
     """Longest example in tokens (see overlong); with packing, the length of a packed row."""
     packing: bool = False
@@ -576,8 +577,8 @@ def validate_preference(r: Recipe, need) -> None:
          "adapter: the reference is the model with its LoRA adapter disabled, which needs lora.enabled=true")
     if p.method == "dpo" and p.reference == "auto":
         p.reference = "adapter" if r.lora.enabled else "precomputed"
-    need(not r.data.packing, "data.packing", "preference pairs are not packed (each pair is two padded rows)")
-    need(not r.data.padding_free, "data.padding_free", "not yet for preference pairs (each pair is two padded rows)")
+    need(not r.data.packing, "data.packing", "preference pairs are not packed (data.padding_free puts a micro-batch's "
+         "sequences in one row without padding)")
     need(not r.data.train_on_prompt, "data.train_on_prompt", "preference losses take completions only")
     need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
          "not with preference.method: the preference loss has no router term yet")

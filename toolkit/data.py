@@ -929,9 +929,9 @@ class Collator:
     - `bounds`: packed and padding-free batches also carry the documents' bounds for varlen
       attention (`cu_seq_lens_q/k`, `max_length_q/k`), computed here on the host.
 
-    - `pairs` (preference pairs): the chosen sequences are the batch's first rows and the rejected
-      ones the rows after them, in the same order, padded alike, so both go through one forward;
-      `reference_logps` holds their reference log-probabilities where the examples carry them.
+    - `pairs` (preference pairs): the chosen sequences are the batch's first rows (padding-free:
+      documents) and the rejected ones those after them, in the same order, so both go through one
+      forward; `reference_logps` holds their reference log-probabilities where the examples carry them.
 
     An example of None (eval padding, see EvalShardSampler) becomes a row (padding-free: a document)
     without targets; a batch of nothing but None (a rank whose eval share ran out) is one such row
@@ -985,7 +985,7 @@ class Collator:
         rows = ([e or none for e in examples]
                 + [{"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]} if e else none
                    for e in examples])
-        batch = Collator(self.pad_token_id)(rows)
+        batch = Collator(self.pad_token_id, padding_free=self.padding_free, bounds=self.bounds)(rows)
         if any(e is not None and "reference" in e for e in examples):
             reference = np.zeros((len(examples), 2))
             for i, e in enumerate(examples):

@@ -40,12 +40,23 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = Fal
 
 
 def token_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of the batch: the sum of the log-probabilities of its target tokens (labels != IGNORE)
-    and how many there are, the way `use_token_loss` set up (through the chunked output layer under
+    """Per sequence of the batch (a row; in a padding-free batch, one row of documents, each
+    document): the sum of the log-probabilities of its target tokens (labels != IGNORE) and how
+    many there are, the way `use_token_loss` set up (through the chunked output layer under
     train.loss=chunked: no full-vocabulary logits held); a preference objective's log-likelihood of
-    each row's completion. `model` as prepared or not."""
+    each completion. `model` as prepared or not."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_row=True)
+    return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_row=sequence_index(batch))
+
+
+def sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """For each position of the batch's labels after the first (those a target can sit at): the
+    sequence it belongs to, rows in order and, in a padding-free row, the documents in order
+    (where `position_ids` start again at 0)."""
+    labels = batch["labels"]
+    if labels.shape[0] == 1 and "position_ids" in batch:  # padding-free: one row of documents
+        return ((batch["position_ids"][0] == 0).cumsum(0) - 1)[None, 1:]
+    return torch.arange(labels.shape[0], device=labels.device)[:, None].expand(-1, labels.shape[1] - 1)
 
 
 def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backend=None) -> None:
@@ -63,14 +74,15 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
         check_chunked_loss(model, backend is not None and backend.partitioned_before_prepare(model))
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
-    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=False, **kwargs):
+    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
         if token_loss_router_aux:
             kwargs["output_router_logits"] = True
         if kind == "full":
             outputs = original(*args, **{**kwargs, "use_cache": False})
-            loss = (full_row_logps if token_loss_per_row else full_loss_sum)(outputs.logits, token_loss_labels)
+            loss = (full_loss_sum(outputs.logits, token_loss_labels) if token_loss_per_row is None else
+                    full_row_logps(outputs.logits, token_loss_labels, token_loss_per_row))
         else:
             loss, outputs = chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls,
                                              return_outputs=True, per_row=token_loss_per_row, **kwargs)
@@ -101,27 +113,34 @@ def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
-def full_row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the sum of its target tokens' log-probabilities, and their count."""
+def full_row_logps(logits: torch.Tensor, labels: torch.Tensor,
+                   sequences: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence (`sequences`: each target position's, as `sequence_index`; None: the rows): the
+    sum of its target tokens' log-probabilities, and their count."""
     targets = labels[:, 1:]
+    sequences = sequence_index({"labels": labels}) if sequences is None else sequences
     losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                             reduction="none").view_as(targets)  # 0 where ignored
-    return -losses.sum(1), (targets != IGNORE).sum(1)
+                             reduction="none")  # 0 where ignored
+    n = int(sequences.max()) + 1
+    kept = targets.flatten() != IGNORE
+    return (-losses.new_zeros(n).index_add(0, sequences.flatten(), losses),
+            torch.zeros(n, dtype=torch.long, device=labels.device).index_add(0, sequences.flatten()[kept],
+                                                                           torch.ones_like(sequences.flatten()[kept])))
 
 
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
-                     return_outputs: bool = False, per_row: bool = False, **kwargs):
+                     return_outputs: bool = False, per_row: torch.Tensor | None = None, **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
     calls (the backend's `same_call_count`; None: `n`). `return_outputs`: (the sum, the backbone's
-    outputs). `per_row`: instead of the sum, (each row's sum of target log-probabilities, its count
-    of targets), as `full_row_logps`."""
+    outputs). `per_row` (each target position's sequence, as `sequence_index`): instead of the sum,
+    (each sequence's sum of target log-probabilities, its count of targets), as `full_row_logps`."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
     targets = labels[:, 1:] != IGNORE
-    rows = targets.nonzero()[:, 0] if per_row else None  # each target's row, in the order of the selection below
+    rows = per_row[targets] if per_row is not None else None  # each target's sequence, in the selection's order
     hidden, labels = hidden[:, :-1][targets], labels[:, 1:][targets]  # before the output layer: (targets, hidden)
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and others
@@ -130,7 +149,7 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
         logits = head(h)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return F.cross_entropy(logits.float(), y, reduction="none" if per_row else "sum")
+        return F.cross_entropy(logits.float(), y, reduction="sum" if per_row is None else "none")
 
     # At least one call, so that the output layer takes part in every backward (DDP expects a
     # gradient for every parameter, zero or not); where each call is a collective (ZeRO-3
@@ -139,15 +158,18 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     if same_calls is not None:
         chunks = same_calls(head, chunks, hidden.device)
     total = hidden.new_zeros((), dtype=torch.float32)
-    per_rows = hidden.new_zeros(targets.shape[0], dtype=torch.float32)
+    n = int(per_row.max()) + 1 if per_row is not None else 0
+    per_rows = hidden.new_zeros(n, dtype=torch.float32)
     for i in range(chunks):
         h, y = hidden[i * chunk_tokens:(i + 1) * chunk_tokens], labels[i * chunk_tokens:(i + 1) * chunk_tokens]
         losses = checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled() else chunk_loss(h, y)
-        if per_row:
+        if per_row is not None:
             per_rows = per_rows.index_add(0, rows[i * chunk_tokens:(i + 1) * chunk_tokens], -losses)
         else:
             total = total + losses
-    result = (per_rows, targets.sum(1)) if per_row else total
+    counts = torch.zeros(n, dtype=torch.long, device=labels.device).index_add(0, rows, torch.ones_like(rows)) \
+        if per_row is not None else None
+    result = (per_rows, counts) if per_row is not None else total
     return (result, outputs) if return_outputs else result
 
 

@@ -20,7 +20,7 @@ import torch
 from . import observe
 from .data import IGNORE
 from .errors import ToolkitError
-from .loss import has_router, token_logps, token_loss_sum
+from .loss import has_router, sequence_index, token_logps, token_loss_sum
 
 
 class Supervised:
@@ -105,7 +105,8 @@ def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor,
 
 class Preference:
     """A preference loss (`preference_losses`) over pairs: each micro-batch holds its chosen
-    sequences in its first rows and the rejected ones after them (`Collator(pairs=True)`), both in
+    sequences first and the rejected ones after them (`Collator(pairs=True)`; rows, or the
+    documents of a padding-free row), both in
     one forward through `loss.token_logps`. A pair whose chosen or rejected completion has no
     target (eval padding) counts for nothing. The reference log-probabilities (DPO) come with the
     batch (`reference_logps`, precomputed before training: `reference.py`) or from the same
@@ -123,18 +124,23 @@ class Preference:
     def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
         """Pairs, processed tokens and squared sequence lengths of one step's host batches."""
         pairs = sum(self.units(b) for b in micro_batches)
-        tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
-        squared = sum(int(b["attention_mask"].sum(1).pow(2).sum()) for b in micro_batches)
+        tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                     for b in micro_batches)
+        squared = sum(int(observe.document_lengths(b).pow(2).sum()) for b in micro_batches)
         return [pairs, tokens, squared]
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(self.valid(batch["labels"]).sum())
+        return int(self.valid(batch).sum())
 
     @staticmethod
-    def valid(labels: torch.Tensor) -> torch.Tensor:
-        has_targets = (labels[:, 1:] != IGNORE).any(1)
-        n = len(labels) // 2
-        return has_targets[:n] & has_targets[n:]
+    def valid(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per pair: whether both its sequences have targets (eval padding has none)."""
+        sequences = sequence_index(batch)
+        targets = batch["labels"][:, 1:] != IGNORE
+        n = int(sequences.max()) + 1
+        has_targets = torch.zeros(n, dtype=torch.long, device=targets.device).index_add(
+            0, sequences[targets], torch.ones_like(sequences[targets])) > 0
+        return has_targets[:n // 2] & has_targets[n // 2:]
 
     def reference_logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "reference_logps" in batch:
@@ -148,7 +154,7 @@ class Preference:
         reference = self.reference_logps(model, batch) if self.needs_reference else None
         logps, counts = token_logps(model, {k: v for k, v in batch.items() if k != "reference_logps"})
         n = len(logps) // 2
-        valid = self.valid(batch["labels"])
+        valid = self.valid(batch)
         counts = counts.clamp(min=1).to(logps.dtype)
         ref = (reference[:n].to(logps.dtype), reference[n:].to(logps.dtype)) if reference is not None else (None, None)
         p = self.cfg

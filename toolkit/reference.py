@@ -38,12 +38,12 @@ def weights_key(recipe) -> str:
     else:
         h.update(base_identity.fingerprint(resolve_model(m.path, m.revision)).encode())
     h.update(json.dumps([m.dtype, t.precision, m.attn_implementation, m.add_special_tokens, t.loss,
-                         t.loss_chunk_tokens]).encode())
+                         t.loss_chunk_tokens, recipe.data.padding_free]).encode())
     return h.hexdigest()[:16]
 
 
 def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, key: str, batch_size: int,
-               pad_token_id: int) -> list[str]:
+               collate: Collator) -> list[str]:
     """Set each part's `reference` (read from `folder` or computed with `model` as it is now, then
     written there by each node's main process); returns the start-of-run lines saying which."""
     lines = []
@@ -55,7 +55,7 @@ def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, key
             part.reference = np.load(path)
             lines.append(f"{name}: read from {path}")
             continue
-        part.reference = compute(accelerator, model, part, batch_size, pad_token_id, name)
+        part.reference = compute(accelerator, model, part, batch_size, collate, name)
         if accelerator.is_local_main_process:
             tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
             with disk.writing("data: the reference log-probabilities (HF_DATASETS_CACHE)", tmp, error=ToolkitError):
@@ -66,12 +66,12 @@ def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, key
 
 
 @torch.no_grad()
-def compute(accelerator, model, part: Examples, batch_size: int, pad_token_id: int, name: str) -> np.ndarray:
+def compute(accelerator, model, part: Examples, batch_size: int, collate: Collator, name: str) -> np.ndarray:
     """(examples, 2): each example's chosen and rejected summed target log-probability under `model`
-    in eval mode, every rank computing its share with the same number of forwards."""
+    in eval mode, in training's batches (`collate`: padded or padding-free), every rank computing its
+    share with the same number of forwards."""
     rank, world = accelerator.process_index, accelerator.num_processes
     indices = EvalShardSampler(len(part), batch_size, rank, world).indices
-    collate = Collator(pad_token_id, pairs=True)
     was_training = model.training
     model.eval()
     mine = []
@@ -80,7 +80,8 @@ def compute(accelerator, model, part: Examples, batch_size: int, pad_token_id: i
                           disable=not accelerator.is_main_process, dynamic_ncols=True,
                           mininterval=0.5 if sys.stderr.isatty() else 30):  # logs that are files get few updates
             chunk = indices[start:start + batch_size]
-            batch = {k: v.to(accelerator.device) for k, v in collate([part[i] for i in chunk]).items()}
+            batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v
+                     for k, v in collate([part[i] for i in chunk]).items()}
             logps, _ = token_logps(model, batch)
             mine.append(torch.stack([logps[:len(chunk)], logps[len(chunk):]], 1).double())
     finally:

@@ -216,7 +216,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
         log(f"preference: {preference_line(recipe)}")
     if recipe.preference.reference == "precomputed":  # with the starting weights, before any resume loads others
         for line in reference.precompute(accelerator, model, {"train": data.train, "eval": data.eval}, data.folder,
-                                         reference.weights_key(recipe), eval_batch, tokenizer.pad_token_id):
+                                         reference.weights_key(recipe), eval_batch, collate):
             log(f"reference: {line}")
 
     if resume_from is not None:
