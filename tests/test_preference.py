@@ -295,3 +295,16 @@ def test_preference_defaults_follow_the_method(tmp_path):
     assert (simpo.beta, simpo.gamma) == (2.0, 0.5)
     plain = load_recipe(recipe_file(tmp_path, data__format="alpaca", preference__method=None))
     assert plain.preference.method is None
+
+
+@pytest.mark.parametrize("row, fmt", [
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "messages"),
+    ({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
+      "rejected": [{"role": "assistant", "content": "c"}]}, "preference"),
+])
+def test_chat_rows_without_a_chat_template_are_refused_in_one_line(row, fmt):
+    """Was a ValueError from transformers (a traceback) for a tokenizer without a template."""
+    tokenizer = family_tokenizer("llama3")
+    tokenizer.chat_template = None
+    with pytest.raises(ToolkitError, match="this tokenizer has none"):
+        tokenize_examples(row, fmt, tokenizer, 64, False)

@@ -389,6 +389,7 @@ def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int,
             if not turns:
                 raise MissingField(name, "is empty")
             chat_messages({"messages": turns + ([{"role": "assistant", "content": ""}] if name == "prompt" else [])})
+        need_chat_template(tokenizer, "preference pairs written as chat messages")
         tools = row.get("tools") or None
         before = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
         texts = [tokenizer.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
@@ -413,6 +414,13 @@ def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int,
     return [(t, [(cut, len(t))], has_specials) for t in texts]
 
 
+def need_chat_template(tokenizer, what: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ToolkitError(f"{what} render through the tokenizer's chat template, and this tokenizer has none "
+                           "(no chat_template in its tokenizer_config.json or chat_template.jinja); use a model "
+                           "that has one, or data.format=alpaca or text")
+
+
 def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
     """Assistant turn i carries loss on what the template adds between the conversation up to its
     prompt (add_generation_prompt) and the conversation up to and including it. When every such
@@ -420,6 +428,7 @@ def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, lis
     template rewrote earlier turns), the last turn's rendering is an example with every turn it
     renders alike, and so on backwards with the turns left; `tools` (function schemas) go to every
     rendering."""
+    need_chat_template(tokenizer, "chat messages")
     turns = []  # (end of prompt, end of turn, rendering up to the turn's end)
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:  # an opening assistant turn (a greeting) answers nothing: context
