@@ -308,3 +308,26 @@ def test_chat_rows_without_a_chat_template_are_refused_in_one_line(row, fmt):
     tokenizer.chat_template = None
     with pytest.raises(ToolkitError, match="this tokenizer has none"):
         tokenize_examples(row, fmt, tokenizer, 64, False)
+
+
+def test_a_pair_without_targets_gives_no_nan_under_orpo():
+    """ORPO's log(1 - p) of a pair with no targets (log-probability 0) is -inf: the pair is masked
+    out of the loss, and its gradient must not turn the rest into NaN."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.config import PreferenceConfig
+    from toolkit.loss import use_token_loss
+    from toolkit.objectives import Preference
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    use_token_loss(model, "chunked", 4)
+    ids = torch.randint(1, 50, (4, 6))
+    labels = ids.clone()
+    labels[:, :2] = IGNORE
+    labels[1] = labels[3] = IGNORE  # the second pair: no targets on either side
+    loss = Preference(PreferenceConfig(method="orpo", beta=0.1)).loss_sum(
+        model, {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
