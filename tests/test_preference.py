@@ -311,8 +311,9 @@ def test_chat_rows_without_a_chat_template_are_refused_in_one_line(row, fmt):
 
 
 def test_a_pair_without_targets_gives_no_nan_under_orpo():
-    """ORPO's log(1 - p) of a pair with no targets (log-probability 0) is -inf: the pair is masked
-    out of the loss, and its gradient must not turn the rest into NaN."""
+    """ORPO's log(1 - p) of a completion with no targets (log-probability 0) is -inf: its pair is
+    masked out of the loss, and the NaN gradient of that term must not reach the chosen side's
+    tokens (and so the weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.config import PreferenceConfig
@@ -326,7 +327,7 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
     ids = torch.randint(1, 50, (4, 6))
     labels = ids.clone()
     labels[:, :2] = IGNORE
-    labels[1] = labels[3] = IGNORE  # the second pair: no targets on either side
+    labels[3] = IGNORE  # the second pair: its rejected completion has no targets, its chosen has
     loss = Preference(PreferenceConfig(method="orpo", beta=0.1)).loss_sum(
         model, {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
     loss.backward()
