@@ -312,8 +312,8 @@ def test_chat_rows_without_a_chat_template_are_refused_in_one_line(row, fmt):
 
 def test_a_pair_without_targets_gives_no_nan_under_orpo():
     """ORPO's log(1 - p) of a completion with no targets (log-probability 0) is -inf: its pair is
-    masked out of the loss, and the NaN gradient of that term must not reach the chosen side's
-    tokens (and so the weights)."""
+    masked out of the loss, and the NaN gradient of that term stays on the side that has no tokens
+    to pass it to, so nothing reaches the weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.config import PreferenceConfig

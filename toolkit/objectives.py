@@ -155,9 +155,6 @@ class Preference:
         logps, counts = token_logps(model, {k: v for k, v in batch.items() if k != "reference_logps"})
         n = len(logps) // 2
         valid = self.valid(batch)
-        # A pair without targets (eval padding) gets finite stand-ins: ORPO's log(1 - e^0) would be
-        # -inf, and its NaN gradient would pass through the mask below.
-        logps = torch.where(valid.repeat(2), logps, torch.full_like(logps, -1.0))
         counts = counts.clamp(min=1).to(logps.dtype)
         ref = (reference[:n].to(logps.dtype), reference[n:].to(logps.dtype)) if reference is not None else (None, None)
         p = self.cfg
