@@ -332,3 +332,22 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
         model, {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)})
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_the_estimate_counts_both_sequences_of_a_pair_and_the_reference_forward(tmp_path):
+    """Memory: a micro-batch of pairs is twice as many sequences in one forward. FLOPs: DPO's
+    reference through the disabled adapter is one more forward (2 per weight) per token."""
+    from toolkit.observe import Flops
+    from toolkit.sizing import count_model, estimate, read_config, setup_from_recipe, BY_NAME
+
+    recipe = load_recipe(recipe_file(tmp_path, lora__enabled=True, train__micro_batch_size=4))
+    pairs = setup_from_recipe(recipe)
+    plain = setup_from_recipe(load_recipe(recipe_file(tmp_path, lora__enabled=True, train__micro_batch_size=4,
+                                                      data__format="alpaca", preference__method=None)))
+    assert (pairs.micro_batch, plain.micro_batch) == (8, 4) and "8 sequences (4 preference pairs)" in pairs.batch_text()
+    ddp = BY_NAME["DDP"]
+    assert estimate(ddp, pairs).gpu["activations"] == pytest.approx(2 * estimate(ddp, plain).gpu["activations"])
+    counts = count_model(read_config("tiny-llama"), "tiny-llama", recipe.lora)
+    with_reference, without = Flops.of(counts, True, extra_forwards=1), Flops.of(counts, True)
+    assert with_reference.dense == without.dense + 2 * counts.matmul
+    assert with_reference.attention == pytest.approx(without.attention * 8 / 6)

@@ -127,8 +127,8 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     lines = [f"model: {m.name}: {_count(m.params)} parameters ({tuned}); {m.layers} layers, hidden {m.hidden}, "
              f"vocab {m.vocab}",
              f"setup: {setup.gpus} GPU{'s' if setup.gpus > 1 else ''} ({setup.gpus_per_node} per node x {setup.nodes} "
-             f"node{'s' if setup.nodes > 1 else ''}) of {setup.gpu_memory_gib:g} GiB; {setup.precision}; micro-batch "
-             f"{setup.micro_batch} x {setup.seq_len} tokens; gradient checkpointing "
+             f"node{'s' if setup.nodes > 1 else ''}) of {setup.gpu_memory_gib:g} GiB; {setup.precision}; "
+             f"{setup.batch_text()}; gradient checkpointing "
              f"{'on' if setup.gradient_checkpointing else 'off'}; attention {setup.attention}; loss {setup.loss}"
              + (f" ({setup.loss_chunk_tokens} tokens a chunk)" if setup.loss == "chunked" else ""),
              "", "GiB per GPU                       params  grads  optim  buffers  activ.  logits   total  fits  "

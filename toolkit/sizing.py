@@ -121,6 +121,11 @@ class Setup:
     attention: str = "sdpa"
     loss: str = "chunked"  # train.loss
     loss_chunk_tokens: int = 1024
+    pairs: bool = False  # preference pairs: micro_batch counts their sequences, two per pair
+
+    def batch_text(self) -> str:
+        pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
+        return f"micro-batch {self.micro_batch}{pairs} x {self.seq_len} tokens"
 
     @property
     def gpus(self) -> int:
@@ -439,7 +444,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  micro_batch=recipe.train.micro_batch_size * (2 if pairs else 1), seq_len=recipe.data.max_seq_len,
                  gradient_checkpointing=recipe.model.gradient_checkpointing,
                  attention=recipe.model.attn_implementation, loss=recipe.train.loss,
-                 loss_chunk_tokens=recipe.train.loss_chunk_tokens, **kwargs)
+                 loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs, **kwargs)
 
 
 def size_text(b: float) -> str:
@@ -461,10 +466,7 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name
     line = (f"estimate per process ({name}, toolkit estimate): params {size_text(g['params'])}, gradients "
             f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, activations "
-            f"{size_text(g['activations'] + g['logits'])} (micro-batch {setup.micro_batch}"
-            + (f" sequences: {recipe.train.micro_batch_size} preference pairs" if recipe.preference.method else "")
-            + f" x {setup.seq_len} tokens) "
-            f"= {size_text(g['total'])}")
+            f"{size_text(g['activations'] + g['logits'])} ({setup.batch_text()}) = {size_text(g['total'])}")
     if row.host_per_node:
         line += f"; host RAM {size_text(row.host_per_node)} per node"
     if memory is None:
