@@ -1,5 +1,8 @@
-"""Groundwork of preference training (issue 29): each completion's summed log-probability through
-the chunked output layer, and the DPO, IPO, SimPO and ORPO losses on hand-computed log-probabilities."""
+"""Preference training without launching: each completion's summed log-probability through the
+chunked output layer; the DPO, IPO, SimPO and ORPO losses on hand-computed log-probabilities;
+preference pairs as data (formats, labels, truncation, the rule for rows without targets),
+batches (padded and padding-free) and recipes (defaults and refusals); the objective against
+hand-summed log-probabilities; the estimate of a preference run."""
 
 import json
 import math
@@ -7,6 +10,10 @@ import math
 import pytest
 import torch
 
+from families import family_tokenizer
+from toolkit.config import ConfigError, DataConfig, load_recipe
+from toolkit.data import IGNORE, Collator, MissingField, build_datasets, tokenize_examples
+from toolkit.errors import ToolkitError
 from toolkit.objectives import preference_losses
 
 
@@ -81,13 +88,6 @@ def test_gradients_push_the_chosen_up_and_the_rejected_down():
 
 
 # ----------------------------------------------------------------------------- pairs: data, batches, config
-
-from families import family_tokenizer  # noqa: E402
-
-from toolkit.config import ConfigError, load_recipe  # noqa: E402
-from toolkit.data import (IGNORE, Collator, MissingField, build_datasets, tokenize_examples)  # noqa: E402
-from toolkit.config import DataConfig  # noqa: E402
-from toolkit.errors import ToolkitError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
