@@ -38,10 +38,23 @@ def fingerprint(folder: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def record(base_folder: str | Path) -> str:
-    """The text of `toolkit_base.json` for an adapter trained on `base_folder`."""
+def record(base_folder: str | Path, config: dict | None = None) -> str:
+    """The text of `toolkit_base.json` for an adapter trained on `base_folder`; `config`: what the
+    run changed in the base's config (`model.config_overrides`: RoPE scaling, maximum positions),
+    which every verb that loads the adapter applies to the base."""
     base = Path(base_folder).resolve()
-    return json.dumps({"path": str(base), "fingerprint": fingerprint(base)}, indent=1) + "\n"
+    return json.dumps({"path": str(base), "fingerprint": fingerprint(base), **({"config": config} if config else {})},
+                      indent=1) + "\n"
+
+
+def config_overrides(adapter: str | Path) -> dict:
+    """The base config changes the adapter's run made (`record`'s `config`), or {}."""
+    path = Path(adapter) / RECORD
+    try:
+        recorded = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # `check` names an unreadable record
+    return recorded.get("config") or {} if isinstance(recorded, dict) else {}
 
 
 def check(adapter: str | Path, base_folder: str | Path, verb: str,

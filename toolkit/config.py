@@ -27,6 +27,40 @@ class ConfigError(ToolkitError):
         super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
 
 
+ROPE_KEYS = {  # rope_type -> (keys it needs, keys it may have), as transformers' rope validation
+    "linear": ({"factor"}, set()),
+    "dynamic": ({"factor"}, {"original_max_position_embeddings"}),
+    "yarn": ({"factor"}, {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow"}),
+    "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, set()),
+}
+
+
+@dataclass
+class RopeScaling:
+    """model.rope_scaling: RoPE scaling for a context longer than the model was trained on."""
+    rope_type: Literal["linear", "dynamic", "yarn", "llama3"] = "yarn"
+    """`linear` (position interpolation), `dynamic` (NTK, scaled as sequences grow), `yarn` or `llama3`."""
+    factor: Optional[float] = None
+    """How many times longer the context becomes (required)."""
+    original_max_position_embeddings: Optional[int] = None
+    """The context the model was trained on (yarn and dynamic may take it; llama3 needs it)."""
+    attention_factor: Optional[float] = None
+    """yarn: the attention scale (default: from the factor)."""
+    beta_fast: Optional[float] = None
+    """yarn: fast boundary of the ramp (default 32)."""
+    beta_slow: Optional[float] = None
+    """yarn: slow boundary of the ramp (default 1)."""
+    low_freq_factor: Optional[float] = None
+    """llama3 (required there): the low-frequency factor."""
+    high_freq_factor: Optional[float] = None
+    """llama3 (required there): the high-frequency factor."""
+
+    def parameters(self) -> dict:
+        """The keys this scaling sets in the model config's rope parameters."""
+        return {"rope_type": self.rope_type, **{k: v for k, v in dataclasses.asdict(self).items()
+                                                 if k != "rope_type" and v is not None}}
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
@@ -61,6 +95,13 @@ class ModelConfig:
     tokens' rows (and every added row) of the input embeddings and of an untied output layer train
     whole beside the adapter (peft's trainable tokens, saved in the adapter); `toolkit merge`,
     `generate` and `eval` grow the base to the adapter's tokenizer before loading it."""
+    rope_scaling: Optional[RopeScaling] = None
+    """Extend the context: RoPE scaling set in the model's config (its rope_theta kept) before it is
+    built, so training, final/config.json, checkpoints and `toolkit checkpoint convert` carry it;
+    a LoRA adapter records it beside itself (toolkit_base.json) and `toolkit merge`, `generate` and
+    `eval` load its base with it. Not for models that keep RoPE settings per attention type (Gemma 3)."""
+    max_position_embeddings: Optional[int] = None
+    """The model's maximum positions, set in its config (with rope_scaling: usually the extended context)."""
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: the weight of the router's load-balancing loss added to the
     training loss (logged as `aux_loss`, the eval loss stays the language-model loss). Unset: as
@@ -468,6 +509,23 @@ def validate(r: Recipe, source: str) -> None:
          "set exactly one of model.path (a local Hugging Face folder) or model.preset")
     need(all(isinstance(t, str) and t.strip() for t in r.model.add_special_tokens), "model.add_special_tokens",
          f"each token must be non-empty text, got {r.model.add_special_tokens!r}")
+    if r.model.rope_scaling is not None:
+        rope = r.model.rope_scaling
+        needed, allowed = ROPE_KEYS[rope.rope_type]
+        given = set(rope.parameters()) - {"rope_type"}
+        missing, extra = needed - given, given - needed - allowed
+        need(not missing, f"model.rope_scaling.{min(missing) if missing else ''}",
+             f"required for rope_type {rope.rope_type}")
+        need(not extra, f"model.rope_scaling.{min(extra) if extra else ''}", f"not a {rope.rope_type} setting")
+        need(rope.factor > 0, "model.rope_scaling.factor", f"must be positive, got {rope.factor}")
+        for key in ("original_max_position_embeddings",):
+            value = getattr(rope, key)
+            need(value is None or value > 0, f"model.rope_scaling.{key}", f"must be positive, got {value}")
+    need(r.model.max_position_embeddings is None or r.model.max_position_embeddings > 0,
+         "model.max_position_embeddings", f"must be positive, got {r.model.max_position_embeddings}")
+    need(r.model.max_position_embeddings is None or r.model.max_position_embeddings >= r.data.max_seq_len,
+         "model.max_position_embeddings",
+         f"{r.model.max_position_embeddings} is shorter than data.max_seq_len={r.data.max_seq_len}")
     need(r.model.router_aux_loss_coef is None or r.model.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
          f"must be 0 or more, got {r.model.router_aux_loss_coef}")
     need(r.lora.r > 0, "lora.r", f"must be positive, got {r.lora.r}")

@@ -81,7 +81,10 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
     import torch
     from safetensors.torch import load_file
 
-    from .model import DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, fit_vocabulary, token_rows
+    from . import base_identity
+    from .hub import resolve_model
+    from .model import (DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, config_overrides,
+                        fit_vocabulary, token_rows)
     from .verify import first_mismatch
 
     weights = load_file(str(portable))
@@ -111,6 +114,9 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
 
             model.save_pretrained(folder, safe_serialization=True)
             expected = get_peft_model_state_dict(model)
+            # As final/: which base it belongs to, and the run's changes to its config (RoPE scaling).
+            source = base if base is not None else resolve_model(recipe.model.path, recipe.model.revision)
+            (folder / base_identity.RECORD).write_text(base_identity.record(source, config_overrides(recipe.model)))
         else:
             model = model.to(TORCH_DTYPES[dtype])
             model.save_pretrained(folder, safe_serialization=True)

@@ -88,8 +88,12 @@ def _load(path: str, dtype, trust_remote_code: bool):
     if tokenizer.pad_token is None:  # many base models ship without one; padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     try:
+        overrides = {"config": base_config(folder, adapter, trust_remote_code)} if adapter else {}
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype,
-                                                     trust_remote_code=trust_remote_code)
+                                                     trust_remote_code=trust_remote_code,
+                                                     **{k: v for k, v in overrides.items() if v is not None})
+    except ToolkitError:
+        raise
     except Exception as e:
         raise _load_error(path if folder == path else f"{path} ({folder})", "a causal LM", e) from None
     if adapter:
@@ -103,6 +107,22 @@ def _load(path: str, dtype, trust_remote_code: bool):
         except Exception as e:
             raise _load_error(path, "the LoRA adapter", e) from None
     return model, tokenizer
+
+
+def base_config(folder: str, adapter: str, trust_remote_code: bool = False):
+    """The base's config as the adapter's run changed it (model.rope_scaling, max_position_embeddings:
+    recorded beside the adapter), or None when the run changed nothing."""
+    from transformers import AutoConfig
+
+    from .base_identity import config_overrides
+    from .model import apply_config_overrides
+
+    overrides = config_overrides(adapter)
+    if not overrides:
+        return None
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    apply_config_overrides(config, overrides, where=f"{adapter}: the recorded model.rope_scaling")
+    return config
 
 
 def _load_error(where: str, what: str, e: Exception) -> ToolkitError:

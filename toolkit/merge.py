@@ -76,6 +76,7 @@ class Plan:
     description: str  # "LoRA r=8 alpha=16, DoRA"
     whole: bool = False  # adapters on parameters (target_parameters) or trained token rows: merged by peft in memory
     grows: bool = False  # trained token rows (model.add_special_tokens): the base grows to the adapter's tokenizer
+    overrides: dict = field(default_factory=dict)  # the run's base config changes (RoPE scaling), applied to the base
 
 
 def run(args) -> int:
@@ -144,8 +145,25 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
         description = ", ".join(parts) + f" on {'layers' if whole else f'{len(modules)} layers'}"
     if token_lists:
         description += f", {max(map(len, token_lists))} embedding rows trained whole (model.add_special_tokens)"
+    overrides = base_identity.config_overrides(adapter)
+    if overrides:
+        description += ", the run's " + " and ".join(f"{k} {v}" for k, v in overrides.items())
     return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole,
-                bool(token_lists))
+                bool(token_lists), overrides)
+
+
+def loaded_base(plan: Plan):
+    """The base as transformers loads it, with the run's config changes (RoPE scaling) when it made any."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model import apply_config_overrides
+
+    extra = {}
+    if plan.overrides:
+        extra["config"] = AutoConfig.from_pretrained(plan.base, local_files_only=True)
+        apply_config_overrides(extra["config"], plan.overrides, where=f"merge: {plan.adapter}'s recorded rope_scaling")
+    return AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True, **extra)
 
 
 def read_json(path: Path, missing: str) -> dict:
@@ -393,7 +411,6 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> tuple[in
 
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()
@@ -401,8 +418,7 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> tuple[in
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = grown(plan, AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32,
-                                                                     local_files_only=True), tokenizer)
+            model = grown(plan, loaded_base(plan), tokenizer)
             try:
                 model = PeftModel.from_pretrained(model, plan.adapter)
             except (RuntimeError, ValueError, KeyError, IndexError) as e:  # shapes or names the base does not have
@@ -451,6 +467,19 @@ def write_tokenizer(plan: Plan, tmp: Path):
         raise ToolkitError(f"merge: no loadable tokenizer in {plan.adapter} or the base {plan.base}: {first}") from None
 
 
+def with_overrides(config: dict, overrides: dict) -> dict:
+    """A config.json (as a dict) with `model.config_overrides` applied: the RoPE keys replace the
+    scaling (`rope_parameters`, or an older file's `rope_scaling`), its rope_theta kept."""
+    config = dict(config)
+    if "rope_parameters" in overrides:
+        old = config.get("rope_parameters") or config.pop("rope_scaling", None) or {}
+        theta = old.get("rope_theta", config.get("rope_theta")) if isinstance(old, dict) else config.get("rope_theta")
+        config["rope_parameters"] = {**({"rope_theta": theta} if theta is not None else {}), **overrides["rope_parameters"]}
+    if "max_position_embeddings" in overrides:
+        config["max_position_embeddings"] = overrides["max_position_embeddings"]
+    return config
+
+
 def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
     """config.json with the written dtype, and generation_config.json whose eos includes the
     tokenizer's (the token the chat template ends a turn with), so an inference server stops there."""
@@ -465,6 +494,8 @@ def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
         config["dtype"] = dtype
         if "torch_dtype" in config:
             config["torch_dtype"] = dtype
+    if plan.overrides:  # the run's RoPE scaling and maximum positions, as the adapter's record says
+        config = with_overrides(config, plan.overrides)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if (plan.base / "generation_config.json").is_file():
         generation = read_json(plan.base / "generation_config.json", "")
@@ -517,7 +548,7 @@ def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            base = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True)
+            base = loaded_base(plan)
             reference = PeftModel.from_pretrained(grown(plan, base, tokenizer), plan.adapter).eval()
             expected = [reference(ids).logits for ids in inputs]
             del base, reference

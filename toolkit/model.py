@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 
 from .config import LoraConfig, ModelConfig
 from .errors import ToolkitError
@@ -99,6 +100,37 @@ def token_rows(model: torch.nn.Module, tokenizer, tokens: list[str], added: int,
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def config_overrides(cfg: ModelConfig) -> dict:
+    """What the recipe changes in the model's config: model.rope_scaling (as the keys it sets in
+    `rope_parameters`) and model.max_position_embeddings. JSON-able, so an adapter can record it."""
+    overrides = {}
+    if cfg.rope_scaling is not None:
+        overrides["rope_parameters"] = cfg.rope_scaling.parameters()
+    if cfg.max_position_embeddings is not None:
+        overrides["max_position_embeddings"] = cfg.max_position_embeddings
+    return overrides
+
+
+def apply_config_overrides(config, overrides: dict, where: str = "model.rope_scaling") -> None:
+    """Set `overrides` (config_overrides) in a transformers config. The RoPE keys replace the scaling
+    the model had, its rope_theta kept (passing rope_scaling to from_pretrained would lose it)."""
+    if "rope_parameters" in overrides:
+        text = config.get_text_config()
+        current = getattr(text, "rope_parameters", None) or {}
+        if any(isinstance(v, dict) for v in current.values()):
+            raise ToolkitError(f"{where}: {type(config).__name__} keeps RoPE settings per attention type "
+                               f"({', '.join(current)}); set them in its config.json instead")
+        theta = current.get("rope_theta", getattr(text, "rope_theta", None))
+        text.rope_parameters = {**({"rope_theta": theta} if theta is not None else {}), **overrides["rope_parameters"]}
+        try:
+            if hasattr(text, "validate_rope"):
+                text.validate_rope()
+        except (KeyError, ValueError) as e:
+            raise ToolkitError(f"{where}: {e}") from None
+    if "max_position_embeddings" in overrides:
+        config.get_text_config().max_position_embeddings = overrides["max_position_embeddings"]
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                 compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """Load a local causal LM or build a preset. Weights stay in `dtype` (fp32 master weights by
@@ -115,6 +147,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         if not preset.is_file():
             raise ToolkitError(f"model.preset: unknown preset '{cfg.preset}' (available: {', '.join(preset_names())})")
         config = LlamaConfig(**json.loads(preset.read_text()), attn_implementation=attn)
+        apply_config_overrides(config, config_overrides(cfg))
         # The constructor, not from_config: from_config builds under ZeRO-3's zero.Init, whose
         # random initialisation differs from a plain one. Presets are tiny; every backend must
         # start from the same weights.
@@ -123,6 +156,10 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         folder = resolve_model(cfg.path, cfg.revision)
         quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
         try:
+            if config_overrides(cfg):
+                config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+                apply_config_overrides(config, config_overrides(cfg))
+                quantized["config"] = config
             model = AutoModelForCausalLM.from_pretrained(
                 folder, local_files_only=True, dtype=dtype, attn_implementation=attn,
                 trust_remote_code=cfg.trust_remote_code, **quantized)

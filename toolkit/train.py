@@ -31,7 +31,7 @@ from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
 from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                    compiled_graphs, count_parameters, fit_vocabulary, isolation_probe, token_rows)
+                    compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe, token_rows)
 from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -271,7 +271,7 @@ def save_final(run: Run, tokenizer) -> None:
         base = None
         if recipe.lora.enabled and accelerator.is_main_process:  # which base the adapter belongs to
             folder = out / "base-model" if recipe.model.preset else resolve_model(recipe.model.path, recipe.model.revision)
-            base = {base_identity.RECORD: base_identity.record(folder)}
+            base = {base_identity.RECORD: base_identity.record(folder, config_overrides(recipe.model))}
         run.backend.save_model(run.model, tokenizer, out / "final", extra_files=base)
         run.monitor.watchdog.done()
     accelerator.print(f"saved {out / 'final'}")
