@@ -37,7 +37,7 @@ ROPE_KEYS = {  # rope_type -> (keys it needs, keys it may have), as transformers
 
 @dataclass
 class RopeScaling:
-    """model.rope_scaling: RoPE scaling for a context longer than the model was trained on."""
+    """RoPE scaling for a context longer than the model was trained on."""
     rope_type: Literal["linear", "dynamic", "yarn", "llama3"] = "yarn"
     """`linear` (position interpolation), `dynamic` (NTK, scaled as sequences grow), `yarn` or `llama3`."""
     factor: Optional[float] = None
@@ -694,10 +694,16 @@ def key_reference() -> str:
             table(kind, sub, sub_title)
 
     table(Recipe, "", "Top level")
-    lines.extend(["## Entries of data.train_files / data.eval_files written as mappings", ""])
-    lines.extend(["| key | type | default | meaning |", "|---|---|---|---|"])
-    meaning = docs("DataSource")
-    for f in dataclasses.fields(DataSource):
-        text = meaning.get(f.name, "").replace("|", "\\|")
-        lines.append(f"| `{f.name}` | {shown(typing.get_type_hints(DataSource)[f.name])} | {default(f)} | {text} |")
-    return "\n".join(lines) + "\n"
+    for cls, title, prefix in ((DataSource, "Entries of data.train_files / data.eval_files written as mappings", ""),
+                               (RopeScaling, "`model.rope_scaling`: " + docs_of(RopeScaling), "model.rope_scaling.")):
+        lines.extend([f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"])
+        meaning = docs(cls.__name__)
+        for f in dataclasses.fields(cls):
+            text = meaning.get(f.name, "").replace("|", "\\|")
+            lines.append(f"| `{prefix}{f.name}` | {shown(typing.get_type_hints(cls)[f.name])} | {default(f)} | {text} |")
+        lines.append("")
+    return "\n".join(lines[:-1]) + "\n"
+
+
+def docs_of(cls) -> str:
+    return " ".join((cls.__doc__ or "").split())
