@@ -351,3 +351,14 @@ def test_the_estimate_counts_both_sequences_of_a_pair_and_the_reference_forward(
     with_reference, without = Flops.of(counts, True, extra_forwards=1), Flops.of(counts, True)
     assert with_reference.dense == without.dense + 2 * counts.matmul
     assert with_reference.attention == pytest.approx(without.attention * 8 / 6)
+
+
+def test_the_label_audit_of_a_pair_shows_both_completions(tok):
+    from toolkit.data import label_audit
+
+    chosen, rejected = tokenize_examples({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}, "preference",
+                                         tok, 64, False)
+    line = label_audit({**chosen, "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"]},
+                       tok)
+    assert line.startswith("first training pair, chosen, trained tokens in [[ ]] (3 of ")
+    assert line.endswith(f"Q: 2+2?\\nA:[[ 4{tok.eos_token}]] | rejected: [[ 5{tok.eos_token}]]"), line

@@ -820,8 +820,13 @@ def label_audit(example: dict, tokenizer, width: int = 240) -> str:
         if len(text) > width:
             text = text[: width // 2] + " ... " + text[-width // 2:]
         parts.append(f"[[{text}]]" if target[run[0]] else text)
-    return (f"first training example, trained tokens in [[ ]] ({int(target.sum())} of {len(ids)} tokens): "
+    line = (f"first training example, trained tokens in [[ ]] ({int(target.sum())} of {len(ids)} tokens): "
             + "".join(parts))
+    if "rejected_input_ids" in example:  # a preference pair: the rejected completion as trained against
+        rejected = np.asarray(example["rejected_input_ids"])[np.asarray(example["rejected_labels"]) != IGNORE]
+        line = line.replace("first training example", "first training pair, chosen", 1)
+        line += f" | rejected: [[{tokenizer.decode(rejected.tolist()).replace(chr(10), chr(92) + 'n')}]]"
+    return line
 
 
 @dataclass
