@@ -108,24 +108,39 @@ def test_lora_with_rope_scaling_merges_and_loads_with_it(tmp_path):
     assert model.config.rope_parameters == {"rope_theta": theta, **expected}
 
 
-@pytest.mark.launch
-def test_zero3_gathers_the_chunked_output_layer_once_per_micro_batch():
-    """Issue 30, item 3, ZeRO-3's half: the chunked loss calls the output layer once per chunk (8
-    here) and again in each chunk's recompute, but once DeepSpeed's trace is complete (from step 2)
-    its reuse distance keeps the weight gathered between those calls: one all-gather per micro-batch
-    in forward, none in backward. (Step 1, tracing, gathers more.) Measured 2026-11-26: steps 2 and 3
-    forward 1, backward 0; step 1 forward 0, backward 21."""
+def head_gathers(mode: str) -> list[dict]:
     import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "zero3_head_gathers.py"), port], cwd=ROOT,
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "head_gathers.py"), mode, port], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [s["step"] for s in steps] == [1, 2, 3], proc.stdout[-2000:]
-    for s in steps[1:]:
-        assert s["forward_gathers"] == 1 and s["backward_gathers"] == 0, steps
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5], proc.stdout[-2000:]
+    return steps
+
+
+@pytest.mark.launch
+def test_fsdp_gathers_the_chunked_output_layer_once_per_pass():
+    """Issue 30, item 3: the chunked loss calls the output layer once per chunk (8 or 6 here, as each
+    micro-batch's targets decide) and again in each chunk's recompute in backward. Under FSDP2 the
+    root group that holds it is unsharded once in forward and once in backward, whatever the chunks."""
+    steps = head_gathers("fsdp")
+    assert all(s["forward_gathers"] == 1 and s["backward_gathers"] == 1 for s in steps), steps
+
+
+@pytest.mark.launch
+@pytest.mark.xfail(strict=True, reason="known (issue 30 item 3): when the number of chunks changes between micro-"
+                                       "batches, DeepSpeed's trace is invalidated and ZeRO-3 gathers the output "
+                                       "layer once per chunk and again per recompute; measured 2026-11-26: 8 "
+                                       "forward and 16 backward gathers at 8 chunks, 1 and 11 at 6")
+def test_zero3_gathers_the_chunked_output_layer_once_per_micro_batch():
+    """The same under DeepSpeed ZeRO-3 (every tensor partitioned). With a fixed chunk count its
+    trace, complete from step 2, keeps the weight gathered (1 forward gather, 0 backward); with the
+    count changing between micro-batches, as in training, it does not."""
+    steps = head_gathers("zero3")
+    assert all(s["forward_gathers"] <= 1 and s["backward_gathers"] <= 1 for s in steps[1:]), steps
