@@ -95,6 +95,19 @@ def tok():
     return family_tokenizer("llama3")
 
 
+def tiny_model(chunk_tokens: int):
+    """A one-layer Llama (vocabulary 50), seeded, with the chunked loss at `chunk_tokens` a chunk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.loss import use_token_loss
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    use_token_loss(model, "chunked", chunk_tokens)
+    return model
+
+
 def trained(example, tokenizer) -> str:
     return tokenizer.decode([i for i, y in zip(example["input_ids"], example["labels"]) if y != IGNORE])
 
@@ -170,16 +183,10 @@ def test_collated_pairs_put_the_chosen_rows_first_then_the_rejected(tok):
 def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():
     """Preference.loss_sum on a tiny model equals preference_losses of the pairs' log-probabilities
     summed by hand from the model's own logits; a pair without targets adds nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from toolkit.config import PreferenceConfig
-    from toolkit.loss import use_token_loss
     from toolkit.objectives import Preference
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    use_token_loss(model, "chunked", 3)
+    model = tiny_model(3)
     ids = torch.randint(1, 50, (6, 7))
     labels = ids.clone()
     labels[:, :3] = IGNORE
@@ -204,16 +211,10 @@ def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():
 def test_padding_free_pairs_give_the_padded_pairs_loss_and_metrics():
     """The same pairs collated padded (2 x batch rows) and padding-free (one row of 2 x batch
     documents): the objective's loss sum, units and metrics agree within 1e-5 (eval padding included)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from toolkit.config import PreferenceConfig
-    from toolkit.loss import use_token_loss
     from toolkit.objectives import Preference
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    use_token_loss(model, "chunked", 4)
+    model = tiny_model(4)
     g = torch.Generator().manual_seed(3)
 
     def sequence(n, prompt):
@@ -314,16 +315,10 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
     """ORPO's log(1 - p) of a completion with no targets (log-probability 0) is -inf: its pair is
     masked out of the loss, and the NaN gradient of that term stays on the side that has no tokens
     to pass it to, so nothing reaches the weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from toolkit.config import PreferenceConfig
-    from toolkit.loss import use_token_loss
     from toolkit.objectives import Preference
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    use_token_loss(model, "chunked", 4)
+    model = tiny_model(4)
     ids = torch.randint(1, 50, (4, 6))
     labels = ids.clone()
     labels[:, :2] = IGNORE

@@ -37,8 +37,9 @@ class Supervised:
         self.sums: dict[str, torch.Tensor] = {}
 
     def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
-        """Target tokens, processed tokens (packed rows carry no mask, so their little padding counts
-        too) and the sum of squared document lengths (attention's FLOPs) of one step's host batches."""
+        """Units (target tokens), processed tokens (packed and padding-free rows carry no mask, so
+        their little padding counts too) and the sum of squared document lengths (attention's
+        FLOPs) of one step's host batches."""
         targets = sum(self.units(b) for b in micro_batches)
         tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
                      for b in micro_batches)
@@ -121,13 +122,7 @@ class Preference:
         self.needs_reference = cfg.method == "dpo"
         self.sums: dict[str, torch.Tensor] = {}
 
-    def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
-        """Pairs, processed tokens and squared sequence lengths of one step's host batches."""
-        pairs = sum(self.units(b) for b in micro_batches)
-        tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-                     for b in micro_batches)
-        squared = sum(int(observe.document_lengths(b).pow(2).sum()) for b in micro_batches)
-        return [pairs, tokens, squared]
+    host_counts = Supervised.host_counts  # the same counts, the units being pairs
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(self.valid(batch).sum())
