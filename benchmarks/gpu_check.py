@@ -144,6 +144,18 @@ def run_piece(name: str, command: list[str], timeout: int, env: dict, logs: Path
             "seconds": round(seconds), "figures": figures(text), "tail": text.splitlines()[-5:]}
 
 
+def adjusted(command: list[str], a: argparse.Namespace) -> list[str]:
+    """A piece's command with --workers and --loop-steps applied."""
+    if command[1:3] == ["-m", "pytest"] and a.workers > 1:
+        return [*command, "-n", str(a.workers), "--dist", "load"]
+    if command[1:2] == LOOP and a.loop_steps:
+        out = list(command)
+        out[out.index("--steps") + 1] = str(a.loop_steps)
+        out[out.index("--warmup") + 1] = str(max(1, a.loop_steps // 3))
+        return out
+    return command
+
+
 def notes_section(results: list[dict], setup: str, wheels: str) -> str:
     lines = [f"\n## GPU check {datetime.date.today().isoformat()} (`python benchmarks/gpu_check.py`)\n",
              f"{setup}. {wheels}.\n"]
@@ -160,6 +172,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="with --plan: as JSON")
     p.add_argument("--only", nargs="+", choices=[n for n, *_ in PIECES], help="these pieces only")
     p.add_argument("--log-dir", default=os.environ.get("OUT"), help="where the full logs go (default $OUT or a temp folder)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="pytest pieces: run their tests in N processes on the one GPU (pytest-xdist, --dist load)")
+    p.add_argument("--timeout", type=int, help="cap every piece's time limit at this many seconds")
+    p.add_argument("--loop-steps", type=int, help="benchmark pieces: this many steps (the first third left out)")
     p.add_argument("--allow-cpu", action="store_true", help="run on a host without CUDA too (the script's own check)")
     p.add_argument("--notes", default=str(ROOT / "benchmarks" / "NOTES.md"), help="the notes file the section is appended to")
     a = p.parse_args()
@@ -188,7 +204,8 @@ def main() -> int:
         print("error: gpu_check: no CUDA GPU here; its GPU tests would only skip (--allow-cpu runs them anyway)",
               file=sys.stderr)
         return 2
-    results = [run_piece(n, c, t, env, logs) for n, c, t, _ in PIECES if not a.only or n in a.only]
+    results = [run_piece(n, adjusted(c, a), min(t, a.timeout or t), env, logs)
+               for n, c, t, _ in PIECES if not a.only or n in a.only]
     section = notes_section(results, setup, wheels)
     with open(a.notes, "a") as f:
         f.write(section)
