@@ -239,7 +239,8 @@ def test_preference_dpo_under_zero3_on_cuda(mode, tmp_path):
     (tmp_path / "pairs.jsonl").write_text("\n".join(pairs) + "\n")
     runs = {}
     for name, backend in (("single", None), ("zero3", "zero3")):
-        path = write_recipe(tmp_path / f"{name}.yaml", output_dir=str(tmp_path / name), seed=5,
+        # not "{name}.yaml": launch_config_for writes the launch config to tmp_path / "zero3.yaml"
+        path = write_recipe(tmp_path / f"{name}_recipe.yaml", output_dir=str(tmp_path / name), seed=5,
                             model={"preset": "tiny-llama"},
                             lora={"enabled": mode == "lora", "r": 8, "alpha": 16},
                             data={"train_files": [str(tmp_path / "pairs.jsonl")], "format": "preference",
