@@ -195,7 +195,10 @@ def test_lora_token_rows_under_zero3_on_cuda(tmp_path):
     """model.add_special_tokens under LoRA with ZeRO-3 (refused on CPU hosts: peft builds the token
     rows on a CUDA device): Llama 3 shape, untied, two new tokens; ZeRO-3 launched with one process
     equals one plain process in fp32 (losses within 1e-4, adapter and token rows within 1e-4), which
-    needs the token layers marked as ZeRO-3 leaves (`DeepSpeed.adapted`)."""
+    needs the token layers' weights registered as their external parameters (`DeepSpeed.adapted`;
+    marked as ZeRO-3 leaves instead, the input embeddings' rows got a zero gradient of the partitioned
+    shape and backward failed: the first GPU check, 2026-11-26). Reproduced and fixed on CPU with
+    peft's CUDA-only row collection patched by hand: losses equal, adapter within 2e-6."""
     from safetensors.torch import load_file
 
     from families import build_family

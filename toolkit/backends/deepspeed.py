@@ -59,14 +59,22 @@ class DeepSpeed(Backend):
 
     def adapted(self, model) -> None:
         """ZeRO-3 gathers a module's own parameters before its forward; peft's trainable-token layer
-        (model.add_special_tokens under LoRA) reads its wrapped embedding's weight without calling
-        that module, so it is made a leaf: its forward gathers the parameters beneath it too."""
+        (model.add_special_tokens under LoRA) reads its wrapped layer's weight and its trained rows
+        (held by a child ParameterDict) without calling either module, so both are registered as
+        the layer's external parameters: its forward and backward gather them. (Marking the layer a
+        ZeRO-3 leaf instead breaks on the input embeddings: DeepSpeed's leaf hook fires before the
+        trained rows' gradient arrives, since token ids carry no gradient, and gives them a zero
+        gradient of the partitioned shape; the GPU check of 2026-11-26 found it.)"""
         from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
-        if self.stage == 3 and any(isinstance(m, TrainableTokensLayer) for m in model.modules()):
-            from deepspeed.utils import set_z3_leaf_modules
+        if self.stage != 3:
+            return
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-            set_z3_leaf_modules(model, [TrainableTokensLayer])
+        for module in model.modules():
+            if isinstance(module, TrainableTokensLayer):
+                for p in [*module.get_base_layer().parameters(), *module.trainable_tokens_delta.parameters()]:
+                    register_external_parameter(module, p)
 
     # -- what the run is ---------------------------------------------------------------------------
 
