@@ -144,3 +144,131 @@ def test_zero3_gathers_the_chunked_output_layer_once_per_micro_batch():
     count changing between micro-batches, as in training, it does not."""
     steps = head_gathers("zero3")
     assert all(s["forward_gathers"] <= 1 and s["backward_gathers"] <= 1 for s in steps[1:]), steps
+
+
+# -- model.tiled_mlp and model.activation_offload (item 2) ---------------------------------------
+
+
+def tiny(tmp_path, **model):
+    from toolkit.model import build_model
+
+    torch.manual_seed(0)
+    recipe = load_recipe(recipe_file(tmp_path, preset="tiny-llama-mini", gradient_checkpointing=True, **model))
+    return build_model(recipe.model)
+
+
+def loss_and_grads(model, ids, context=None):
+    import contextlib
+
+    model.zero_grad(set_to_none=True)
+    with (context or contextlib.nullcontext)():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_tiled_mlp_runs_each_mlp_in_tiles_and_learns_the_same(tmp_path):
+    """tiny-llama-mini (hidden 64), rows of up to 150 positions: every MLP call runs as 3 tiles
+    (ceil(150 / 64)), in forward and in backward's recomputes, also for a shorter batch (the count
+    is the run's, not the batch's: ZeRO-3 ranks must call alike); loss and every gradient equal the
+    untiled model's (same weights) within float rounding."""
+    from toolkit.model import tile_mlps
+
+    plain, tiled = tiny(tmp_path), tiny(tmp_path)
+    tiled.load_state_dict(plain.state_dict())
+    assert tile_mlps(tiled, 150) == (3, tiled.config.num_hidden_layers)
+    widths = []
+    tiled.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: widths.append(i[0].shape[-2]))
+    ids = torch.randint(0, tiled.config.vocab_size, (2, 150))
+    want, want_grads = loss_and_grads(plain, ids)
+    have, have_grads = loss_and_grads(tiled, ids)
+    # forward's 3 tiles, then backward's recomputes (the layer's, each tile's; torch stops a
+    # recompute early once it has what backward needs): never the whole 150 positions at once
+    assert widths[:3] == [50, 50, 50] and len(widths) > 3 and set(widths) == {50}, widths
+    torch.testing.assert_close(have, want, rtol=1e-6, atol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(have_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    widths.clear()
+    with torch.no_grad():
+        tiled(input_ids=ids[:, :10])
+    assert widths == [4, 3, 3]
+
+
+def test_activation_offload_keeps_the_checkpointed_inputs_in_host_copies_and_learns_the_same(tmp_path):
+    """With gradient checkpointing the tensors saved outside the checkpointed layers are each layer's
+    inputs (and the final norm's and the rotary tables): all of them pass through the offload hooks,
+    the rotary tables once although every layer saves them; loss and gradients are bitwise those of
+    the plain run (the copies are exact)."""
+    from toolkit.activations import Offload
+
+    model = tiny(tmp_path)
+    ids = torch.randint(0, model.config.vocab_size, (2, 100))
+    want, want_grads = loss_and_grads(model, ids)
+    offload = Offload(min_bytes=0)
+    packed = []
+    pack = offload.pack
+    offload.pack = lambda t: packed.append(t.shape) or pack(t)
+    have, have_grads = loss_and_grads(model, ids, offload)
+    hidden = torch.Size([2, 100, 64])
+    layers = model.config.num_hidden_layers
+    assert packed.count(hidden) >= layers, packed  # each layer's input, and the final norm's
+    assert offload.bytes >= layers * hidden.numel() * 4
+    assert offload.bytes < sum(torch.Size(s).numel() * 4 for s in packed)  # the rotary tables were copied once
+    assert torch.equal(have, want)
+    for name, grad in want_grads.items():
+        assert torch.equal(have_grads[name], grad), name
+
+
+def test_activation_offload_needs_checkpointing_and_tiling_needs_a_dense_model(tmp_path):
+    from toolkit.errors import ToolkitError
+    from toolkit.model import build_model
+
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "run"), "model": {"preset": "tiny-llama",
+                                    "activation_offload": True}, "data": {"train_files": ["x.jsonl"]}}))
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path)
+    assert e.value.key == "model.activation_offload" and "gradient_checkpointing=true" in str(e.value)
+    from toolkit.model import tile_mlps
+
+    folder = build_family("mixtral", tmp_path / "mixtral")
+    moe = build_model(load_recipe(recipe_file(tmp_path, preset=None, path=str(folder))).model)
+    with pytest.raises(ToolkitError, match="model.tiled_mlp: for dense models"):
+        tile_mlps(moe, 128)
+
+
+@pytest.mark.launch
+def test_tiled_mlp_and_activation_offload_learn_the_same_on_every_backend(matrix_dir):
+    """Packed rows of 128 tokens on tiny-llama-mini (hidden 64: two MLP tiles per row), gradient
+    checkpointing on; 4 steps. DDP, FSDP and ZeRO-3 on 2 processes with model.tiled_mlp and
+    model.activation_offload equal one process without them (losses, final weights within 1e-5):
+    the tiles' gradients reach each backend's hooks once per step, as DeepSpeed's own TiledMLP would
+    not under DDP."""
+    from helpers import accelerate_launch, launch_config_for, load_weights, recipe_for, train_losses
+
+    runs = {}
+    for name, backend in (("single", None), ("ddp", "ddp"), ("fsdp", "fsdp"), ("zero3", "zero3")):
+        recipe = recipe_for(matrix_dir, "full", f"long_{name}", micro=4 if backend is None else 2)
+        recipe["model"]["gradient_checkpointing"] = True
+        if backend is not None:
+            recipe["model"].update(tiled_mlp=True, activation_offload=True)
+            recipe["train"]["gradient_accumulation_steps"] = 2
+        recipe["data"].update(packing=True, max_seq_len=128)
+        recipe["train"].update(max_steps=4, eval_every_steps=0)
+        path = write_recipe(matrix_dir / f"long_{name}_recipe.yaml", **recipe)
+        launcher = None if backend is None else accelerate_launch(launch_config_for(backend, matrix_dir))
+        proc = run_toolkit("train", path, launcher=launcher, env={"PYTHONWARNINGS": "ignore"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if backend is not None:
+            assert "activations: gradient checkpointing, tiled MLP" in proc.stderr
+        runs[name] = matrix_dir / f"long_{name}"
+    want, weights = train_losses(runs["single"]), load_weights(runs["single"] / "final")
+    assert len(want) == 4
+    for name in ("ddp", "fsdp", "zero3"):
+        assert train_losses(runs[name]) == pytest.approx(want, rel=1e-5), name
+        have = load_weights(runs[name] / "final")
+        assert have.keys() == weights.keys()
+        for key, w in weights.items():
+            torch.testing.assert_close(have[key], w, rtol=0, atol=1e-5, msg=f"{name} {key}")

@@ -79,6 +79,15 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Activation checkpointing: each decoder layer's activations are recomputed in backward instead
     of kept (less memory, one more forward of each layer)."""
+    tiled_mlp: bool = False
+    """Long sequences: each decoder layer's MLP runs over tiles of hidden_size positions, each
+    recomputed in backward, so its intermediate activations (the largest of a layer) exist for one
+    tile at a time (the ALST recipe; toolkit/activations.py). Same result, one more MLP forward.
+    Dense models only."""
+    activation_offload: bool = False
+    """Long sequences, with gradient_checkpointing: the activations kept for backward (each decoder
+    layer's inputs) wait in pinned host memory instead of GPU memory, copied back when backward
+    reaches their layer. Same result; costs host memory and copies (on a CPU host only the copies)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
     train.precision). Trainable parameters and optimizer states are always fp32."""
@@ -526,6 +535,8 @@ def validate(r: Recipe, source: str) -> None:
     need(r.model.max_position_embeddings is None or r.model.max_position_embeddings >= r.data.max_seq_len,
          "model.max_position_embeddings",
          f"{r.model.max_position_embeddings} is shorter than data.max_seq_len={r.data.max_seq_len}")
+    need(not r.model.activation_offload or r.model.gradient_checkpointing, "model.activation_offload",
+         "offloads the activations that gradient checkpointing keeps; set model.gradient_checkpointing=true too")
     need(r.model.router_aux_loss_coef is None or r.model.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
          f"must be 0 or more, got {r.model.router_aux_loss_coef}")
     need(r.lora.r > 0, "lora.r", f"must be positive, got {r.lora.r}")

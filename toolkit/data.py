@@ -932,6 +932,17 @@ class Examples(torch.utils.data.Dataset):
         return (self[i] for i in range(len(self)))
 
 
+def longest_row(recipe) -> int:
+    """The most positions a training or eval batch's row can hold: max_seq_len, or with
+    data.padding_free a whole micro-batch (of the larger of the train and eval sizes; a preference
+    pair's two sequences) in one row."""
+    d, t = recipe.data, recipe.train
+    if not d.padding_free:
+        return d.max_seq_len
+    sequences = max(t.micro_batch_size, t.eval_batch_size or 0) * (2 if recipe.preference.method else 1)
+    return d.max_seq_len * sequences
+
+
 class Collator:
     """Batches a list of examples into tensors.
 

@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
                    help="LoRA on every linear layer instead of full fine-tuning")
     p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 8)")
     p.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    p.add_argument("--tiled-mlp", action="store_true", default=None, help="model.tiled_mlp")
+    p.add_argument("--activation-offload", action="store_true", default=None,
+                   help="model.activation_offload (with --gradient-checkpointing)")
     p.add_argument("--loss", choices=["chunked", "full"], default=None,
                    help="train.loss: chunked keeps one chunk's logits, full the micro-batch's (default chunked)")
     p.add_argument("--loss-chunk-tokens", type=int, default=None, help="train.loss_chunk_tokens (default 1024)")
@@ -61,7 +64,8 @@ def run(args) -> int:
         setup = Setup(model=count_model(read_config(args.model), args.model, lora),
                       gpus_per_node=args.gpus or 1, nodes=args.nodes)
     overrides = {"precision": args.precision, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                 "gradient_checkpointing": args.gradient_checkpointing, "loss": args.loss,
+                 "gradient_checkpointing": args.gradient_checkpointing, "tiled_mlp": args.tiled_mlp,
+                 "activation_offload": args.activation_offload, "loss": args.loss,
                  "loss_chunk_tokens": args.loss_chunk_tokens}
     setup = replace(setup, gpu_memory_gib=args.gpu_memory, **{k: v for k, v in overrides.items() if v is not None})
     if setup.precision == "fp32" and setup.base_dtype != "fp32":
@@ -129,7 +133,9 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
              f"setup: {setup.gpus} GPU{'s' if setup.gpus > 1 else ''} ({setup.gpus_per_node} per node x {setup.nodes} "
              f"node{'s' if setup.nodes > 1 else ''}) of {setup.gpu_memory_gib:g} GiB; {setup.precision}; "
              f"{setup.batch_text()}; gradient checkpointing "
-             f"{'on' if setup.gradient_checkpointing else 'off'}; attention {setup.attention}; loss {setup.loss}"
+             f"{'on' if setup.gradient_checkpointing else 'off'}"
+             f"{'; tiled MLP' if setup.tiled_mlp else ''}{'; activations offloaded' if setup.activation_offload else ''}"
+             f"; attention {setup.attention}; loss {setup.loss}"
              + (f" ({setup.loss_chunk_tokens} tokens a chunk)" if setup.loss == "chunked" else ""),
              "", "GiB per GPU                       params  grads  optim  buffers  activ.  logits   total  fits  "
              "host/node  comm/step"]

@@ -52,7 +52,10 @@ Eager attention also keeps the s x s probabilities (4 bytes, plus a 16-bit copy 
 and repeated k/v: the SDPA part e * (2h + 2kv) + 4a becomes e * 4h + a * s * (4 or 6). This is
 Korthikanti et al.'s ("Reducing Activation Recomputation", 2022) 34sbh + 5as^2b per layer, redone
 for this layer. With gradient checkpointing each layer keeps only its input (h in the stream
-dtype) and one layer is recomputed at a time. Logits are a separate term, `logits`: the fp32
+dtype) and one layer is recomputed at a time. model.tiled_mlp keeps the MLP's input only
+and its 4i intermediates for one tile (hidden_size positions of each row) at a time;
+model.activation_offload moves the checkpointed inputs to host RAM (counted there, per node),
+two layers' worth staying on the GPU (the one in backward, the next copied back). Logits are a separate term, `logits`: the fp32
 log-probabilities, their gradient and the logits' gradient are alive together, 3 * t * vocab * 4
 bytes, where t is b * s with train.loss=full (at the start of backward) and at most
 train.loss_chunk_tokens with the chunked loss (one chunk recomputed at a time); over several
@@ -118,6 +121,8 @@ class Setup:
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = False
+    tiled_mlp: bool = False  # model.tiled_mlp: the MLP's intermediates for one tile of hidden positions
+    activation_offload: bool = False  # model.activation_offload: the checkpointed inputs in host RAM
     attention: str = "sdpa"
     loss: str = "chunked"  # train.loss
     loss_chunk_tokens: int = 1024
@@ -258,22 +263,36 @@ def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
     h, kv, i, a, s = m.hidden, m.kv, m.intermediate, m.heads, setup.seq_len
     e = 4 if regime == "fp32" else 2
     stream = 2 if regime == "half" else 4  # the residual stream's dtype
+    mlp = (4 if regime == "fp32" else 2) * 4 * i  # SwiGLU's gate, SiLU(gate), up and product
     if regime == "fp32":
-        rest = 4 * (6 * h + 4 * i)
+        rest = 4 * 6 * h
     elif regime == "autocast":
-        rest = 4 * 4 * h + 2 * (5 * h + 4 * i)
+        rest = 4 * 4 * h + 2 * 5 * h
     else:
-        rest = 4 * 2 * h + 2 * (4 * h + 4 * i)
+        rest = 4 * 2 * h + 2 * 4 * h
+    tokens = setup.micro_batch * s
+    tile = setup.micro_batch * min(h, s)  # model.tiled_mlp: hidden_size positions of every row
+    if setup.tiled_mlp:  # each layer keeps the MLP's input only (counted in rest); one tile's intermediates
+        tile_bytes = tile * mlp
+    else:
+        rest, tile_bytes = rest + mlp, 0
     if setup.attention == "eager":
         attention = e * 4 * h + a * s * (4 + (2 if e == 2 else 0))
     else:
         attention = e * (2 * h + 2 * kv) + 4 * a
     per_token_layer = rest + attention
-    tokens = setup.micro_batch * s
     head = 3 * h * stream  # final norm and the lm_head's input
     if setup.gradient_checkpointing:
-        return tokens * (m.layers * h * stream + per_token_layer + head)
-    return tokens * (m.layers * per_token_layer + head)
+        kept = 2 if setup.activation_offload else m.layers  # offloaded: the layer in backward and the next one
+        return tokens * (min(kept, m.layers) * h * stream + per_token_layer + head) + tile_bytes
+    return tokens * (m.layers * per_token_layer + head) + tile_bytes
+
+
+def offloaded_activation_bytes(m: ModelCounts, setup: Setup) -> float:
+    """Host memory of model.activation_offload: every decoder layer's checkpointed input."""
+    if not (setup.activation_offload and setup.gradient_checkpointing):
+        return 0.0
+    return setup.micro_batch * setup.seq_len * m.layers * m.hidden * (2 if setup.precision != "fp32" else 4)
 
 
 def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
@@ -336,6 +355,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     gpu["total"] = sum(gpu.values())
     fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
+    host += offloaded_activation_bytes(m, setup)
     return Row(strategy, gpu, host * per_node, nvme * per_node, communication(strategy, setup), fits)
 
 
@@ -442,7 +462,8 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     pairs = recipe.preference.method is not None  # a pair is two sequences in one forward
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
                  micro_batch=recipe.train.micro_batch_size * (2 if pairs else 1), seq_len=recipe.data.max_seq_len,
-                 gradient_checkpointing=recipe.model.gradient_checkpointing,
+                 gradient_checkpointing=recipe.model.gradient_checkpointing, tiled_mlp=recipe.model.tiled_mlp,
+                 activation_offload=recipe.model.activation_offload,
                  attention=recipe.model.attn_implementation, loss=recipe.train.loss,
                  loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs, **kwargs)
 

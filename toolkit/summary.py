@@ -46,6 +46,12 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
                      f"{t.min_lr_ratio:g} x learning_rate at step {total_steps} (recipe)")
     lines.append(f"gradient clipping at global norm {t.max_grad_norm:g} (train.max_grad_norm)" if t.max_grad_norm > 0
                  else "gradient clipping off (train.max_grad_norm 0); the norm is still logged")
+    memory = [what for on, what in ((recipe.model.gradient_checkpointing, "gradient checkpointing"),
+                                    (recipe.model.tiled_mlp, "tiled MLP (tiles of hidden_size positions)"),
+                                    (recipe.model.activation_offload, "saved activations in host memory"))
+              if on]
+    if memory:
+        lines.append(f"activations: {', '.join(memory)}")
     try:  # advice only: an architecture the arithmetic does not know must not stop a run
         line, warning = estimate_for_run(recipe, accelerator, ds_config)
     except Exception as e:

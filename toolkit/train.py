@@ -22,16 +22,18 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import backends, base_identity, checkpoint, disk, faults, objectives, observe, reference, run_folder
+from . import (activations, backends, base_identity, checkpoint, disk, faults, objectives, observe, reference,
+               run_folder)
 from .config import Recipe
 from .errors import ToolkitError
-from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, packing_is_isolated,
-                   remove_partial_data)
+from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, longest_row,
+                   packing_is_isolated, remove_partial_data)
 from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
 from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                    compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe, token_rows)
+                    compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe, tile_mlps,
+                    token_rows)
 from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -76,6 +78,7 @@ class Run:
     preemption: Preemption
     samples: Samples
     speed: observe.Throughput
+    offload: Any  # the context each forward runs in (model.activation_offload)
 
 
 
@@ -118,6 +121,10 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
         log("attention: varlen (data.padding_free; sdpa would mask the whole micro-batch)")
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    if recipe.model.tiled_mlp:
+        tiles, mlps = tile_mlps(model, longest_row(recipe))
+        log(f"tiled MLP: each of {mlps} MLPs runs as {tiles} tiles of at most "
+            f"{-(-longest_row(recipe) // tiles)} positions")
     added = fit_vocabulary(model, tokenizer, backend.full_shape)
     rows = token_rows(model, tokenizer, recipe.model.add_special_tokens, added, backend.full_shape)
     if recipe.model.add_special_tokens:
@@ -242,7 +249,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     return Run(backend=backend, accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler,
                train_loader=train_loader, eval_loader=eval_loader, sampler=sampler, state=state,
                total_steps=total_steps, out=out, objective=objective, monitor=monitor, preemption=preemption,
-               samples=samples, speed=speed), tokenizer
+               samples=samples, speed=speed, offload=activations.offload(recipe.model.activation_offload)), tokenizer
 
 
 def preference_line(recipe: Recipe) -> str:
@@ -347,7 +354,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     try:
         for i, batch in enumerate(micro_batches):
             with acc.accumulate(model):
-                with monitor.phase("forward", step, i):
+                with monitor.phase("forward", step, i), run.offload():
                     faults.before_forward(step, i, rank)
                     losses = run.objective.loss_sum(model, batch)
                     if faults.nonfinite(step, i):  # test seam: a non-finite loss and gradient

@@ -1,0 +1,92 @@
+"""Memory of long sequences: the MLP computed in tiles, and the activations autograd keeps for
+backward moved to host memory (model.tiled_mlp, model.activation_offload).
+
+Tiled MLP (the ALST recipe, as DeepSpeed's `TiledMLP`): each decoder layer's MLP runs over tiles of
+about `hidden_size` positions (a count fixed for the run, see model.tile_mlps), each tile under a
+non-reentrant checkpoint, so the MLP's intermediate
+activations (4 x intermediate_size per token, the largest of a layer) exist for one tile at a time,
+in forward and in backward's recompute. The weights' gradients of all tiles meet in one autograd
+node before they are accumulated, so DDP, FSDP and ZeRO-3 see one gradient per step as without
+tiling (DeepSpeed's own `TiledMLP` calls backward per tile and leaves DDP and FSDP to the caller).
+
+Activation offload: the tensors autograd saves for backward, outside the checkpointed regions
+(with model.gradient_checkpointing: each decoder layer's inputs, kept until backward reaches it),
+are copied to (pinned) host memory when saved and back when backward needs them. Parameters and
+tensors under 64 KiB stay where they are; a tensor saved by several layers (the rotary tables) is
+copied once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+MIN_OFFLOAD_BYTES = 64 << 10
+
+
+def tile_mlps(model: torch.nn.Module, tiles: int) -> int:
+    """Each decoder layer's `mlp` runs as `tiles` tiles along the positions (every call the same
+    count, whatever its length); returns how many MLPs."""
+    count = 0
+    for name, module in model.named_modules():
+        if name.endswith(".mlp") and ".layers." in name and "forward" not in module.__dict__:
+            module.forward = _tiled(module.forward, tiles)
+            count += 1
+    return count
+
+
+def _tiled(forward, tiles: int):
+    def run(x, *args, **kwargs):
+        if args or kwargs or x.dim() < 2 or tiles == 1:
+            return forward(x, *args, **kwargs)
+        parts = x.tensor_split(tiles, dim=-2)
+        if torch.is_grad_enabled():
+            outputs = [checkpoint(forward, t, use_reentrant=False) for t in parts]
+        else:
+            outputs = [forward(t) for t in parts]
+        return torch.cat(outputs, dim=-2)
+
+    run.tiles = tiles
+    return run
+
+
+class Offload:
+    """saved_tensors_hooks that keep large saved activations in host memory; `bytes` counts them."""
+
+    def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES):
+        self.min_bytes = min_bytes
+        self.bytes = 0
+        self._copies: dict = {}
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or t.numel() * t.element_size() < self.min_bytes:
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        packed = self._copies.get(key)
+        if packed is None:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=t.is_cuda)
+            packed = self._copies[key] = (t.device, t.requires_grad, host)
+            self.bytes += host.numel() * host.element_size()
+        return packed
+
+    @staticmethod
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, _, host = packed
+        return host.to(device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self._copies = {}
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+        self._copies = {}  # the graph holds the copies it needs; this index was for one forward
+
+
+def offload(enabled: bool):
+    """The context the forward runs in: offloading saved activations, or nothing."""
+    return Offload() if enabled else contextlib.nullcontext
