@@ -1,6 +1,6 @@
 """`python tests/head_gathers.py zero3|fsdp PORT`: how often the output layer's weight is gathered per
-micro-batch when the chunked loss calls it once per chunk (8 chunks) and again in each chunk's
-recompute in backward, one process on gloo:
+micro-batch when the chunked loss calls it once per chunk (8 or 6 chunks of targets; ZeRO-3: the
+run's bound, 10, every time) and again in each chunk's recompute in backward, one process on gloo:
 - zero3: DeepSpeed ZeRO-3, every tensor partitioned; the coordinator's all-gathers that include that
   weight are counted;
 - fsdp: FSDP2 as accelerate's transformer-based wrap lays it out (each decoder layer, then the
@@ -15,7 +15,9 @@ import sys
 import torch
 
 
-def tiny_model():
+def tiny_model(backend):
+    """The chunked loss as a run sets it up: the backend's call count, bounded by the run's largest
+    batch (2 rows of 40 positions: at most 10 chunks of 8)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.loss import use_token_loss
@@ -23,7 +25,7 @@ def tiny_model():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
-    use_token_loss(model, "chunked", 8)
+    use_token_loss(model, "chunked", 8, backend, most_positions=2 * 40)
     return model
 
 
@@ -41,8 +43,10 @@ def fsdp() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+    from toolkit.backends.fsdp import FSDP
+
     dist.init_process_group("gloo")
-    model = tiny_model()
+    model = tiny_model(FSDP("fsdp"))
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -72,8 +76,10 @@ def zero3() -> None:
     import deepspeed
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
 
+    from toolkit.backends.deepspeed import DeepSpeed
+
     deepspeed.init_distributed(dist_backend="gloo")
-    model = tiny_model()
+    model = tiny_model(DeepSpeed("deepspeed"))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}

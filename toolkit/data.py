@@ -932,15 +932,18 @@ class Examples(torch.utils.data.Dataset):
         return (self[i] for i in range(len(self)))
 
 
-def longest_row(recipe) -> int:
-    """The most positions a training or eval batch's row can hold: max_seq_len, or with
-    data.padding_free a whole micro-batch (of the larger of the train and eval sizes; a preference
-    pair's two sequences) in one row."""
-    d, t = recipe.data, recipe.train
-    if not d.padding_free:
-        return d.max_seq_len
+def most_positions(recipe) -> int:
+    """The most positions one training or eval batch can hold: its rows (the larger of the train
+    and eval micro-batch; a preference pair is two sequences) of at most max_seq_len."""
+    t = recipe.train
     sequences = max(t.micro_batch_size, t.eval_batch_size or 0) * (2 if recipe.preference.method else 1)
-    return d.max_seq_len * sequences
+    return recipe.data.max_seq_len * sequences
+
+
+def longest_row(recipe) -> int:
+    """The most positions one row of a batch can hold: max_seq_len, or with data.padding_free the
+    whole batch in one row."""
+    return most_positions(recipe) if recipe.data.padding_free else recipe.data.max_seq_len
 
 
 class Collator:

@@ -59,17 +59,20 @@ def sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.arange(labels.shape[0], device=labels.device)[:, None].expand(-1, labels.shape[1] - 1)
 
 
-def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backend=None) -> None:
+def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backend=None,
+                   most_positions: int | None = None) -> None:
     """Make `model(..., token_loss_labels=labels)` return the loss sum (`kind`: "chunked" or
     "full", as train.loss); without that argument the model does what it did (generation, the
     packing check). Call it before `accelerator.prepare`. A model whose forward does more after
     its output layer than the chunked loss knows (a logit scale, say) is refused. `backend`: the
     run's (`backends.for_launch()`), which says whether calling the output layer is a collective
     (then every rank calls it equally often) and whether the weights are partitioned already;
-    None: one process."""
+    None: one process. `most_positions`: the most positions a batch of the run holds (its bound on
+    the output layer's calls, `data.most_positions`)."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the HF model inside
     original = type(model).forward.__get__(model)
-    calls = backend.same_call_count if backend is not None else None
+    most = None if most_positions is None else max(1, math.ceil(most_positions / chunk_tokens))
+    calls = functools.partial(backend.same_call_count, most=most) if backend is not None else None
     if kind == "chunked":
         check_chunked_loss(model, backend is not None and backend.partitioned_before_prepare(model))
 

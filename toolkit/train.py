@@ -27,7 +27,7 @@ from . import (activations, backends, base_identity, checkpoint, disk, faults, o
 from .config import Recipe
 from .errors import ToolkitError
 from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, longest_row,
-                   packing_is_isolated, remove_partial_data)
+                   most_positions, packing_is_isolated, remove_partial_data)
 from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
@@ -135,7 +135,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                if recipe.lora.enabled else ""))
     flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
                              extra_forwards=int(recipe.preference.reference == "adapter"))
-    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend)  # in the forward, where every backend has whole weights
+    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))  # in the forward, where every backend has whole weights
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(
             isolation_probe(model, backend.partitioned_before_prepare(model))):

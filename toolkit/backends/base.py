@@ -160,11 +160,11 @@ class Backend:
         """Whether the freshly built model holds placeholders instead of its weights (ZeRO-3's zero.Init)."""
         return False
 
-    def same_call_count(self, module: torch.nn.Module, n: int, device) -> int:
-        """How often to call `module` in this forward when this rank needs `n` calls. Where a call is
-        a collective (ZeRO-3 gathers a partitioned layer's parameters in its forward hooks; FSDP
-        unshards a module it wraps on its own), every rank must call it equally often: the most any
-        rank needs. Elsewhere `n`."""
+    def same_call_count(self, module: torch.nn.Module, n: int, device, most: int | None = None) -> int:
+        """How often to call `module` in this forward when this rank needs `n` calls (and no forward
+        of this run needs more than `most`, where known). Where a call is a collective (ZeRO-3
+        gathers a partitioned layer's parameters in its forward hooks; FSDP unshards a module it
+        wraps on its own), every rank must call it equally often: the most any rank needs. Elsewhere `n`."""
         if not self.call_is_collective(module):
             return n
         most = torch.tensor(n, device=device)
