@@ -19,6 +19,7 @@ copied once.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -53,30 +54,39 @@ def _tiled(forward, tiles: int):
 
 
 class Offload:
-    """saved_tensors_hooks that keep large saved activations in host memory; `bytes` counts them."""
+    """saved_tensors_hooks that keep large saved activations in host memory; `bytes` counts them.
+
+    A tensor object saved several times (the rotary tables every layer saves) is copied once: the
+    copies are indexed by the object's identity, and an entry goes when its tensor does. Not by
+    its address: the GPU's caching allocator hands a freed tensor's memory to the next one of that
+    size, and an address index then gave a later activation an earlier one's copy (the first GPU
+    run of benchmarks/long_context.py, 2026-11-26: the losses of step 2 off by 16%)."""
 
     def __init__(self, min_bytes: int = MIN_OFFLOAD_BYTES):
         self.min_bytes = min_bytes
         self.bytes = 0
-        self._copies: dict = {}
+        self._copies: dict[int, tuple] = {}
 
     def pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or t.numel() * t.element_size() < self.min_bytes:
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        packed = self._copies.get(key)
-        if packed is None:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            host.copy_(t, non_blocking=t.is_cuda)
-            packed = self._copies[key] = (t.device, t.requires_grad, host)
-            self.bytes += host.numel() * host.element_size()
+        key = id(t)
+        entry = self._copies.get(key)
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return entry[2]
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
+        packed = (t.device, host)
+        copies = self._copies
+        self._copies[key] = (weakref.ref(t, lambda _, key=key: copies.pop(key, None)), t._version, packed)
+        self.bytes += host.numel() * host.element_size()
         return packed
 
     @staticmethod
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, _, host = packed
+        device, host = packed
         return host.to(device, non_blocking=True)
 
     @contextlib.contextmanager
