@@ -150,6 +150,11 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
             base_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             base_config = model.config
         backend.check_adapter(bool(rows))
+        # The adapter's first weights must not depend on what building drew: under ZeRO-3's
+        # zero.Init on a GPU the load draws from the CUDA generator and the isolation probe builds a
+        # small model, so the CPU generator stood elsewhere than in a plain run (H100, 2026-11-26:
+        # lora_A 0.27 apart between one process and ZeRO-3).
+        set_seed(recipe.seed)
         model = apply_lora(model, recipe.lora, rows)
         backend.adapted(model)
         if recipe.model.preset is not None:
