@@ -1,4 +1,4 @@
-"""`make gpu-check`'s plan, checked without a GPU: pieces under 10 minutes, under 40 in all, every
+"""`make gpu-check`'s plan, checked without a GPU: pieces under 10 minutes, under 50 in all, every
 GPU test in exactly one piece, every benchmark piece's arguments accepted by its script, and every
 wheel it carries to a bare CUDA image pinned in constraints.txt."""
 
@@ -32,7 +32,7 @@ def test_pieces_fit_the_limits_and_every_gpu_test_runs_once():
     plan = the_plan()
     assert plan["problems"] == []
     assert all(p["timeout_s"] < 600 for p in plan["pieces"])
-    assert sum(p["timeout_s"] for p in plan["pieces"]) <= plan["total_limit_s"] == 40 * 60
+    assert sum(p["timeout_s"] for p in plan["pieces"]) <= plan["total_limit_s"] == 50 * 60
     every = collected("-m", "gpu", "tests/test_gpu.py")
     assert every, "no GPU test collected"
     picked = []
