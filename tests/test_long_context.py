@@ -294,3 +294,24 @@ def test_activation_offload_never_hands_one_tensor_the_copy_of_another_at_the_sa
     assert offload.unpack(offload.pack(second)).sum() == 0
     assert offload.unpack(packed_first).sum() == 1024
     assert offload.pack(second) is offload.pack(second)  # the same tensor saved twice: one copy
+
+
+def test_the_estimate_counts_tiling_and_offload():
+    """toolkit estimate's arithmetic for the two keys (one GPU, bf16 autocast over fp32 weights, a
+    0.99B Llama shape at 32,768 tokens with checkpointing): the tiled MLP removes the MLP's 4i
+    intermediates (2 bytes each) of all but one tile of hidden_size positions; offload moves all but
+    two layers' checkpointed inputs (fp32 residual stream) to the host column, all of them counted there."""
+    from dataclasses import replace
+
+    from toolkit.sizing import BY_NAME, ModelCounts, Setup, estimate
+
+    h, i, layers, s = 2048, 5632, 22, 32768
+    m = ModelCounts(name="1b", params=993_118_208, trainable=993_118_208, matmul=992_000_000, layer=45_000_000,
+                    layers=layers, hidden=h, heads=32, kv=512, intermediate=i, vocab=262, head=262 * h, query=h)
+    base = Setup(model=m, precision="bf16", seq_len=s, gradient_checkpointing=True)
+    ddp = BY_NAME["DDP"]
+    plain, tiled = estimate(ddp, base), estimate(ddp, replace(base, tiled_mlp=True))
+    offload = estimate(ddp, replace(base, activation_offload=True))
+    assert plain.gpu["activations"] - tiled.gpu["activations"] == (s - h) * 4 * i * 2
+    assert plain.gpu["activations"] - offload.gpu["activations"] == (layers - 2) * s * h * 4
+    assert offload.host_per_node == layers * s * h * 4 and plain.host_per_node == 0

@@ -288,11 +288,12 @@ def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
     return tokens * (m.layers * per_token_layer + head) + tile_bytes
 
 
-def offloaded_activation_bytes(m: ModelCounts, setup: Setup) -> float:
-    """Host memory of model.activation_offload: every decoder layer's checkpointed input."""
+def offloaded_activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
+    """Host memory of model.activation_offload: every decoder layer's checkpointed input, in the
+    residual stream's dtype (fp32 but under 16-bit weights)."""
     if not (setup.activation_offload and setup.gradient_checkpointing):
         return 0.0
-    return setup.micro_batch * setup.seq_len * m.layers * m.hidden * (2 if setup.precision != "fp32" else 4)
+    return setup.micro_batch * setup.seq_len * m.layers * m.hidden * (2 if regime == "half" else 4)
 
 
 def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
@@ -355,7 +356,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     gpu["total"] = sum(gpu.values())
     fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
-    host += offloaded_activation_bytes(m, setup)
+    host += offloaded_activation_bytes(m, setup, regime)
     return Row(strategy, gpu, host * per_node, nvme * per_node, communication(strategy, setup), fits)
 
 
