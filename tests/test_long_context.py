@@ -172,7 +172,7 @@ def test_tiled_mlp_runs_each_mlp_in_tiles_and_learns_the_same(tmp_path):
     (ceil(150 / 64)), in forward and in backward's recomputes, also for a shorter batch (the count
     is the run's, not the batch's: ZeRO-3 ranks must call alike); loss and every gradient equal the
     untiled model's (same weights) within float rounding."""
-    from toolkit.model import tile_mlps
+    from toolkit.activations import tile_mlps
 
     plain, tiled = tiny(tmp_path), tiny(tmp_path)
     tiled.load_state_dict(plain.state_dict())
@@ -231,7 +231,7 @@ def test_activation_offload_needs_checkpointing_and_tiling_needs_a_dense_model(t
     with pytest.raises(ConfigError) as e:
         load_recipe(path)
     assert e.value.key == "model.activation_offload" and "gradient_checkpointing=true" in str(e.value)
-    from toolkit.model import tile_mlps
+    from toolkit.activations import tile_mlps
 
     folder = build_family("mixtral", tmp_path / "mixtral")
     moe = build_model(load_recipe(recipe_file(tmp_path, preset=None, path=str(folder))).model)

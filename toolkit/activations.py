@@ -2,7 +2,7 @@
 backward moved to host memory (model.tiled_mlp, model.activation_offload).
 
 Tiled MLP (the ALST recipe, as DeepSpeed's `TiledMLP`): each decoder layer's MLP runs over tiles of
-about `hidden_size` positions (a count fixed for the run, see model.tile_mlps), each tile under a
+about `hidden_size` positions (a count fixed for the run, see `tile_mlps`), each tile under a
 non-reentrant checkpoint, so the MLP's intermediate
 activations (4 x intermediate_size per token, the largest of a layer) exist for one tile at a time,
 in forward and in backward's recompute. The weights' gradients of all tiles meet in one autograd
@@ -24,18 +24,30 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .errors import ToolkitError
+
 MIN_OFFLOAD_BYTES = 64 << 10
 
 
-def tile_mlps(model: torch.nn.Module, tiles: int) -> int:
-    """Each decoder layer's `mlp` runs as `tiles` tiles along the positions (every call the same
-    count, whatever its length); returns how many MLPs."""
-    count = 0
-    for name, module in model.named_modules():
-        if name.endswith(".mlp") and ".layers." in name and "forward" not in module.__dict__:
+def tile_mlps(model: torch.nn.Module, longest_row: int) -> tuple[int, int]:
+    """model.tiled_mlp: every decoder layer's `mlp` runs as the same number of tiles along the
+    positions, enough for the longest row the run can batch to be cut into tiles of hidden_size
+    positions (ALST's size: a tile's intermediates are about one weight matrix). The count does not
+    follow the batch: under ZeRO-3 a rank calling its MLP's layers more often than another would
+    gather alone and hang. Returns (tiles per call, MLPs tiled); mixture-of-experts layers are refused."""
+    text = model.config.get_text_config()
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp") and ".layers." in n]
+    if any(hasattr(m, "experts") for m in mlps) or getattr(text, "num_local_experts", 0) \
+            or getattr(text, "num_experts", 0):
+        raise ToolkitError("model.tiled_mlp: for dense models; this one's MLPs are mixture-of-experts layers")
+    if not mlps:
+        raise ToolkitError(f"model.tiled_mlp: no decoder-layer MLP (a module named `mlp`) found in "
+                           f"{type(model).__name__}")
+    tiles = max(1, -(-longest_row // text.hidden_size))
+    for module in mlps:
+        if "forward" not in module.__dict__:
             module.forward = _tiled(module.forward, tiles)
-            count += 1
-    return count
+    return tiles, len(mlps)
 
 
 def _tiled(forward, tiles: int):
@@ -49,7 +61,6 @@ def _tiled(forward, tiles: int):
             outputs = [forward(t) for t in parts]
         return torch.cat(outputs, dim=-2)
 
-    run.tiles = tiles
     return run
 
 

@@ -175,26 +175,6 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
     return model
 
 
-def tile_mlps(model: torch.nn.Module, longest_row: int) -> tuple[int, int]:
-    """model.tiled_mlp: every MLP call runs as the same number of tiles, enough for the longest row
-    the run can batch to be cut into tiles of hidden_size positions (ALST's size: a tile's
-    intermediates are about one weight matrix). The count does not follow the batch: under ZeRO-3 a
-    rank calling its MLP's layers more often than another would gather alone and hang.
-    Returns (tiles per call, MLPs tiled); mixture-of-experts layers are refused."""
-    from .activations import tile_mlps as tile
-
-    text = model.config.get_text_config()
-    if any(hasattr(m, "experts") for n, m in model.named_modules() if n.endswith(".mlp")) \
-            or getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0):
-        raise ToolkitError("model.tiled_mlp: for dense models; this one's MLPs are mixture-of-experts layers")
-    tiles = max(1, -(-longest_row // text.hidden_size))
-    count = tile(model, tiles)
-    if count == 0:
-        raise ToolkitError(f"model.tiled_mlp: no decoder-layer MLP (a module named `mlp`) found in "
-                           f"{type(model).__name__}")
-    return tiles, count
-
-
 def four_bit(compute_dtype: torch.dtype) -> dict:
     """from_pretrained arguments for a QLoRA base (NF4, double quantization, on this rank's GPU),
     or one line saying why this host cannot have one."""

@@ -32,8 +32,7 @@ from .sizing import count_model
 from .hub import is_hub_id, resolve_model
 from .loss import use_token_loss
 from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                    compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe, tile_mlps,
-                    token_rows)
+                    compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe, token_rows)
 from .monitor import Monitor
 from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
@@ -122,9 +121,9 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
     if recipe.model.tiled_mlp:
-        tiles, mlps = tile_mlps(model, longest_row(recipe))
-        log(f"tiled MLP: each of {mlps} MLPs runs as {tiles} tiles of at most "
-            f"{-(-longest_row(recipe) // tiles)} positions")
+        row = longest_row(recipe)
+        tiles, mlps = activations.tile_mlps(model, row)
+        log(f"tiled MLP: each of {mlps} MLPs runs as {tiles} tiles of at most {-(-row // tiles)} positions")
     added = fit_vocabulary(model, tokenizer, backend.full_shape)
     rows = token_rows(model, tokenizer, recipe.model.add_special_tokens, added, backend.full_shape)
     if recipe.model.add_special_tokens:
