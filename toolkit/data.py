@@ -956,6 +956,8 @@ class Collator:
       with `position_ids` restarting at each document: no padding at all.
     - `bounds`: packed and padding-free batches also carry the documents' bounds for varlen
       attention (`cu_seq_lens_q/k`, `max_length_q/k`), computed here on the host.
+    - `multiple`: rows are padded to a multiple of it (sequence parallelism splits each row into
+      that many equal parts); a padding-free row gets one more document of padding.
 
     - `pairs` (preference pairs): the chosen sequences are the batch's first rows (padding-free:
       documents) and the rejected ones those after them, in the same order, so both go through one
@@ -966,9 +968,9 @@ class Collator:
     per example."""
 
     def __init__(self, pad_token_id: int, packed: bool = False, padding_free: bool = False, bounds: bool = False,
-                 pairs: bool = False):
+                 pairs: bool = False, multiple: int = 1):
         self.pad_token_id, self.packed, self.padding_free, self.bounds = pad_token_id, packed, padding_free, bounds
-        self.pairs = pairs
+        self.pairs, self.multiple = pairs, multiple
 
     def __call__(self, examples: list[dict | None]) -> dict:
         if self.pairs:
@@ -978,6 +980,9 @@ class Collator:
         examples = [e if e is not None else {"input_ids": [self.pad_token_id], "labels": [IGNORE],
                                              **({"position_ids": [0]} if packed else {})}
                     for e in examples]
+        if self.padding_free and (short := -sum(len(e["input_ids"]) for e in examples) % self.multiple):
+            examples = [*examples, {"input_ids": [self.pad_token_id] * short, "labels": [IGNORE] * short,
+                                    **({"position_ids": list(range(short))} if packed else {})}]
         if self.padding_free:
             def row(parts):
                 return torch.as_tensor(np.concatenate(parts), dtype=torch.long)[None]
@@ -987,6 +992,7 @@ class Collator:
                                           for e in examples])}
             return self.with_bounds(batch)
         width = max(len(e["input_ids"]) for e in examples)
+        width += -width % self.multiple
         ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
         for i, e in enumerate(examples):

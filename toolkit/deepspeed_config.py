@@ -266,8 +266,8 @@ def _refuse_unsupported(cfg: dict, source: str) -> None:
                            "and use ZeRO-3 to fit a larger model")
     sp = cfg.get("sequence_parallel_size", 1)
     if sp not in (None, "auto", 1):
-        raise ToolkitError(f"{source}: sequence_parallel_size is {sp}: sequence parallelism is not supported by this "
-                           "toolkit; remove it")
+        raise ToolkitError(f"{source}: sequence_parallel_size is {sp}: sequence parallelism comes from the accelerate "
+                           "config here (parallelism_config_sp_size with sp_backend: deepspeed); remove it")
     if cfg.get("pipeline") and (cfg["pipeline"].get("stages", 1) not in (1, "auto")):
         raise ToolkitError(f"{source}: pipeline: pipeline parallelism is not supported by this toolkit; remove it")
 

@@ -42,14 +42,7 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     if mixed != "no" and mixed != precision:
         raise ToolkitError(f"{source}: mixed_precision is {mixed!r} but the recipe's train.precision is "
                            f"{recipe.train.precision!r}; set train.precision={mixed} (or mixed_precision: 'no')")
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
-        sizes = {name: int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in ("tp", "cp", "sp")}
-        wanted = {k: v for k, v in sizes.items() if v > 1}
-        if wanted:
-            k, v = next(iter(wanted.items()))
-            raise ToolkitError(f"{source}: parallelism_config.parallelism_config_{k}_size is {v}: tensor, context and "
-                               "sequence parallelism are not supported by this toolkit (data parallel only); remove "
-                               "them from parallelism_config")
+    _check_parallelism(recipe, env, kind, source, notes)
     if env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
         raise ToolkitError(f"{source}: dynamo_config.dynamo_backend is {env['ACCELERATE_DYNAMO_BACKEND']!r}: "
                            "compile in the recipe instead (train.compile: true compiles each decoder layer, dynamic shapes); "
@@ -75,6 +68,56 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     if kind == "deepspeed" and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") not in ("", "none"):
         fields = [f for f in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if f in DS_FILE_IGNORES]
         _settle_yaml_ds_fields(recipe, env, fields, source, notes)
+
+
+def sequence_parallel_size(env=os.environ) -> int:
+    """parallelism_config_sp_size of the launch (1 without it)."""
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    return int(env.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+
+
+def _check_parallelism(recipe: Recipe, env, kind: str, source: str, notes: list[str]) -> None:
+    """parallelism_config: sequence parallelism (sp_size, DeepSpeed's Ulysses) runs; tensor and
+    context parallelism are refused in one line."""
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return
+    key = "parallelism_config.parallelism_config_{}_size".format
+    tp, cp = (int(env.get(f"PARALLELISM_CONFIG_{k}_SIZE", "1")) for k in ("TP", "CP"))
+    if tp > 1:
+        raise ToolkitError(f"{source}: {key('tp')} is {tp}: tensor parallelism is not supported by this toolkit; "
+                           "remove it (ZeRO-3 or FSDP shard a model too large for one GPU)")
+    if cp > 1:
+        raise ToolkitError(f"{source}: {key('cp')} is {cp}: context parallelism (torch ring attention on FSDP2) is "
+                           "not supported by this toolkit; for long sequences use parallelism_config_sp_size with "
+                           "distributed_type: DEEPSPEED (Ulysses sequence parallelism)")
+    sp = sequence_parallel_size(env)
+    if sp <= 1:
+        return
+    world = int(env.get("WORLD_SIZE", "1"))
+    if kind != "deepspeed" or env.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") != "deepspeed":
+        raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism runs on DeepSpeed (Ulysses); set "
+                           "distributed_type: DEEPSPEED and parallelism_config_sp_backend: deepspeed")
+    if world % sp:
+        raise ToolkitError(f"{source}: {key('sp')} is {sp} but {world} processes do not divide into groups of {sp}; "
+                           f"launch a multiple of {sp} processes")
+    if recipe.preference.method is not None:
+        raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism does not run preference training "
+                           f"(preference.method={recipe.preference.method}) yet; remove sp_size")
+    if recipe.model.attn_implementation == "eager":
+        raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism needs attention without a dense "
+                           "mask; set model.attn_implementation=sdpa (or flash_attention_2, varlen)")
+    dp = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")) * int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+    if dp not in (1, world // sp):
+        notes.append(f"{source}: parallelism_config dp_shard_size x dp_replicate_size is {dp}; {world} processes in "
+                     f"groups of {sp} make {world // sp} data-parallel ranks, trained as such")
+    wanted = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION")
+    if wanted not in (None, "", "None", recipe.model.attn_implementation):
+        notes.append(f"{source}: parallelism_config_sp_attn_implementation {wanted} not used: the recipe's "
+                     f"model.attn_implementation ({recipe.model.attn_implementation}) decides the attention")
+    if env.get("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE", "true").lower() != "true":
+        notes.append(f"{source}: parallelism_config_sp_seq_length_is_variable false not used: batches are as long "
+                     "as their longest row")
 
 
 def _settle_yaml_ds_fields(recipe: Recipe, env, fields: list[str], source: str, notes: list[str]) -> None:
@@ -144,7 +187,7 @@ def plan(recipe: Recipe, env, cuda: bool, source: str = ENV_SOURCE) -> tuple[lis
     check(recipe, env, cuda, source, notes)
     if launch_kind(env) != "deepspeed":
         return notes, None
-    world = int(env.get("WORLD_SIZE", "1"))
+    world = int(env.get("WORLD_SIZE", "1")) // sequence_parallel_size(env)  # data-parallel ranks
     hidden = deepspeed_config.model_hidden_size(recipe)
     path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
     if path not in ("", "none"):
@@ -174,12 +217,14 @@ def show(recipe: Recipe, yaml_path: str, num_processes: int | None, assume_gpu: 
     env = worker_env(yaml_path, num_processes)
     cuda = assume_gpu or torch.cuda.is_available()
     notes, resolved = plan(recipe, env, cuda, source=yaml_path)
-    world = int(env.get("WORLD_SIZE", "1"))
-    lines = [f"# {yaml_path}: {launch_kind(env)}, {world} process(es), {'GPU' if cuda else 'CPU-only host'}"]
+    world, sp = int(env.get("WORLD_SIZE", "1")), sequence_parallel_size(env)
+    split = f", sequence parallel {sp} ({world // sp} data-parallel rank(s))" if sp > 1 else ""
+    lines = [f"# {yaml_path}: {launch_kind(env)}, {world} process(es){split}, {'GPU' if cuda else 'CPU-only host'}"]
     lines += [f"# changed: {note}" for note in dict.fromkeys(notes)] or ["# changed: nothing"]
     if resolved is not None:
         source = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
         source = yaml_path if source in ("", "none") else source
-        lines.append(f"# {source} resolved for {world} process(es)")
+        lines.append(f"# {source} resolved for {world // sp} data-parallel rank(s)" if sp > 1 else
+                     f"# {source} resolved for {world} process(es)")
         lines.append(json.dumps(resolved, indent=2))
     return "\n".join(lines)

@@ -33,7 +33,9 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = Fal
     """Sum of next-token cross-entropies over the batch's target tokens (labels != IGNORE), the
     way `use_token_loss` set up; `model` as prepared (DDP, FSDP, DeepSpeed) or not. `router_aux`
     (a mixture-of-experts model): (that sum, the router's load-balancing loss of the batch)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    if "shift_labels" in batch:  # a sequence-parallel part: each position's own target (sequence.shard)
+        return model(**inputs, token_loss_labels=batch["shift_labels"], token_loss_shifted=True)
     if router_aux:
         return model(**inputs, token_loss_labels=batch["labels"], token_loss_router_aux=True)
     return model(**inputs, token_loss_labels=batch["labels"])
@@ -77,18 +79,20 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
         check_chunked_loss(model, backend is not None and backend.partitioned_before_prepare(model))
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
-    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None, **kwargs):
+    def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None,
+                token_loss_shifted=False, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
         if token_loss_router_aux:
             kwargs["output_router_logits"] = True
         if kind == "full":
             outputs = original(*args, **{**kwargs, "use_cache": False})
-            loss = (full_loss_sum(outputs.logits, token_loss_labels) if token_loss_per_row is None else
-                    full_row_logps(outputs.logits, token_loss_labels, token_loss_per_row))
+            loss = (full_loss_sum(outputs.logits, token_loss_labels, token_loss_shifted) if token_loss_per_row is None
+                    else full_row_logps(outputs.logits, token_loss_labels, token_loss_per_row))
         else:
             loss, outputs = chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls,
-                                             return_outputs=True, per_row=token_loss_per_row, **kwargs)
+                                             return_outputs=True, per_row=token_loss_per_row,
+                                             shifted=token_loss_shifted, **kwargs)
         if not token_loss_router_aux:
             return loss
         return loss, router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
@@ -111,9 +115,11 @@ def router_aux_loss(model, router_logits, attention_mask=None) -> torch.Tensor:
     return function(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
-def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """`shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`)."""
+    if not shifted:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def full_row_logps(logits: torch.Tensor, labels: torch.Tensor,
@@ -132,19 +138,23 @@ def full_row_logps(logits: torch.Tensor, labels: torch.Tensor,
 
 
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
-                     return_outputs: bool = False, per_row: torch.Tensor | None = None, **kwargs):
+                     return_outputs: bool = False, per_row: torch.Tensor | None = None, shifted: bool = False,
+                     **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
     calls (the backend's `same_call_count`; None: `n`). `return_outputs`: (the sum, the backbone's
     outputs). `per_row` (each target position's sequence, as `sequence_index`): instead of the sum,
-    (each sequence's sum of target log-probabilities, its count of targets), as `full_row_logps`."""
+    (each sequence's sum of target log-probabilities, its count of targets), as `full_row_logps`.
+    `shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
-    targets = labels[:, 1:] != IGNORE
+    if not shifted:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    targets = labels != IGNORE
     rows = per_row[targets] if per_row is not None else None  # each target's sequence, in the selection's order
-    hidden, labels = hidden[:, :-1][targets], labels[:, 1:][targets]  # before the output layer: (targets, hidden)
+    hidden, labels = hidden[targets], labels[targets]  # before the output layer: (targets, hidden)
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and others
 

@@ -115,11 +115,15 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     model_cfg = recipe.model
-    if recipe.data.padding_free and model_cfg.attn_implementation == "sdpa":  # sdpa would build a dense mask
+    split = backend.sequence_parallel > 1  # each row split across that many ranks (sequence.py)
+    if model_cfg.attn_implementation == "sdpa" and (recipe.data.padding_free or (split and recipe.data.packing)):
+        # sdpa would build a dense mask over the micro-batch, and a split row's attention takes no mask
         model_cfg = dataclasses.replace(model_cfg, attn_implementation="varlen")
-        log("attention: varlen (data.padding_free; sdpa would mask the whole micro-batch)")
+        log("attention: varlen (" + ("data.padding_free; sdpa would mask the whole micro-batch)" if not split else
+                                     "packed documents split across ranks; sequence-parallel attention takes no mask)"))
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    backend.check_model(model, recipe)
     if recipe.model.tiled_mlp:
         row = longest_row(recipe)
         tiles, mlps = activations.tile_mlps(model, row)
@@ -186,19 +190,21 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
         log(f"warning: {line}")
     if accelerator.is_main_process:  # what the loss is taken on, before an hour is spent on it
         log(f"data: {label_audit(data.train[0], tokenizer)}")
-    world = accelerator.num_processes
-    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world
+    world, (_, ranks) = accelerator.num_processes, backend.data_parallel()  # ranks that see different rows
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * ranks
     sampler = EpochSampler(len(data.train), global_batch, recipe.seed)
     if sampler.steps_per_epoch == 0:
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
-                           f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {world} processes)")
+                           f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {ranks} "
+                           + ("processes)" if ranks == world else f"data-parallel ranks of {world} processes)"))
     state = checkpoint.TrainerState(world_size=world, global_batch=global_batch, launch=backend.kind,
                                     data_fingerprint=data.train_fingerprint, recipe=run_folder.learning_relevant(recipe),
                                     layout=backend.layout())
     if resume_from is not None:  # before any work: a checkpoint this launch cannot continue is refused now
         run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
     collate = Collator(tokenizer.pad_token_id, packed=packing, padding_free=padding_free,
-                       bounds=model_cfg.attn_implementation == "varlen", pairs=data.train.pairs)
+                       bounds=model_cfg.attn_implementation == "varlen", pairs=data.train.pairs,
+                       multiple=backend.sequence_parallel)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
@@ -219,7 +225,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                                        total_steps, t.warmup_steps)
     ds_config = backend.finalize_config(model, recipe, total_steps)
     # The loop moves batches itself, after counting their tokens on the host (no device sync for counts).
-    train_loader = accelerator.prepare_data_loader(train_loader, device_placement=False)
+    train_loader = backend.prepare_train_loader(train_loader)
     faults.at("prepare")
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     backend.check_prepared(model)
@@ -346,12 +352,15 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         # the same, so the loss is a sum divided by the global count of units. Counted on the
         # host, before the batches move: no device synchronisation for it.
         local = torch.tensor(run.objective.host_counts(micro_batches), dtype=torch.float64)
-        micro_batches = [to_device(b, acc.device) for b in micro_batches]
+        # Where rows are split across ranks, each rank keeps its part (and counted the whole rows).
+        micro_batches = [to_device(run.backend.shard_sequence(b), acc.device) for b in micro_batches]
     with monitor.phase("counts", step, lap="sync"):
-        n_units, n_tokens, squared_lengths = map(int, acc.reduce(local.to(acc.device), "sum").tolist())
-    # The backends average gradients over ranks and accelerate divides by the accumulation
-    # steps; this factor undoes both so the gradient is sum(unit losses) / n_units.
-    scale = world * t.gradient_accumulation_steps / n_units
+        split = run.backend.sequence_parallel
+        n_units, n_tokens, squared_lengths = (int(x) // split for x in acc.reduce(local.to(acc.device), "sum").tolist())
+    # The backends average gradients over the data-parallel ranks (summing a split row's parts)
+    # and accelerate divides by the accumulation steps; this factor undoes both so the gradient is
+    # sum(unit losses) / n_units.
+    scale = run.backend.data_parallel()[1] * t.gradient_accumulation_steps / n_units
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
     loss_sum = torch.zeros((), device=acc.device)
     lr = run.optimizer.param_groups[0]["lr"]  # this step's (a DeepSpeed scheduler steps inside the last backward)

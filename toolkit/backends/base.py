@@ -96,6 +96,9 @@ class Backend:
     def adapted(self, model) -> None:
         """What this backend needs to know of a LoRA-adapted model before it is prepared."""
 
+    def check_model(self, model, recipe: Recipe) -> None:
+        """Refuse, in one line, a model this launch cannot train (right after it is built)."""
+
     def check_distributed(self) -> None:
         """Several processes started, but accelerate not distributed: each rank would train alone."""
         started, accelerator = launched_world_size(), self.accelerator
@@ -118,6 +121,20 @@ class Backend:
         end_process_group()
 
     # -- what the run is ---------------------------------------------------------------------------
+
+    sequence_parallel = 1  # the ranks each sequence is split across (sequence.py)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, how many there are): the ranks that see different rows."""
+        return self.accelerator.process_index, self.accelerator.num_processes
+
+    def shard_sequence(self, batch: dict) -> dict:
+        """This rank's part of a collated batch (the whole batch unless sequences are split)."""
+        return batch
+
+    def prepare_train_loader(self, loader):
+        """The training DataLoader, sharded over the data-parallel ranks; the loop moves batches itself."""
+        return self.accelerator.prepare_data_loader(loader, device_placement=False)
 
     def layout(self) -> str:
         """How this launch lays the training state out on disk; a checkpoint loads only into the

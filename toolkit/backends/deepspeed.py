@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .. import deepspeed_config
+from .. import deepspeed_config, launch_config, sequence
 from ..errors import ToolkitError
 from ..verify import read_back, tree_mismatch
 from .base import MOMENTS, Backend, adam_step, launched_world_size
@@ -24,11 +24,27 @@ MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
 class DeepSpeed(Backend):
     cpu_flag = False  # DeepSpeed runs on its CPU accelerator, over gloo, even as one process
 
+    def __init__(self, kind: str = "deepspeed"):
+        super().__init__(kind)
+        self.sequence_parallel = launch_config.sequence_parallel_size()  # Ulysses: sequence.py
+
     def accelerator_options(self, recipe, notes) -> dict:
         if not self.cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = ""  # settled by launch_config.check, not refused by accelerate
-        return {"deepspeed_plugin": deepspeed_config.make_plugin(recipe, launched_world_size(), notes)}
+        # DeepSpeed's batch arithmetic counts data-parallel ranks: the processes over the sequence groups.
+        world = launched_world_size() // self.sequence_parallel
+        return {"deepspeed_plugin": deepspeed_config.make_plugin(recipe, world, notes)}
+
+    def after_accelerator(self) -> None:
+        """accelerate sizes DeepSpeed's train_batch_size by the YAML's dp_shard_size x dp_replicate_size;
+        with sequence parallelism the data-parallel ranks are the processes over sp_size (a 4-GPU
+        YAML rehearsed on 2 processes would otherwise fail DeepSpeed's batch check). Batches are as
+        long as their longest row, so their length is variable."""
+        if self.sequence_parallel > 1:
+            config = self.accelerator.parallelism_config
+            config.dp_replicate_size, config.dp_shard_size = 1, self.accelerator.num_processes // self.sequence_parallel
+            config.sp_handler.sp_seq_length_is_variable, config.sp_handler.sp_seq_length = True, None
 
     @property
     def config(self) -> dict:
@@ -49,6 +65,25 @@ class DeepSpeed(Backend):
             model.optimizer.check_grad_overflow = True
         if isinstance(model.optimizer, torch.optim.Optimizer) and not hasattr(model.optimizer, "_global_grad_norm"):
             measure_plain_optimizer_steps(model)
+        if self.sequence_parallel > 1:
+            sequence.follow_rows(model.module.config._attn_implementation)
+
+    def check_model(self, model, recipe) -> None:
+        """Ulysses gives each rank of a sequence group a share of the attention heads."""
+        if self.sequence_parallel == 1:
+            return
+        from ..objectives import for_recipe
+
+        sp, config = self.sequence_parallel, model.config.get_text_config()
+        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if heads % sp or not (kv % sp == 0 or sp % kv == 0):
+            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp} but the model has {heads} "
+                               f"attention heads and {kv} key/value heads; sp_size must divide the heads (and divide "
+                               "or be a multiple of the key/value heads)")
+        if getattr(for_recipe(recipe, model), "router_aux_coef", 0):
+            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp}: the router's "
+                               "load-balancing loss of a mixture-of-experts model is not split across a sequence "
+                               "group; set model.router_aux_loss_coef=0 or remove sp_size")
 
     def check_adapter(self, token_rows: bool) -> None:
         """peft builds the trained token rows of model.add_special_tokens under ZeRO-3 on a CUDA device
@@ -79,7 +114,32 @@ class DeepSpeed(Backend):
     # -- what the run is ---------------------------------------------------------------------------
 
     def layout(self) -> str:
-        return f"DeepSpeed ZeRO-{self.stage}"
+        split = f", sequence parallel {self.sequence_parallel}" if self.sequence_parallel > 1 else ""
+        return f"DeepSpeed ZeRO-{self.stage}{split}"
+
+    # -- sequence parallelism (sequence.py) --------------------------------------------------------
+
+    def data_parallel(self) -> tuple[int, int]:
+        sp = self.sequence_parallel
+        return self.accelerator.process_index // sp, self.accelerator.num_processes // sp
+
+    def shard_sequence(self, batch: dict) -> dict:
+        return sequence.shard(batch, self.accelerator.process_index % self.sequence_parallel, self.sequence_parallel)
+
+    def prepare_train_loader(self, loader):
+        """Each sequence group loads the same rows: the loader is sharded over the groups."""
+        if self.sequence_parallel == 1:
+            return super().prepare_train_loader(loader)
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        rank, ranks = self.data_parallel()
+        return prepare_data_loader(loader, acc.device, num_processes=ranks, process_index=rank,
+                                   split_batches=acc.split_batches, put_on_device=False, rng_types=acc.rng_types.copy(),
+                                   dispatch_batches=acc.dispatch_batches, even_batches=acc.even_batches,
+                                   use_seedable_sampler=acc.use_seedable_sampler,
+                                   data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
+                                   use_stateful_dataloader=acc.use_stateful_dataloader)
 
     def offload(self) -> list[str]:
         zero = self.config.get("zero_optimization", {})
@@ -146,8 +206,10 @@ class DeepSpeed(Backend):
     def finalize_config(self, model, recipe, total_steps) -> dict:
         """DeepSpeed's "auto" values: bucket sizes from the model, the scheduler's length."""
         config = getattr(model, "config", None)
-        deepspeed_config.finalize(self.config, recipe, self.accelerator.num_processes, total_steps,
-                                  getattr(config, "hidden_size", None))
+        deepspeed_config.finalize(self.config, recipe, self.accelerator.num_processes // self.sequence_parallel,
+                                  total_steps, getattr(config, "hidden_size", None))
+        if self.sequence_parallel > 1:  # Ulysses wraps the attention the model runs (varlen for packed rows)
+            self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = config._attn_implementation
         return self.config
 
     def step_was_skipped(self, model) -> bool:
