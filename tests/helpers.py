@@ -417,11 +417,12 @@ def launch_config_for(backend, workdir):
 
 # ----------------------------------------------------------------------------- runs of one recipe under each layout
 # The recipe of the resume tests (tests/test_resume.py, tests/test_portable_resume.py): 8 steps of global
-# batch 8 (micro 4 on one process, micro 2 x 2 processes; accumulation 2), 48 rows, so 6 steps per epoch and a
+# batch 8 (micro 4 on one process or on one sequence-parallel pair, micro 2 x 2 processes; accumulation 2), 48 rows, so 6 steps per epoch and a
 # resumed run crosses an epoch; checkpoints every 2 steps, all kept. Its uninterrupted runs are shared by both
 # modules (conftest's `layout_runs`).
 RESUME_STEPS = 8
-LAYOUTS = {"single": None, "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3"}
+LAYOUTS = {"single": None, "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3",
+           "sp": "zero2_sp"}  # sp: ZeRO-2, each sequence split across the 2 processes (one data-parallel rank)
 
 
 def write_layout_data(workdir: Path) -> Path:
@@ -437,7 +438,7 @@ def layout_recipe(workdir: Path, name: str, layout: str, lora: bool = False, dro
         "lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": dropout} if lora else {"enabled": False},
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
                  "format": "alpaca", "max_seq_len": 96},
-        "train": {"micro_batch_size": 4 if layout == "single" else 2, "gradient_accumulation_steps": 2,
+        "train": {"micro_batch_size": 4 if layout in ("single", "sp") else 2, "gradient_accumulation_steps": 2,
                   "max_steps": RESUME_STEPS, "learning_rate": 3e-3, "warmup_steps": 2, "eval_every_steps": 3,
                   "log_every_steps": 1},
         "checkpoint": {"every_steps": 2, "keep_last": 10},

@@ -61,6 +61,72 @@ def test_lora_trainable_parameters_match_peft():
         assert (counts.trainable, counts.params) == (trainable, total), lora
 
 
+def test_sequence_parallel_splits_the_activations_not_the_model_states(llama_7b_config):
+    """sp_size 2 (DeepSpeed's Ulysses): every rank holds half of each row, so the activations, the
+    logits and the offloaded inputs are those of half the sequence without it; ZeRO partitions the
+    model states over all 8 processes as before; DDP and FSDP cannot split a sequence and are
+    neither listed nor recommended; the all-to-alls are added to the communication."""
+    from dataclasses import replace
+
+    from toolkit.sizing import BY_NAME, Setup, count_model, estimate, estimate_all, read_config, recommend
+
+    model = count_model(read_config(str(llama_7b_config)), "llama-7b")
+    base = Setup(model=model, gpus_per_node=8, seq_len=32768, gradient_checkpointing=True)
+    split = replace(base, sequence_parallel=2)
+    assert split.batch_text() == "micro-batch 1 x 32768 tokens, split across 2 ranks"
+    deepspeed = [s for s in BY_NAME.values() if s.deepspeed]
+    assert [r.strategy for r in estimate_all(split)] == deepspeed
+    for variant in ({}, {"loss": "full"}, {"tiled_mlp": True}, {"activation_offload": True},
+                    {"gradient_checkpointing": False, "precision": "fp32"}):
+        whole, half, parted = (replace(s, **variant) for s in (base, replace(base, seq_len=16384), split))
+        for strategy in deepspeed:
+            w, h, p = (estimate(strategy, s) for s in (whole, half, parted))
+            for key in ("activations", "logits"):
+                assert p.gpu[key] == pytest.approx(h.gpu[key]), (variant, strategy.name, key)
+            for key in ("params", "gradients", "optimizer", "buffers"):
+                assert p.gpu[key] == w.gpu[key], (variant, strategy.name, key)
+            assert p.host_per_node - w.host_per_node == pytest.approx(h.host_per_node - w.host_per_node)
+            # sdpa, no tiled MLP: the layers' activations are all per position, so exactly half
+            if not whole.tiled_mlp:
+                assert p.gpu["activations"] == pytest.approx(w.gpu["activations"] / 2)
+            if whole.loss == "full":
+                assert p.gpu["logits"] == pytest.approx(w.gpu["logits"] / 2)
+            # each pass of each layer: q, k, v (4096 each here) and the output of 16384 positions in
+            # 2 bytes (bf16) or 4 (fp32), each rank sending half of it to the other
+            passes = 3 if whole.gradient_checkpointing else 2
+            all_to_all = 32 * passes * 16384 * 4 * 4096 * (4 if whole.precision == "fp32" else 2) / 2
+            assert p.comm_per_step - w.comm_per_step == pytest.approx(all_to_all)
+    # Without it FSDP shard-grad-op is the first to fit here; with it, DeepSpeed's ZeRO-2 and the sp_size to set.
+    assert recommend(base).startswith("FSDP shard-grad-op")
+    assert recommend(split).startswith("ZeRO-2 (accelerate_configs/zero2.yaml plus parallelism_config_sp_size: 2)")
+    assert "DDP" not in recommend(split) and "FSDP" not in recommend(split)
+
+
+def test_a_run_estimates_with_its_launch_sequence_parallelism(monkeypatch, tmp_path):
+    """`run: estimate` takes sp_size from the environment `accelerate launch` gives its workers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from toolkit.config import load_recipe
+    from toolkit.sizing import estimate_for_run
+
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"),
+                                      model={"preset": "tiny-llama"},
+                                      data={"train_files": [str(tmp_path / "train.jsonl")], "max_seq_len": 4096}))
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=4)
+    for name, value in (("ACCELERATE_USE_DEEPSPEED", "true"), ("LOCAL_WORLD_SIZE", "4"), ("WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)
+    plain, _ = estimate_for_run(recipe, accelerator, {"zero_optimization": {"stage": 2}})
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    split, _ = estimate_for_run(recipe, accelerator, {"zero_optimization": {"stage": 2}})
+    assert "(ZeRO-2, toolkit estimate)" in split and "x 4096 tokens, split across 2 ranks)" in split, split
+    assert "split across" not in plain
+    assert split.split(", activations")[0] == plain.split(", activations")[0]  # params, gradients, optimizer, buffers
+    assert split != plain
+
+
 # ------------------------------------------------------------------ estimate vs bytes held per rank
 
 
@@ -192,6 +258,39 @@ def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
 
 
 @pytest.mark.launch
+def test_sp_size_on_the_command_line(llama_7b_config):
+    """--sp-size 2: the header says so, DDP and FSDP are left out, the activations (full loss: the
+    logits too) are those of half the sequence and the model states those of all 8 GPUs."""
+    args = ["estimate", "--model", llama_7b_config, "--gpus", "8", "--gradient-checkpointing", "--loss", "full"]
+    table = run_toolkit(*args, "--seq-len", "32768", "--sp-size", "2")
+    assert table.returncode == 0, table.stderr[-3000:]
+    lines = table.stdout.splitlines()
+    assert "micro-batch 1 x 32768 tokens, split across 2 ranks" in lines[1] and "; sequence parallel 2" in lines[1]
+    assert not any(line[1:].startswith(("DDP", "FSDP")) for line in lines)
+    assert any(line.startswith("sequence parallel 2: DeepSpeed only") for line in lines)
+    assert "recommendation: ZeRO-" in table.stdout and "parallelism_config_sp_size: 2" in table.stdout
+
+    reports = {}
+    for seq_len, sp in (("32768", "2"), ("32768", "1"), ("16384", "1")):
+        out = run_toolkit(*args, "--seq-len", seq_len, "--sp-size", sp, "--json")
+        assert out.returncode == 0, out.stderr[-3000:]
+        reports[seq_len, sp] = json.loads(out.stdout)
+    split = reports["32768", "2"]
+    assert split["setup"]["sequence_parallel"] == 2 and split["setup"]["gpus"] == 8
+    rows = [{r["strategy"]: r["gpu_bytes"] for r in reports[k]["strategies"]} for k in reports]
+    assert set(rows[0]) == {"ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU optimizer", "ZeRO-3 + CPU optimizer",
+                            "ZeRO-3 + CPU params+optimizer", "ZeRO-3 + NVMe params+optimizer"}
+    assert "DDP" in rows[1] and "FSDP full-shard" in rows[1]
+    for name, parted in rows[0].items():
+        whole, half = rows[1][name], rows[2][name]
+        for key in ("activations", "logits"):
+            assert parted[key] == pytest.approx(half[key], abs=1), (name, key)
+            assert parted[key] == pytest.approx(whole[key] / 2, abs=1), (name, key)
+        for key in ("params", "gradients", "optimizer", "buffers"):
+            assert parted[key] == whole[key], (name, key)
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model"], "error: --model: not found: /no/such/model"),
     (["--model", "tiny-llama", "--gpus", "0"], "error: --gpus: must be at least 1, got 0"),
@@ -199,6 +298,11 @@ def test_table_and_json_on_a_preset_and_a_config(llama_7b_config):
     (["--recipe", "/no/such/recipe.yaml"], "error: /no/such/recipe.yaml: recipe file not found"),
     (["--model", "tiny-llama", "--config_file", "accelerate_configs/zero3.yaml"],
      "error: --config_file: only with --recipe"),
+    (["--model", "tiny-llama", "--sp-size", "0"], "error: --sp-size: must be at least 1, got 0"),
+    (["--model", "tiny-llama", "--gpus", "3", "--sp-size", "2"],
+     "error: --sp-size is 2 but 3 GPUs do not divide into groups of 2"),
+    (["--model", "tiny-llama", "--gpus", "2", "--nodes", "3", "--sp-size", "4"],
+     "error: --sp-size is 4 but 6 GPUs do not divide into groups of 4"),
 ])
 def test_mistakes_are_one_line(args, message):
     from helpers import user_error_line

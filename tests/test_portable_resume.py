@@ -23,7 +23,8 @@ from test_bad_input import snapshot
 STEPS, RESUME_AT = RESUME_STEPS, 4
 MOVES = [("ddp", "single", False), ("single", "ddp", False), ("single", "ddp", True), ("zero2", "zero3", False),
          ("zero3", "fsdp", False), ("zero3", "fsdp", True), ("fsdp", "single", False),
-         ("single", "zero2", False)]  # ZeRO-2 holds no optimizer state before its first step: the load makes it
+         ("single", "zero2", False),  # ZeRO-2 holds no optimizer state before its first step: the load makes it
+         ("sp", "single", False), ("single", "sp", True)]  # to and from each sequence split across 2 processes
 
 
 @pytest.fixture

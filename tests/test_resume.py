@@ -33,6 +33,7 @@ CASES = {  # name: (accelerate config or None for one plain process, lora dropou
     "zero2": ("zero2", None),
     "zero3": ("zero3", None),
     "ddp_packed": ("ddp", None),  # rows of documents read from Arrow bins
+    "sp": ("sp", None),  # each sequence split across the 2 processes (DeepSpeed Ulysses)
 }
 PACKED = {"ddp_packed"}
 KILL_SEED = int(os.environ.get("TOOLKIT_KILL_SEED", time.time_ns() % 10_000))

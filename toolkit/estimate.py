@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tiled-mlp", action="store_true", default=None, help="model.tiled_mlp")
     p.add_argument("--activation-offload", action="store_true", default=None,
                    help="model.activation_offload (with --gradient-checkpointing)")
+    p.add_argument("--sp-size", type=int, default=None, metavar="N",
+                   help="sequence parallelism (DeepSpeed's Ulysses, parallelism_config_sp_size): each sequence split "
+                        "across N GPUs; DeepSpeed strategies only (default 1, or the launch's)")
     p.add_argument("--loss", choices=["chunked", "full"], default=None,
                    help="train.loss: chunked keeps one chunk's logits, full the micro-batch's (default chunked)")
     p.add_argument("--loss-chunk-tokens", type=int, default=None, help="train.loss_chunk_tokens (default 1024)")
@@ -44,7 +47,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    for name in ("gpus", "nodes", "micro_batch", "seq_len", "lora_r", "loss_chunk_tokens"):
+    for name in ("gpus", "nodes", "micro_batch", "seq_len", "lora_r", "loss_chunk_tokens", "sp_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ToolkitError(f"--{name.replace('_', '-')}: must be at least 1, got {value}")
@@ -66,10 +69,11 @@ def run(args) -> int:
     overrides = {"precision": args.precision, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                  "gradient_checkpointing": args.gradient_checkpointing, "tiled_mlp": args.tiled_mlp,
                  "activation_offload": args.activation_offload, "loss": args.loss,
-                 "loss_chunk_tokens": args.loss_chunk_tokens}
+                 "loss_chunk_tokens": args.loss_chunk_tokens, "sequence_parallel": args.sp_size}
     setup = replace(setup, gpu_memory_gib=args.gpu_memory, **{k: v for k, v in overrides.items() if v is not None})
     if setup.precision == "fp32" and setup.base_dtype != "fp32":
         setup = replace(setup, base_dtype="fp32")
+    _check_sequence_parallel(setup, "--sp-size" if args.sp_size else f"{args.config_file}: parallelism_config_sp_size")
     rows = estimate_all(setup)
     report = {"model": asdict(setup.model), "setup": {k: v for k, v in asdict(setup).items() if k != "model"},
               "strategies": [r.as_json() for r in rows], "launched": launched.name if launched else None,
@@ -82,16 +86,31 @@ def run(args) -> int:
     return 0
 
 
+def _check_sequence_parallel(setup: Setup, key: str) -> None:
+    """Refuse, as a launch would, a sequence-parallel size these GPUs or this recipe cannot run."""
+    sp = setup.sequence_parallel
+    if sp == 1:
+        return
+    if setup.gpus % sp:
+        raise ToolkitError(f"{key} is {sp} but {setup.gpus} GPUs do not divide into groups of {sp}; give a multiple "
+                           f"of {sp} GPUs (--gpus x --nodes)")
+    if setup.pairs:
+        raise ToolkitError(f"{key} is {sp}: sequence parallelism does not run preference training yet")
+    if setup.attention == "eager":
+        raise ToolkitError(f"{key} is {sp}: sequence parallelism needs attention without a dense mask; the recipe's "
+                           "model.attn_implementation is eager (use sdpa or flash_attention_2)")
+
+
 def _from_recipe(args) -> tuple[Setup, Strategy | None]:
     from .config import load_recipe
 
     recipe = load_recipe(args.recipe)
     if args.lora or args.lora_r:
         recipe.lora.enabled, recipe.lora.r = True, args.lora_r or recipe.lora.r
-    launched, gpus = None, args.gpus
+    launched, gpus, sequence_parallel = None, args.gpus, 1
     if args.config_file:
         from . import deepspeed_config
-        from .launch_config import check, worker_env
+        from .launch_config import check, sequence_parallel_size, worker_env
 
         env = worker_env(args.config_file)
         check(recipe, env, cuda=True, source=args.config_file)  # what the launch would refuse
@@ -99,12 +118,14 @@ def _from_recipe(args) -> tuple[Setup, Strategy | None]:
         ds = deepspeed_config.load_json(path) if path not in ("", "none") else None
         world = int(env.get("WORLD_SIZE", "1"))
         launched = launched_strategy(env, ds)
+        sequence_parallel = sequence_parallel_size(env)
         if gpus is None:
             import yaml
 
             machines = int((yaml.safe_load(Path(args.config_file).read_text()) or {}).get("num_machines") or 1)
             gpus, args.nodes = max(1, world // machines), machines
-    return setup_from_recipe(recipe, gpus_per_node=gpus or 1, nodes=args.nodes), launched
+    return setup_from_recipe(recipe, gpus_per_node=gpus or 1, nodes=args.nodes,
+                             sequence_parallel=sequence_parallel), launched
 
 
 def epoch_cost(setup: Setup, tokens: float | None, throughput: float | None, price: float | None) -> dict | None:
@@ -135,6 +156,7 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
              f"{setup.batch_text()}; gradient checkpointing "
              f"{'on' if setup.gradient_checkpointing else 'off'}"
              f"{'; tiled MLP' if setup.tiled_mlp else ''}{'; activations offloaded' if setup.activation_offload else ''}"
+             f"{f'; sequence parallel {setup.sequence_parallel} (Ulysses)' if setup.sequence_parallel > 1 else ''}"
              f"; attention {setup.attention}; loss {setup.loss}"
              + (f" ({setup.loss_chunk_tokens} tokens a chunk)" if setup.loss == "chunked" else ""),
              "", "GiB per GPU                       params  grads  optim  buffers  activ.  logits   total  fits  "
@@ -153,6 +175,9 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     lines.append("")
     if launched is not None:
         lines.append(f"* your launch config: {launched.name}")
+    if setup.sequence_parallel > 1:
+        lines.append(f"sequence parallel {setup.sequence_parallel}: DeepSpeed only (Ulysses); DDP and FSDP cannot split "
+                     f"a sequence and are not listed; comm/step includes the all-to-alls of one micro-batch")
     lines.append("host/node: host RAM per node for offload (NVMe: RAM + 'n' NVMe space); comm/step: what each GPU "
                  "sends per optimizer step")
     lines.append(f"fits: total <= {USABLE_FRACTION:.0%} of the GPU's memory; totals are upper bounds (see "

@@ -55,7 +55,13 @@ for this layer. With gradient checkpointing each layer keeps only its input (h i
 dtype) and one layer is recomputed at a time. model.tiled_mlp keeps the MLP's input only
 and its 4i intermediates for one tile (hidden_size positions of each row) at a time;
 model.activation_offload moves the checkpointed inputs to host RAM (counted there, per node),
-two layers' worth staying on the GPU (the one in backward, the next copied back). Logits are a separate term, `logits`: the fp32
+two layers' worth staying on the GPU (the one in backward, the next copied back). Sequence
+parallelism (`parallelism_config_sp_size` S, DeepSpeed's Ulysses) splits every row into S equal parts,
+one per rank of a group of S (rows padded to a multiple of S); attention gathers the whole sequence
+for a/S of the heads (key/value heads repeated up to S where a model has fewer), so every term here,
+the logits, the MLP tile (min(h, s/S) positions) and the offloaded inputs are counted for s/S
+positions; ZeRO still partitions the model states over all N processes, so those terms do not
+change, and DDP and FSDP, which cannot split a sequence, are not offered. Logits are a separate term, `logits`: the fp32
 log-probabilities, their gradient and the logits' gradient are alive together, 3 * t * vocab * 4
 bytes, where t is b * s with train.loss=full (at the start of backward) and at most
 train.loss_chunk_tokens with the chunked loss (one chunk recomputed at a time); over several
@@ -69,7 +75,10 @@ ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters (~2 
 FSDP full-shard all-gather the parameters in forward and again in backward and reduce-scatter the
 gradients (~3 x e(T+F)); FSDP shard-grad-op gathers once (~2x). Offload adds host<->GPU copies of
 the same size, not counted. With accumulation the parameter gathers (ZeRO-3, FSDP) and ZeRO-2's
-reduce-scatter repeat for every micro-batch.
+reduce-scatter repeat for every micro-batch. Sequence parallelism adds, per micro-batch, layer and pass
+(forward, backward, and the recomputed forward under checkpointing), all-to-alls within the group of
+S of q, k, v and the attention output (or their gradients): (2 query + 2kv) x e per local position,
+each sending (S-1)/S.
 
 **Approximate**: peak memory is taken as the sum of all terms, an upper bound (activations peak
 when backward starts, gradients when it ends); the activation formulas are Llama-style layers
@@ -85,6 +94,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ToolkitError
+from .launch_config import launch_kind, sequence_parallel_size
 
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -127,10 +137,17 @@ class Setup:
     loss: str = "chunked"  # train.loss
     loss_chunk_tokens: int = 1024
     pairs: bool = False  # preference pairs: micro_batch counts their sequences, two per pair
+    sequence_parallel: int = 1  # parallelism_config_sp_size: the ranks each row is split across (Ulysses)
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
-        return f"micro-batch {self.micro_batch}{pairs} x {self.seq_len} tokens"
+        split = f", split across {self.sequence_parallel} ranks" if self.sequence_parallel > 1 else ""
+        return f"micro-batch {self.micro_batch}{pairs} x {self.seq_len} tokens{split}"
+
+    @property
+    def local_seq_len(self) -> int:
+        """Positions of a row on one rank: its part under sequence parallelism (rows padded to a multiple)."""
+        return -(-self.seq_len // self.sequence_parallel)
 
     @property
     def gpus(self) -> int:
@@ -162,6 +179,11 @@ STRATEGIES = [
     Strategy("ZeRO-3 + NVMe params+optimizer", "zero3_nvme.yaml", True, "parameters", "parameters", "nvme"),
 ]
 BY_NAME = {s.name: s for s in STRATEGIES}
+
+
+def runnable(strategy: Strategy, setup: Setup) -> bool:
+    """Sequence parallelism runs on DeepSpeed only (Ulysses); DDP and FSDP cannot split a sequence."""
+    return strategy.deepspeed or setup.sequence_parallel == 1
 
 
 @dataclass
@@ -260,7 +282,10 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
 def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
     """Bytes autograd keeps for backward in the decoder layers (see the module docstring).
     regime: "fp32", "autocast" (16-bit compute over fp32 weights) or "half" (16-bit weights)."""
-    h, kv, i, a, s = m.hidden, m.kv, m.intermediate, m.heads, setup.seq_len
+    h, kv, i, a, s = m.hidden, m.kv, m.intermediate, m.heads, setup.local_seq_len
+    # Ulysses gives each rank a/S heads of the whole sequence: per local position as many as without
+    # it, but key/value heads are repeated up to S where there are fewer
+    kv = max(kv, setup.sequence_parallel * (m.query or h) // a)
     e = 4 if regime == "fp32" else 2
     stream = 2 if regime == "half" else 4  # the residual stream's dtype
     mlp = (4 if regime == "fp32" else 2) * 4 * i  # SwiGLU's gate, SiLU(gate), up and product
@@ -277,7 +302,7 @@ def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
     else:
         rest, tile_bytes = rest + mlp, 0
     if setup.attention == "eager":
-        attention = e * 4 * h + a * s * (4 + (2 if e == 2 else 0))
+        attention = e * 4 * h + a * setup.seq_len * (4 + (2 if e == 2 else 0))  # a/S heads x the whole s
     else:
         attention = e * (2 * h + 2 * kv) + 4 * a
     per_token_layer = rest + attention
@@ -293,15 +318,15 @@ def offloaded_activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> flo
     residual stream's dtype (fp32 but under 16-bit weights)."""
     if not (setup.activation_offload and setup.gradient_checkpointing):
         return 0.0
-    return setup.micro_batch * setup.seq_len * m.layers * m.hidden * (2 if regime == "half" else 4)
+    return setup.micro_batch * setup.local_seq_len * m.layers * m.hidden * (2 if regime == "half" else 4)
 
 
 def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
     """fp32 log-probabilities, their gradient and the logits' gradient, alive together: for the
     whole micro-batch at the start of backward (train.loss=full), or for one chunk (chunked).
     Over several chunks autograd sums a trainable output layer's weight gradient: the running sum
-    and the new chunk's (`grad_bytes` each) are alive too."""
-    tokens = setup.micro_batch * setup.seq_len
+    and the new chunk's (`grad_bytes` each) are alive too. Per rank: its part of each row."""
+    tokens = setup.micro_batch * setup.local_seq_len
     if setup.loss == "full" or tokens <= setup.loss_chunk_tokens:
         return 3 * tokens * m.vocab * 4
     return 3 * setup.loss_chunk_tokens * m.vocab * 4 + 2 * m.head * grad_bytes
@@ -370,22 +395,41 @@ def communication(strategy: Strategy, setup: Setup) -> float:
     if not strategy.deepspeed and strategy.shards == "":
         return 2 * ring * 4 * T  # DDP: all-reduce of the fp32 gradients
     if strategy.shards == "parameters":
-        return ring * (2 * e * P + e * T)  # gather in forward, gather in backward, reduce-scatter
-    if strategy.gathers_all:
-        return ring * (e * P + e * T)
-    return ring * 2 * e * T  # ZeRO-1/2: reduce-scatter gradients, all-gather updated parameters
+        states = ring * (2 * e * P + e * T)  # gather in forward, gather in backward, reduce-scatter
+    elif strategy.gathers_all:
+        states = ring * (e * P + e * T)
+    else:
+        states = ring * 2 * e * T  # ZeRO-1/2: reduce-scatter gradients, all-gather updated parameters
+    return states + ulysses_bytes(setup)
+
+
+def ulysses_bytes(setup: Setup) -> float:
+    """Bytes one process sends in sequence parallelism's all-to-alls for one micro-batch: per layer and
+    pass, q, k, v and the attention output, or their gradients (k/v repeated up to S heads)."""
+    m, sp = setup.model, setup.sequence_parallel
+    if sp == 1:
+        return 0.0
+    query = m.query or m.hidden
+    kv = max(m.kv, sp * query // m.heads)
+    passes = 3 if setup.gradient_checkpointing else 2  # forward, backward, the recomputed forward
+    positions = setup.micro_batch * setup.local_seq_len
+    return (sp - 1) / sp * m.layers * passes * positions * 2 * (query + kv) * BYTES[setup.precision]
 
 
 def estimate_all(setup: Setup) -> list[Row]:
-    return [estimate(s, setup) for s in STRATEGIES]
+    """Every strategy that can run `setup` (see `runnable`)."""
+    return [estimate(s, setup) for s in STRATEGIES if runnable(s, setup)]
 
 
 def recommend(setup: Setup) -> str:
     """The first step along the usual path that fits: one GPU / DDP, then bf16 and activation
     checkpointing, then sharding (ZeRO-2 / FSDP shard-grad-op), ZeRO-3 / FSDP full-shard, offload.
-    At each sharding step the settings as given come first, then with bf16 and checkpointing."""
+    At each sharding step the settings as given come first, then with bf16 and checkpointing.
+    Under sequence parallelism only the DeepSpeed steps are taken (`runnable`)."""
     if setup.gpu_memory_gib is None:
         return "no GPU memory given"
+    sp = setup.sequence_parallel
+    with_sp = f" plus parallelism_config_sp_size: {sp}" if sp > 1 else ""
     changes = (["train.precision=bf16"] if setup.precision == "fp32" else []) + \
               ([] if setup.gradient_checkpointing else ["model.gradient_checkpointing=true"])
     changed = replace(setup, precision="bf16" if setup.precision == "fp32" else setup.precision,
@@ -393,7 +437,7 @@ def recommend(setup: Setup) -> str:
     tries = [(setup, "")] + ([(changed, f", with {' and '.join(changes)}")] if changes else [])
     rows = [({r.strategy.name: r for r in estimate_all(s)}, text) for s, text in tries]
     for by_name, text in rows:
-        if by_name["DDP"].fits:
+        if "DDP" in by_name and by_name["DDP"].fits:
             if setup.gpus == 1:
                 return f"one GPU is enough: train without distribution (accelerate_configs/single.yaml){text}"
             return f"DDP (accelerate_configs/ddp.yaml){text}: every GPU holds the whole model; the fastest when it fits"
@@ -401,11 +445,11 @@ def recommend(setup: Setup) -> str:
                   ["ZeRO-2 + CPU optimizer", "ZeRO-3 + CPU optimizer", "ZeRO-3 + CPU params+optimizer",
                    "ZeRO-3 + NVMe params+optimizer"]):
         for by_name, text in rows:
-            fitting = [by_name[name] for name in group if by_name[name].fits]
+            fitting = [by_name[name] for name in group if name in by_name and by_name[name].fits]
             if fitting:
                 best = min(fitting, key=lambda r: r.gpu["total"])
                 also = [r.strategy.name for r in fitting if r is not best]
-                found = f"{best.strategy.name} (accelerate_configs/{best.strategy.launch_config}){text}"
+                found = f"{best.strategy.name} (accelerate_configs/{best.strategy.launch_config}{with_sp}){text}"
                 if best.host_per_node:
                     found += f"; needs {best.host_per_node / GIB:.0f} GiB of host RAM per node"
                 return found + (f" (also fits: {', '.join(also)})" if also else "")
@@ -419,8 +463,6 @@ def recommend(setup: Setup) -> str:
 def launched_strategy(env, ds_config: dict | None) -> Strategy:
     """The row a launch uses, from the environment `accelerate launch` gives its workers and the
     DeepSpeed config (resolved in a run; as written, or the YAML's inline settings, before one)."""
-    from .launch_config import launch_kind
-
     kind = launch_kind(env)
     if kind == "fsdp":
         reshard = env.get("FSDP_RESHARD_AFTER_FORWARD")
@@ -455,7 +497,7 @@ def launched_strategy(env, ds_config: dict | None) -> Strategy:
 
 def setup_from_recipe(recipe, **kwargs) -> Setup:
     """The Setup a recipe trains with (model, LoRA, precision, micro-batch, sequence length,
-    checkpointing, attention); `kwargs` set the rest (GPUs, memory)."""
+    checkpointing, attention); `kwargs` set the rest (GPUs, memory, the launch's sequence parallelism)."""
     source = recipe.model.preset or recipe.model.path
     config = read_config(source, revision=recipe.model.revision,
                          key="model.preset" if recipe.model.preset else "model.path")
@@ -482,7 +524,8 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     memory = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
     world = accelerator.num_processes
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    setup = setup_from_recipe(recipe, gpus_per_node=per_node, nodes=max(1, world // per_node), gpu_memory_gib=memory)
+    setup = setup_from_recipe(recipe, gpus_per_node=per_node, nodes=max(1, world // per_node), gpu_memory_gib=memory,
+                              sequence_parallel=sequence_parallel_size(os.environ))
     row = estimate(launched_strategy(os.environ, ds_config), setup)
     g = row.gpu
     name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name

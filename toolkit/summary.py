@@ -25,13 +25,16 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
         precision += f"; dynamic loss scale from {t.initial_loss_scale:g}"
     lines.append(precision)
 
-    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * world
+    ranks = backend.data_parallel()[1]
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * ranks
     length = "train.max_steps" if t.max_steps else f"train.epochs {t.epochs}"
     unit = "preference pairs" if recipe.preference.method else "sequences"
+    split = backend.sequence_parallel
+    by = (f"{world} process{'es' if world > 1 else ''}" if split == 1 else
+          f"{ranks} data-parallel rank{'s' if ranks > 1 else ''} ({world} processes, each sequence split across {split})")
     lines.append(f"batch {global_batch} {unit} per optimizer step = micro_batch_size {t.micro_batch_size} x "
-                 f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {world} process"
-                 f"{'es' if world > 1 else ''}; {rows:,} rows give {steps_per_epoch} steps per epoch; "
-                 f"{total_steps} steps ({length}); {eval_rows:,} eval rows")
+                 f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {by}; {rows:,} rows give "
+                 f"{steps_per_epoch} steps per epoch; {total_steps} steps ({length}); {eval_rows:,} eval rows")
 
     if "optimizer" in ds:
         lines.append(f"optimizer {ds['optimizer'].get('type')} from {json_name}: {_params(ds['optimizer'])}")
