@@ -18,13 +18,19 @@ Variants (recipe keys over the same recipe):
 - offload: + model.activation_offload;
 - tiled_offload: + both.
 
-Figures, from the run's own metrics.jsonl: peak memory (the largest `peak_memory_gib` of any rank
-and step: the CUDA allocator's peak on a GPU, the process's peak resident set on a CPU host, which
-includes the libraries, ~0.5 GiB), the median step time after the first step, tokens per second
-(--seq / median step time), and the losses: every variant's must equal the reference's within
---loss-rtol (the features change memory, not what is learned), or the script exits 1. Sequence
-parallelism (sp_size) is not built: no such variant. Prints one JSON line per variant and a
-Markdown table for benchmarks/NOTES.md; with $OUT set, writes long_context.json there too.
+Each variant runs once per --sp size: 1 is one process; N > 1 is `accelerate launch` of N processes
+with accelerate_configs/zero2_sp.yaml at parallelism_config_sp_size N (DeepSpeed ZeRO-2, the
+sequence split across the N ranks, one data-parallel rank: the same global batch). The default is
+1 and 2, or 1 alone on a host with exactly one GPU.
+
+Figures, from the run's own metrics.jsonl: peak memory per rank (the largest `peak_memory_gib` of
+any rank and step: the CUDA allocator's peak on a GPU, the process's peak resident set on a CPU
+host, which includes the libraries, ~0.5 GiB, more with DeepSpeed), the median step time after the
+first step, tokens per second (--seq / median step time, all ranks together), and the losses:
+every variant's must equal the reference's (checkpointing on one process) within --loss-rtol (the
+features change memory, not what is learned), or the script exits 1. Prints one JSON line per
+variant and a Markdown table for benchmarks/NOTES.md; with $OUT set, writes long_context.json there
+too.
 """
 
 from __future__ import annotations
@@ -85,21 +91,38 @@ def prepare(work: Path, a) -> Path:
     return path
 
 
-def run_variant(work: Path, recipe: Path, name: str, a) -> dict:
-    out = work / f"run_{name}"
-    cmd = [sys.executable, "-m", "toolkit", "train", str(recipe), f"output_dir={out}", *VARIANTS[name], *a.toolkit]
+def launcher(work: Path, sp: int) -> list[str]:
+    """`accelerate launch` of sp processes, each sequence split across them (nothing for sp 1)."""
+    if sp == 1:
+        return [sys.executable]
+    import yaml
+
+    launch = yaml.safe_load((ROOT / "accelerate_configs" / "zero2_sp.yaml").read_text())
+    launch["parallelism_config"]["parallelism_config_sp_size"] = sp
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(ROOT / launch["deepspeed_config"]["deepspeed_config_file"])
+    path = work / f"sp{sp}.yaml"
+    path.write_text(yaml.safe_dump(launch))
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), "--num_processes", str(sp),
+            "--main_process_port", "0"]
+
+
+def run_variant(work: Path, recipe: Path, name: str, a, sp: int = 1) -> dict:
+    label = name if sp == 1 else f"{name} sp{sp}"
+    out = work / f"run_{name}_sp{sp}"
+    cmd = [*launcher(work, sp), "-m", "toolkit", "train", str(recipe), f"output_dir={out}", *VARIANTS[name], *a.toolkit]
     began = time.monotonic()
-    with open(work / f"{name}.log", "w") as log:
+    with open(work / f"{name}_sp{sp}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout)
-    text = (work / f"{name}.log").read_text(errors="replace")
+    text = (work / f"{name}_sp{sp}.log").read_text(errors="replace")
     if proc.returncode != 0:
         last = [line for line in text.splitlines() if line.strip()][-1:] or ["?"]
-        return {"variant": name, "ok": False, "why": last[0][-300:], "seconds": round(time.monotonic() - began)}
+        return {"variant": label, "sp": sp, "ok": False, "why": last[0][-300:],
+                "seconds": round(time.monotonic() - began)}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     times = [b["time"] - a_["time"] for a_, b in zip(rows, rows[1:])]
     step = statistics.median(times) if times else None
-    return {"variant": name, "ok": True, "losses": [r["loss"] for r in rows],
+    return {"variant": label, "sp": sp, "ok": True, "losses": [r["loss"] for r in rows],
             "peak_gib": round(max(max(r["peak_memory_gib"]) for r in rows), 3),
             "step_s": round(step, 3) if step else None,
             "tokens_per_s": round(a.seq / step) if step else None,
@@ -110,7 +133,8 @@ def run_variant(work: Path, recipe: Path, name: str, a) -> dict:
 
 def table(results: list[dict], a, device: str) -> str:
     ref = next((r for r in results if r["variant"] == REFERENCE and r["ok"]), None)
-    lines = [f"| variant | peak memory GiB | vs {REFERENCE} | step s | tokens/s | vs {REFERENCE} | max rel loss diff |",
+    lines = [f"| variant | peak memory GiB per rank | vs {REFERENCE} | step s | tokens/s | vs {REFERENCE} | "
+             "max rel loss diff |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         if not r["ok"]:
@@ -134,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--sp", nargs="+", type=int, default=None,
+                   help="sequence-parallel sizes (default 1 and 2; 1 alone with exactly one GPU)")
     p.add_argument("--loss-rtol", type=float, default=None, help="default 1e-4 in fp32, 2e-2 in bf16/fp16")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
     p.add_argument("--toolkit", nargs="*", default=[], help="more recipe overrides for every variant")
@@ -142,13 +168,15 @@ def main(argv=None) -> int:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    sizes = a.sp or ([1] if torch.cuda.device_count() == 1 else [1, 2])
     work = Path(tempfile.mkdtemp(prefix="long_context_"))
     recipe = prepare(work, a)
     results = []
-    for name in a.only:
-        r = run_variant(work, recipe, name, a)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+    for sp in sizes:
+        for name in a.only:
+            r = run_variant(work, recipe, name, a, sp)
+            results.append(r)
+            print(json.dumps(r), flush=True)
     ref = next((r for r in results if r["variant"] == REFERENCE and r["ok"]), None)
     bad = []
     for r in results:

@@ -185,3 +185,24 @@ def test_documents_keep_their_bounds_across_the_split(data, layout_dir):
         runs[layout] = layout_dir / name
     assert "attention: varlen" in out  # split rows' attention takes no mask: documents bounded by varlen
     assert_same_learning(runs["single"], runs["sp"], steps=4, padded=True)
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_other_zero_stages_split_alike(stage, layout_dir, layout_runs):
+    """ZeRO-1 and ZeRO-3 (its parameters gathered inside the split forward) under sp_size 2."""
+    import yaml
+
+    launch = yaml.safe_load(SP_YAML.read_text())
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(ROOT / "deepspeed_configs" / f"zero{stage}.json")
+    config = layout_dir / f"zero{stage}_sp.yaml"
+    config.write_text(yaml.safe_dump(launch))
+    name = f"sp_zero{stage}"
+    path = layout_recipe(layout_dir, name, "sp", checkpoint__every_steps=0)
+    from helpers import accelerate_launch
+
+    proc = run_toolkit("train", path, launcher=accelerate_launch(config))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"DeepSpeed ZeRO-{stage}, sequence parallel 2" in proc.stderr
+    assert_same_learning(layout_runs("single"), layout_dir / name)
