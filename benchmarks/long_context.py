@@ -26,7 +26,9 @@ sequence split across the N ranks, one data-parallel rank: the same global batch
 Figures, from the run's own metrics.jsonl: peak memory per rank (the largest `peak_memory_gib` of
 any rank and step: the CUDA allocator's peak on a GPU, the process's peak resident set on a CPU
 host, which includes the libraries, ~0.5 GiB, more with DeepSpeed), the median step time after the
-first step, tokens per second (--seq / median step time, all ranks together), and the losses:
+first step, tokens per second (--seq / median step time, all ranks together), the peak above the
+same launch's baseline (a run of --baseline-seq tokens: libraries, model, optimizer, DeepSpeed's
+buffers; on a CPU host most of the peak), and the losses:
 every variant's must equal the reference's (checkpointing on one process) within --loss-rtol (the
 features change memory, not what is learned), or the script exits 1. Prints one JSON line per
 variant and a Markdown table for benchmarks/NOTES.md; with $OUT set, writes long_context.json there
@@ -115,7 +117,8 @@ def run_variant(work: Path, recipe: Path, name: str, a, sp: int = 1) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout)
     text = (work / f"{name}_sp{sp}.log").read_text(errors="replace")
     if proc.returncode != 0:
-        last = [line for line in text.splitlines() if line.strip()][-1:] or ["?"]
+        lines = [line for line in text.splitlines() if line.strip()]
+        last = [line for line in lines if line.startswith("error: ")][:1] or lines[-1:] or ["?"]  # the refusal
         return {"variant": label, "sp": sp, "ok": False, "why": last[0][-300:],
                 "seconds": round(time.monotonic() - began)}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -123,6 +126,7 @@ def run_variant(work: Path, recipe: Path, name: str, a, sp: int = 1) -> dict:
     times = [b["time"] - a_["time"] for a_, b in zip(rows, rows[1:])]
     step = statistics.median(times) if times else None
     return {"variant": label, "sp": sp, "ok": True, "losses": [r["loss"] for r in rows],
+            "peaks_gib": [round(x, 3) for x in rows[-1]["peak_memory_gib"]],
             "peak_gib": round(max(max(r["peak_memory_gib"]) for r in rows), 3),
             "step_s": round(step, 3) if step else None,
             "tokens_per_s": round(a.seq / step) if step else None,
@@ -133,17 +137,19 @@ def run_variant(work: Path, recipe: Path, name: str, a, sp: int = 1) -> dict:
 
 def table(results: list[dict], a, device: str) -> str:
     ref = next((r for r in results if r["variant"] == REFERENCE and r["ok"]), None)
-    lines = [f"| variant | peak memory GiB per rank | vs {REFERENCE} | step s | tokens/s | vs {REFERENCE} | "
-             "max rel loss diff |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | peak memory GiB per rank | above baseline | vs {REFERENCE} | step s | tokens/s | "
+             f"vs {REFERENCE} | max rel loss diff |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if not r["ok"]:
-            lines.append(f"| {r['variant']} | failed: {r['why'][:120]} | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['why'][:120]} | | | | | | |")
             continue
+        above = f"{r['above_baseline_gib']:.3f}" if r.get("above_baseline_gib") is not None else "-"
         mem = f"{r['peak_gib'] / ref['peak_gib']:.3f}" if ref else "-"
         speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref and r["tokens_per_s"] and ref["tokens_per_s"] else "-"
         diff = f"{r['loss_rel_diff']:.1e}" if r.get("loss_rel_diff") is not None else "-"
-        lines.append(f"| {r['variant']} | {r['peak_gib']:.3f} | {mem} | {r['step_s']} | {r['tokens_per_s']} | {speed} | {diff} |")
+        lines.append(f"| {r['variant']} | {r['peak_gib']:.3f} | {above} | {mem} | {r['step_s']} | {r['tokens_per_s']} | "
+                     f"{speed} | {diff} |")
     head = (f"{device}; hidden {a.hidden} x {a.layers} layers, {a.seq} tokens per step (micro-batch 1), "
             f"{a.precision}, attention {a.attn}, {a.steps} steps")
     return head + "\n\n" + "\n".join(lines)
@@ -158,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--baseline-seq", type=int, default=64,
+                   help="tokens of the baseline run per sp size (checkpointing; 0: none)")
     p.add_argument("--sp", nargs="+", type=int, default=None,
                    help="sequence-parallel sizes (default 1 and 2; 1 alone with exactly one GPU)")
     p.add_argument("--loss-rtol", type=float, default=None, help="default 1e-4 in fp32, 2e-2 in bf16/fp16")
@@ -172,9 +180,20 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="long_context_"))
     recipe = prepare(work, a)
     results = []
+    baselines = {}
+    if a.baseline_seq:
+        short = argparse.Namespace(**{**vars(a), "seq": a.baseline_seq})
+        (work / "baseline").mkdir()
+        recipe_short = prepare(work / "baseline", short)
+        for sp in sizes:
+            b = run_variant(work / "baseline", recipe_short, REFERENCE, short, sp)
+            print(json.dumps({**b, "baseline": True}), flush=True)
+            baselines[sp] = b["peak_gib"] if b["ok"] else None
     for sp in sizes:
         for name in a.only:
             r = run_variant(work, recipe, name, a, sp)
+            if r["ok"] and baselines.get(sp) is not None:
+                r["above_baseline_gib"] = round(r["peak_gib"] - baselines[sp], 3)
             results.append(r)
             print(json.dumps(r), flush=True)
     ref = next((r for r in results if r["variant"] == REFERENCE and r["ok"]), None)
@@ -188,6 +207,7 @@ def main(argv=None) -> int:
     print("\n" + text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "long_context.json").write_text(json.dumps({"setup": vars(a), "device": device,
+                                                                            "baselines_gib": baselines,
                                                                             "results": results}, indent=1))
     for line in bad:
         print(f"error: {line}", file=sys.stderr)

@@ -41,3 +41,19 @@ def test_loop_speed_benchmark_runs(case):
         assert result[f"speed_vs_{other}"] > 0 and result[f"memory_vs_{other}"] > 0
     assert result["toolkit_overrides"] == toolkit
     assert lines[-1].startswith("| ") and lines[-1].count("|") == 16  # the NOTES.md row
+
+
+def test_long_context_benchmark_runs():
+    """benchmarks/long_context.py at a tiny size: checkpointing and tiled MLP + offload, on one process
+    and with each sequence split across 2 (sp 2); the script itself exits 1 if any variant's losses
+    differ from the reference's."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--hidden", "128", "--layers",
+                           "2", "--seq", "256", "--steps", "2", "--only", "checkpointing", "tiled_offload",
+                           "--sp", "1", "2", "--baseline-seq", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"variant"')]
+    assert [(r["variant"], r["ok"]) for r in results] == [("checkpointing", True), ("tiled_offload", True),
+                                                          ("checkpointing sp2", True), ("tiled_offload sp2", True)]
+    assert all(len(r["peaks_gib"]) == r["sp"] for r in results)  # one peak per rank
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| tiled_offload sp2 |")
