@@ -85,7 +85,7 @@ def env(sp=2, world=2, kind="deepspeed", **extra):
 @pytest.mark.parametrize("launch, r, words", [
     (env(kind="ddp"), recipe(), "sequence parallelism runs on DeepSpeed"),
     (env(kind="fsdp"), recipe(), "sequence parallelism runs on DeepSpeed"),
-    (env(sp=2, world=3), recipe(), "3 processes do not divide into groups of 2"),
+    (env(sp=2, world=3), recipe(), "a launch of 3 process(es) does not divide into groups of 2"),
     (env(), recipe(attn_implementation="eager"), "model.attn_implementation=sdpa"),
     (env(sp=1, PARALLELISM_CONFIG_CP_SIZE="2"), recipe(), "parallelism_config_cp_size is 2: context parallelism"),
     (env(sp=1, PARALLELISM_CONFIG_TP_SIZE="2"), recipe(), "parallelism_config_tp_size is 2: tensor parallelism"),

@@ -99,8 +99,8 @@ def _check_parallelism(recipe: Recipe, env, kind: str, source: str, notes: list[
         raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism runs on DeepSpeed (Ulysses); set "
                            "distributed_type: DEEPSPEED and parallelism_config_sp_backend: deepspeed")
     if world % sp:
-        raise ToolkitError(f"{source}: {key('sp')} is {sp} but {world} processes do not divide into groups of {sp}; "
-                           f"launch a multiple of {sp} processes")
+        raise ToolkitError(f"{source}: {key('sp')} is {sp} but a launch of {world} process(es) does not divide into "
+                           f"groups of {sp}; launch a multiple of {sp} processes")
     if recipe.preference.method is not None:
         raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism does not run preference training "
                            f"(preference.method={recipe.preference.method}) yet; remove sp_size")
