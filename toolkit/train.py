@@ -357,10 +357,10 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     with monitor.phase("counts", step, lap="sync"):
         split = run.backend.sequence_parallel
         n_units, n_tokens, squared_lengths = (int(x) // split for x in acc.reduce(local.to(acc.device), "sum").tolist())
-    # The backends average gradients over the data-parallel ranks (summing a split row's parts)
-    # and accelerate divides by the accumulation steps; this factor undoes both so the gradient is
+    # The backends divide the gradients summed over ranks by `gradient_average()` ranks and
+    # accelerate divides by the accumulation steps; this factor undoes both so the gradient is
     # sum(unit losses) / n_units.
-    scale = run.backend.data_parallel()[1] * t.gradient_accumulation_steps / n_units
+    scale = run.backend.gradient_average() * t.gradient_accumulation_steps / n_units
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
     loss_sum = torch.zeros((), device=acc.device)
     lr = run.optimizer.param_groups[0]["lr"]  # this step's (a DeepSpeed scheduler steps inside the last backward)

@@ -128,6 +128,10 @@ class Backend:
         """(this rank's data-parallel index, how many there are): the ranks that see different rows."""
         return self.accelerator.process_index, self.accelerator.num_processes
 
+    def gradient_average(self) -> int:
+        """How many ranks the backend divides the summed gradients by (the loop's loss scale undoes it)."""
+        return self.accelerator.num_processes
+
     def shard_sequence(self, batch: dict) -> dict:
         """This rank's part of a collated batch (the whole batch unless sequences are split)."""
         return batch

@@ -123,6 +123,17 @@ class DeepSpeed(Backend):
         sp = self.sequence_parallel
         return self.accelerator.process_index // sp, self.accelerator.num_processes // sp
 
+    def gradient_average(self) -> int:
+        """DeepSpeed sums a sequence group's gradients and divides by the data-parallel ranks, except
+        where ZeRO-3 reduce-scatters them (`reduce_scatter: true`, forced under sequence parallelism
+        in `finalize_config`): DeepSpeed 0.19.8's `__avg_scatter_grads` divides by every rank there,
+        so the gradient came out 1/sp_size of one process's (measured: grad norm 1.787 for 3.575).
+        A DeepSpeed whose scatter takes the split into account is recognised by its source."""
+        world, sp = self.accelerator.num_processes, self.sequence_parallel
+        if sp > 1 and self.stage == 3 and not zero3_scatter_knows_sequence_parallelism():
+            return world
+        return world // sp
+
     def shard_sequence(self, batch: dict) -> dict:
         return sequence.shard(batch, self.accelerator.process_index % self.sequence_parallel, self.sequence_parallel)
 
@@ -210,6 +221,11 @@ class DeepSpeed(Backend):
                                   total_steps, getattr(config, "hidden_size", None))
         if self.sequence_parallel > 1:  # Ulysses wraps the attention the model runs (varlen for packed rows)
             self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = config._attn_implementation
+            zero = self.config.get("zero_optimization", {})
+            if self.stage == 3 and zero.get("reduce_scatter", True) is not True:  # one averaging for every bucket
+                zero["reduce_scatter"] = True
+                self.accelerator.print("launch: zero_optimization.reduce_scatter set to true: under ZeRO-3 with "
+                                       "sequence parallelism DeepSpeed averages gradient buckets two ways otherwise")
         return self.config
 
     def step_was_skipped(self, model) -> bool:
@@ -397,3 +413,17 @@ def link_zero12_states(zero) -> None:
                                                             zero.single_partition_of_fp32_groups):
         zero._hp_optimizer_states_linked = False
         zero._lazy_init_hp_params_optimizer_state()
+
+
+def zero3_scatter_knows_sequence_parallelism() -> bool:
+    """Whether ZeRO-3's reduce-scatter of gradients divides by the data-parallel ranks under sequence
+    parallelism (its other reductions do; DeepSpeed 0.19.8's `__avg_scatter_grads` does not)."""
+    import inspect
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    scatter = getattr(DeepSpeedZeroOptimizer_Stage3, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", None)
+    try:
+        return scatter is not None and "sequence_parallel_size" in inspect.getsource(scatter)
+    except (OSError, TypeError):
+        return False
