@@ -127,8 +127,9 @@ class DeepSpeed(Backend):
         """DeepSpeed sums a sequence group's gradients and divides by the data-parallel ranks, except
         where ZeRO-3 reduce-scatters them (`reduce_scatter: true`, forced under sequence parallelism
         in `finalize_config`): DeepSpeed 0.19.8's `__avg_scatter_grads` divides by every rank there,
-        so the gradient came out 1/sp_size of one process's (measured: grad norm 1.787 for 3.575).
-        A DeepSpeed whose scatter takes the split into account is recognised by its source."""
+        so the gradient came out 1/sp_size of one process's (measured: grad norm 1.787 for 3.575;
+        seen by others too: deepspeedai/DeepSpeed#6841, hamishivi/tmax#9). A DeepSpeed whose scatter
+        takes the split into account is recognised by its source."""
         world, sp = self.accelerator.num_processes, self.sequence_parallel
         if sp > 1 and self.stage == 3 and not zero3_scatter_knows_sequence_parallelism():
             return world
