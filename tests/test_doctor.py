@@ -11,7 +11,8 @@ import pytest
 from helpers import ROOT, run_toolkit, user_error_line
 
 CHECKS = ("versions", "devices", "launch", "ranks", "all-reduce (sum) on 2 ranks", "broadcast from rank 0 on 2 ranks",
-          "all-gather on 2 ranks", "reduce-scatter on 2 ranks", "bandwidth (gloo)", "gradient sync (DDP, 2 ranks)")
+          "all-gather on 2 ranks", "reduce-scatter on 2 ranks", "all-to-all on 2 ranks", "bandwidth (gloo)",
+          "gradient sync (DDP, 2 ranks)")
 
 
 def launcher(config: str) -> list[str]:
@@ -57,9 +58,10 @@ def test_a_rank_sending_wrong_values_fails_naming_it():
     assert lines["all-reduce (sum) on 2 ranks"].startswith("FAIL"), proc.stdout
     assert "rank 1 got 101 at element 0, expected 1" in lines["all-reduce (sum) on 2 ranks"], proc.stdout
     assert "in rank 1's part" in lines["all-gather on 2 ranks"], proc.stdout  # the sender, named by every rank
+    assert "from rank 1" in lines["all-to-all on 2 ranks"], proc.stdout
     assert lines["broadcast from rank 0 on 2 ranks"].startswith("ok"), proc.stdout
     assert "hint: ranks exchange wrong data" in proc.stdout
-    assert "2 of" in proc.stdout.splitlines()[-1] and "FAILED" in proc.stdout.splitlines()[-1], proc.stdout
+    assert "3 of" in proc.stdout.splitlines()[-1] and "FAILED" in proc.stdout.splitlines()[-1], proc.stdout
     assert elapsed < 60, elapsed
 
 

@@ -127,8 +127,9 @@ def launch() -> tuple[str, dict]:
     deepspeed_config.normalize_zero(zero, where, [])  # legacy spellings such as cpu_offload
     offload = [f"{part} to {zero[f'offload_{part}'].get('device')}" for part in ("optimizer", "param")
                if (zero.get(f"offload_{part}") or {}).get("device", "none") != "none"]
+    sp = launch_config.sequence_parallel_size(env)
     return (f"DeepSpeed ZeRO-{zero.get('stage', 0)}" + (f" (offload {', '.join(offload)})" if offload else "")
-            + f" from {where}"), zero
+            + f" from {where}" + (f", each sequence split across {sp} ranks (all-to-all below)" if sp > 1 else "")), zero
 
 
 def needed_ops(zero: dict) -> list[str]:
@@ -238,6 +239,14 @@ def reduce_scatter(rank, world, device, fault):
     return compare(out, known(device) * world + world * world * (world - 1) / 2 + world * rank)
 
 
+def all_to_all(rank, world, device, fault):
+    """Part r of each rank goes to rank r (sequence parallelism's exchange of heads and positions)."""
+    out = torch.empty(world * 4099, device=device)
+    dist.all_to_all_single(out, torch.cat([known(device, rank * world + r + fault) for r in range(world)]))
+    return next(filter(None, (compare(out[r * 4099:(r + 1) * 4099], known(device, r * world + rank),
+                                      f" from rank {r}") for r in range(world))), None)
+
+
 def bandwidth(world: int, device, size_mb: float, runs: int = 5) -> str:
     """algbw = bytes / time; busbw = algbw * 2(n-1)/n, what each link of a ring carries (nccl-tests)."""
     data = torch.ones(max(1, int(size_mb * 2**20) // 4), device=device)
@@ -304,7 +313,7 @@ def run(args) -> int:
         time.sleep(3600)  # never reaches the collectives: the others' deadline must end the run
     fault = 100.0 if os.environ.get(FAULT_WRONG_RANK) == str(rank) else 0.0
     for name, check in (("all-reduce (sum)", all_reduce), ("broadcast from rank 0", broadcast),
-                        ("all-gather", all_gather), ("reduce-scatter", reduce_scatter)):
+                        ("all-gather", all_gather), ("reduce-scatter", reduce_scatter), ("all-to-all", all_to_all)):
         with report.deadline(name):
             wrong = verdict(check(rank, world, device, fault))
             report.line(not wrong, f"{name} on {world} rank{plural}", wrong, HINTS["wrong"])
