@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .data import IGNORE
+from .errors import ToolkitError
 
 
 def shard(batch: dict, rank: int, size: int) -> dict:
@@ -57,6 +58,9 @@ def follow_rows(attn_implementation: str) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     ulysses = inspect.getclosurevars(ALL_ATTENTION_FUNCTIONS[attn_implementation]).nonlocals["uattn"]
+    if not getattr(ulysses, "disable_in_eval", False):  # eval and generation run on whole rows, unsplit
+        raise ToolkitError("launch: this DeepSpeed's Ulysses attention splits eval and generation too (no "
+                           "disable_in_eval); use the DeepSpeed and accelerate of constraints.txt")
     forward = ulysses.forward
 
     def rows_of_the_call(module, query, *args, **kwargs):
