@@ -87,12 +87,14 @@ def _run(backend: backends.Backend, recipe: Recipe, preemption: Preemption, lock
     try:
         preemption.arm()  # from here a signal finishes the step and saves a checkpoint
         last = fit(run)
-    except TrainingStopped:
+        save_final(run, tokenizer)
+    except TrainingStopped:  # every rank stops here together: at the same step, or a save that did not read back
         preemption.disarm()
         end_trackers(accelerator)
-        backend.teardown()  # every rank agreed to stop at the same step
+        # A stop skipping this left a gloo thread to die in a C++ destructor at exit: "terminate called
+        # without an active exception", SIGABRT instead of the stop's code (ZeRO-3 save read-back, CI 2026-11-26)
+        backend.teardown()
         raise
-    save_final(run, tokenizer)
     end_trackers(accelerator)
     backend.teardown()
     return last
