@@ -43,7 +43,7 @@ class DeepSpeed(Backend):
         long as their longest row, so their length is variable."""
         if self.sequence_parallel > 1:
             config = self.accelerator.parallelism_config
-            config.dp_replicate_size, config.dp_shard_size = 1, self.accelerator.num_processes // self.sequence_parallel
+            config.dp_replicate_size, config.dp_shard_size = 1, self.data_parallel()[1]
             config.sp_handler.sp_seq_length_is_variable, config.sp_handler.sp_seq_length = True, None
 
     @property
@@ -130,10 +130,9 @@ class DeepSpeed(Backend):
         so the gradient came out 1/sp_size of one process's (measured: grad norm 1.787 for 3.575;
         seen by others too: deepspeedai/DeepSpeed#6841, hamishivi/tmax#9). A DeepSpeed whose scatter
         takes the split into account is recognised by its source."""
-        world, sp = self.accelerator.num_processes, self.sequence_parallel
-        if sp > 1 and self.stage == 3 and not zero3_scatter_knows_sequence_parallelism():
-            return world
-        return world // sp
+        if self.sequence_parallel > 1 and self.stage == 3 and not zero3_scatter_knows_sequence_parallelism():
+            return self.accelerator.num_processes
+        return self.data_parallel()[1]
 
     def shard_sequence(self, batch: dict) -> dict:
         return sequence.shard(batch, self.accelerator.process_index % self.sequence_parallel, self.sequence_parallel)
@@ -218,8 +217,8 @@ class DeepSpeed(Backend):
     def finalize_config(self, model, recipe, total_steps) -> dict:
         """DeepSpeed's "auto" values: bucket sizes from the model, the scheduler's length."""
         config = getattr(model, "config", None)
-        deepspeed_config.finalize(self.config, recipe, self.accelerator.num_processes // self.sequence_parallel,
-                                  total_steps, getattr(config, "hidden_size", None))
+        deepspeed_config.finalize(self.config, recipe, self.data_parallel()[1], total_steps,
+                                  getattr(config, "hidden_size", None))
         if self.sequence_parallel > 1:  # Ulysses wraps the attention the model runs (varlen for packed rows)
             self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = config._attn_implementation
             zero = self.config.get("zero_optimization", {})
