@@ -30,7 +30,7 @@ nothing is cached between contenders; imports and the tokenizer are loaded befor
   (heap) and RssFile (mapped files) are reported beside it, and CPU seconds of the process and of
   its workers (how many cores each contender really used).
 - rank: a non-main rank on the prepared cache: `build_datasets(..., prepares=False)`, then the
-  training DataLoader as toolkit/train.py builds it (EpochSampler over micro x world rows with
+  training DataLoader as toolkit/training/run.py builds it (EpochSampler over micro x world rows with
   world 2, Collator, micro_batch_size, drop_last, its own generator). Its private memory, USS
   (Private_Clean + Private_Dirty of /proc/self/smaps_rollup), once the loader is built minus right
   before build_datasets: the goal's figure, split into anonymous memory and mapped file pages (the
@@ -41,7 +41,7 @@ nothing is cached between contenders; imports and the tokenizer are loaded befor
   6.x kernels a fault maps the whole large folio around it, up to MBs), so that figure follows
   the number of reads and the kernel, not the dataset.
 - lists: the pipeline this replaced held the tokenized rows as Python lists on every rank: the
-  prepared train docs (`toolkit.data.load_prepared(...).train.table`, memory-mapped) and
+  prepared train docs (`toolkit.data.prepare.load_prepared(...).train.table`, memory-mapped) and
   `.select_columns(['input_ids', 'labels']).to_list()`; the RSS added while they are held, per
   million tokens. The figures above are also given as ratios to it.
 - first step (--first-step, smallest N only): `python -m toolkit train` on the real model with
@@ -269,9 +269,9 @@ def child_imports(model: str):
     import torch  # noqa: F401
     from torch.utils.data import DataLoader  # noqa: F401
 
-    import toolkit.data  # noqa: F401
+    import toolkit.data.prepare  # noqa: F401
     from toolkit.config import ModelConfig
-    from toolkit.model import build_tokenizer
+    from toolkit.model.load import build_tokenizer
 
     return build_tokenizer(ModelConfig(path=model)) if model else None
 
@@ -285,7 +285,7 @@ def data_config(a, procs: int | None = None):
 
 def run_prep(a) -> dict:
     tok = child_imports(a.model)
-    from toolkit.data import build_datasets, cache_root
+    from toolkit.data.prepare import build_datasets, cache_root
 
     cfg = data_config(a, a._procs)
     gc.collect()
@@ -331,7 +331,7 @@ def run_rank(a) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from toolkit.data import Collator, EpochSampler, build_datasets
+    from toolkit.data.prepare import Collator, EpochSampler, build_datasets
 
     cfg = data_config(a)
     gc.collect()
@@ -370,7 +370,7 @@ def run_lists(a) -> dict:
     gc.collect()
     exact_peak = reset_peak_rss()
     before = status_kb("VmRSS", "RssAnon")
-    from toolkit.data import load_prepared
+    from toolkit.data.prepare import load_prepared
 
     docs = load_prepared(Path(a._folder), False, "").train.table
     rows = docs.select_columns(["input_ids", "labels"]).to_list()

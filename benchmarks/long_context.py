@@ -66,7 +66,7 @@ def prepare(work: Path, a) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from toolkit.model import build_byte_tokenizer
+    from toolkit.model.load import build_byte_tokenizer
 
     torch.manual_seed(SEED)
     config = LlamaConfig(vocab_size=262, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75) // 8 * 8,

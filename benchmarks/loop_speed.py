@@ -7,7 +7,7 @@ documents and number of optimizer steps, reported as ratios.
     python benchmarks/loop_speed.py --hidden 64 --layers 2 --seq 64 --micro 2 --steps 6 --warmup 2 --repeats 1  # CI
 
 Data. Chat documents (`messages`: one user turn, one assistant turn, byte tokenizer and chat
-template of toolkit/model.py) whose token lengths are uniform between seq/8 and seq, seeded; only
+template of toolkit/model/load.py) whose token lengths are uniform between seq/8 and seq, seeded; only
 the assistant's reply and its end-of-turn tokens are targets, so useful tokens = target tokens.
 The number of documents is chosen so that best-fit-decreasing packing fills exactly
 steps x micro x accumulation rows of --seq tokens (TRL's packing, when it runs, is checked to give
@@ -90,7 +90,7 @@ def document_lengths(a, rows: int, with_trl: bool) -> list[tuple[int, int]]:
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from toolkit.packing import best_fit_decreasing
+    from toolkit.data.packing import best_fit_decreasing
 
     rng = random.Random(SEED)
     shortest = max(a.seq // 8, TEMPLATE_TOKENS + 3)
@@ -134,7 +134,7 @@ def prepare(work: Path, a) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from toolkit.model import build_byte_tokenizer
+    from toolkit.model.load import build_byte_tokenizer
 
     torch.manual_seed(SEED)
     config = LlamaConfig(vocab_size=262, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75) // 8 * 8,
@@ -183,8 +183,8 @@ def toolkit_steps(work: Path, a):
     optimizer step k. (The toolkit's metrics are checked against these counts.)"""
     sys.path.insert(0, str(ROOT))
     from toolkit.config import load_recipe
-    from toolkit.data import EpochSampler, build_datasets
-    from toolkit.model import build_tokenizer
+    from toolkit.data.prepare import EpochSampler, build_datasets
+    from toolkit.model.load import build_tokenizer
 
     recipe = load_recipe(work / "recipe.yaml")
     tokenizer = build_tokenizer(recipe.model)
@@ -298,7 +298,7 @@ def run_plain_pytorch(work: Path, a) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.data import Collator
+    from toolkit.data.prepare import Collator
 
     torch.manual_seed(SEED)
     device, dtype = device_and_dtype(a)

@@ -45,7 +45,7 @@ def child(a) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from toolkit.loss import token_loss_sum, use_token_loss
+    from toolkit.training.loss import token_loss_sum, use_token_loss
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 3,

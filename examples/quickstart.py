@@ -28,7 +28,7 @@ def initial_model(recipe, folder: Path) -> None:
     """The weights `toolkit train` starts from (same seed, same builder), as a model folder."""
     from accelerate.utils import set_seed
 
-    from toolkit.model import DTYPES, build_model, build_tokenizer
+    from toolkit.model.load import DTYPES, build_model, build_tokenizer
 
     set_seed(recipe.seed)
     build_tokenizer(recipe.model).save_pretrained(folder)

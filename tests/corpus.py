@@ -111,7 +111,7 @@ def resolve_outcome(entry: dict, tmp: Path) -> str:
     from helpers import write_recipe
     from toolkit.config import load_recipe
     from toolkit.errors import ToolkitError
-    from toolkit.launch_config import plan, worker_env
+    from toolkit.backends.launch_config import plan, worker_env
 
     recipe = load_recipe(write_recipe(tmp / "recipe.yaml", **agreeing_recipe(entry, tmp)))
     try:

@@ -23,8 +23,8 @@ import torch
 
 from toolkit import backends
 from toolkit.config import load_recipe
-from toolkit.model import DTYPES, apply_lora, build_model
-from toolkit.loss import token_loss_sum, use_token_loss
+from toolkit.model.load import DTYPES, apply_lora, build_model
+from toolkit.training.loss import token_loss_sum, use_token_loss
 
 
 class Ledger:

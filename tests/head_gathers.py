@@ -20,7 +20,7 @@ def tiny_model(backend):
     batch (2 rows of 40 positions: at most 10 chunks of 8)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from toolkit.loss import use_token_loss
+    from toolkit.training.loss import use_token_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

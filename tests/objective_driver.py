@@ -5,7 +5,8 @@ the supervised loss, counted over the same units."""
 
 import sys
 
-from toolkit import cli, objectives
+from toolkit import cli
+from toolkit.training import objectives
 
 
 class Doubled(objectives.Supervised):

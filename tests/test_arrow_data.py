@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import DataConfig, DataSource
 from toolkit.errors import ToolkitError
-from toolkit.data import Collator, EpochSampler, build_datasets, cache_root, tokenize_example
-from toolkit.model import build_byte_tokenizer
+from toolkit.data.prepare import Collator, EpochSampler, build_datasets, cache_root, tokenize_example
+from toolkit.model.load import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def incomplete_checkpoint(tmp):
 def tiny_model_folder(tmp):
     """A real local Hugging Face folder (config, weights, tokenizer) of the tiny preset."""
     from toolkit.config import ModelConfig
-    from toolkit.model import build_byte_tokenizer, build_model
+    from toolkit.model.load import build_byte_tokenizer, build_model
 
     folder = tmp / "tiny-model"
     build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(folder)

@@ -12,10 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import ROOT
 from toolkit.config import ConfigError, LoraConfig, ModelConfig, load_recipe
 from toolkit.errors import ToolkitError
-from toolkit.data import IGNORE
-from toolkit.loss import token_loss_sum, use_token_loss
-from toolkit.model import PRESETS, apply_lora, build_model
-from toolkit.run_folder import learning_relevant
+from toolkit.data.prepare import IGNORE
+from toolkit.training.loss import token_loss_sum, use_token_loss
+from toolkit.model.load import PRESETS, apply_lora, build_model
+from toolkit.storage.run_folder import learning_relevant
 
 TOL = 1e-5
 
@@ -215,7 +215,7 @@ def test_per_row_log_probabilities(chunk, variant):
     """`token_logps`: each row's sum of target log-probabilities and its target count, chunked as
     full, both equal to the log-softmax of the model's own logits, gradients included; a row without
     targets gives 0 of 0."""
-    from toolkit.loss import token_logps
+    from toolkit.training.loss import token_logps
 
     model = {"full_ft": lambda: tiny_llama(), "lora": lambda: lora(tiny_llama(), "all-linear"),
              "tied": lambda: tiny_llama(tied=True)}[variant]()
@@ -245,8 +245,8 @@ def test_per_document_log_probabilities_in_a_padding_free_row(kind):
     """The rows of `batch()` without their padding, concatenated into one padding-free row with
     `position_ids` restarting at each: `token_logps` gives each document what it gave each padded
     row (sums within 1e-5, the same counts), so a preference pair may sit in one row."""
-    from toolkit.data import Collator
-    from toolkit.loss import token_logps
+    from toolkit.data.prepare import Collator
+    from toolkit.training.loss import token_logps
 
     model = tiny_llama()
     use_token_loss(model, kind, 7)

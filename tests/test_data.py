@@ -6,8 +6,8 @@ import torch
 from helpers import write_jsonl
 from toolkit.config import DataConfig, ModelConfig
 from toolkit.errors import ToolkitError
-from toolkit.data import IGNORE, Collator, Examples, _bins_dataset, build_datasets, packing_is_isolated, tokenize_example
-from toolkit.model import build_byte_tokenizer, build_model
+from toolkit.data.prepare import (IGNORE, Collator, Examples, _bins_dataset, build_datasets, packing_is_isolated, tokenize_example)
+from toolkit.model.load import build_byte_tokenizer, build_model
 
 
 @pytest.fixture(scope="module")

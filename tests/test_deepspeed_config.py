@@ -11,7 +11,7 @@ import yaml
 from helpers import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
-from toolkit.deepspeed_config import load_json, resolve
+from toolkit.backends.deepspeed_config import load_json, resolve
 
 DS_JSONS = sorted((ROOT / "deepspeed_configs").glob("*.json"))
 ACCEL_YAMLS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -278,7 +278,7 @@ def torch_optimizer():
 
 
 def test_an_applied_step_never_counts_toward_the_stop():
-    from toolkit.train import counts_toward_stop
+    from toolkit.training.run import counts_toward_stop
 
     nan = float("nan")
     assert counts_toward_stop(2.0, nan, None) and not counts_toward_stop(2.0, nan, None, applied=True)

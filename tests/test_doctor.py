@@ -111,7 +111,7 @@ def test_zero2_offload_reports_cpu_adam_without_building_it(tmp_path):
 
 
 def test_op_status_built_unbuilt_and_stale_lock(tmp_path, monkeypatch):
-    from toolkit.doctor import needed_ops, op_status
+    from toolkit.verbs.doctor import needed_ops, op_status
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert needed_ops({"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}) == \

@@ -26,7 +26,7 @@ def llama_7b_config(tmp_path_factory):
 def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
     """Mixed-precision AdamW, full fine-tuning, 8 GPUs: 16 bytes per parameter, and ZeRO-1/2/3
     partition them as in Rajbhandari et al. (2 + 2 + 12/N, 2 + 14/N, 16/N)."""
-    from toolkit.sizing import BY_NAME, Setup, count_model, estimate, read_config
+    from toolkit.backends.sizing import BY_NAME, Setup, count_model, estimate, read_config
 
     h, layers, i, vocab = (LLAMA_7B[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     # Embeddings and an untied head, then per layer q, k, v, o (h x h: as many KV heads as heads),
@@ -51,8 +51,8 @@ def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
 def test_lora_trainable_parameters_match_peft():
     """The adapters are counted by arithmetic on the meta model; peft on the real preset agrees."""
     from toolkit.config import LoraConfig, ModelConfig
-    from toolkit.sizing import count_model, read_config
-    from toolkit.model import apply_lora, build_model, count_parameters
+    from toolkit.backends.sizing import count_model, read_config
+    from toolkit.model.load import apply_lora, build_model, count_parameters
 
     for lora in (LoraConfig(enabled=True, r=4), LoraConfig(enabled=True, r=8, target_modules=["q_proj", "v_proj"]),
                  LoraConfig(enabled=True, r=2, use_dora=True)):
@@ -68,7 +68,7 @@ def test_sequence_parallel_splits_the_activations_not_the_model_states(llama_7b_
     neither listed nor recommended; the all-to-alls are added to the communication."""
     from dataclasses import replace
 
-    from toolkit.sizing import BY_NAME, Setup, count_model, estimate, estimate_all, read_config, recommend
+    from toolkit.backends.sizing import BY_NAME, Setup, count_model, estimate, estimate_all, read_config, recommend
 
     model = count_model(read_config(str(llama_7b_config)), "llama-7b")
     base = Setup(model=model, gpus_per_node=8, seq_len=32768, gradient_checkpointing=True)
@@ -109,7 +109,7 @@ def test_a_run_estimates_with_its_launch_sequence_parallelism(monkeypatch, tmp_p
     import torch
 
     from toolkit.config import load_recipe
-    from toolkit.sizing import estimate_for_run
+    from toolkit.backends.sizing import estimate_for_run
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"),
                                       model={"preset": "tiny-llama"},
@@ -168,8 +168,8 @@ def test_estimate_matches_bytes_each_rank_holds(backend, matrix_dir, tmp_path):
 RSS_SCRIPT = """
 import json, resource, sys, torch
 from toolkit.config import ModelConfig
-from toolkit.model import build_model
-from toolkit.loss import token_loss_sum, use_token_loss
+from toolkit.model.load import build_model
+from toolkit.training.loss import token_loss_sum, use_token_loss
 
 model = build_model(ModelConfig(path=sys.argv[1]))  # fp32, sdpa, as training builds it
 use_token_loss(model, sys.argv[3], int(sys.argv[4]))

@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT, read_metrics, run_toolkit, write_jsonl
 from test_generate import (EVAL_FILE, QUICKSTART_STEPS, alpaca_prompts, answers_eval_file, answers_model,  # noqa: F401
                            answers_run, cli, quickstart_run, refused, trained_run)  # (fixtures, shared)
-from toolkit.inference import generate_answers, load_for_inference
+from toolkit.model.inference import generate_answers, load_for_inference
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 

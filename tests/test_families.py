@@ -7,7 +7,7 @@ import pytest
 
 from families import FAMILIES, build_family, family_tokenizer
 from helpers import run_toolkit, write_jsonl, write_recipe
-from toolkit.data import IGNORE, tokenize_examples
+from toolkit.data.prepare import IGNORE, tokenize_examples
 from toolkit.errors import ToolkitError
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"},
@@ -105,7 +105,7 @@ def test_each_reasoning_turn_trains_as_rendered_at_its_point(family):
 def test_what_a_template_cannot_render_is_refused_naming_the_row(family, tmp_path):
     """Mistral's template raises on a system role, Gemma 3's on tool turns: one line, the row named."""
     from toolkit.config import DataConfig
-    from toolkit.data import Source, Report, tokenize_source
+    from toolkit.data.prepare import Source, Report, tokenize_source
 
     rows = [{"messages": CHAT}] * 3 + [{"messages": SYSTEM if family == "mistral" else TOOL_CHAT}]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
@@ -312,7 +312,7 @@ def test_generation_stops_at_the_familys_end_of_turn(family, tmp_path):
     generation ends at it: a model made to emit it first answers with nothing, in one token."""
     import torch
 
-    from toolkit.inference import generate_with_counts, stop_token_ids
+    from toolkit.model.inference import generate_with_counts, stop_token_ids
 
     tokenizer = family_tokenizer(family)
     from transformers import AutoModelForCausalLM
@@ -336,7 +336,7 @@ def test_an_adapter_that_misses_the_experts_is_said_at_start():
     from transformers import AutoModelForCausalLM
 
     from toolkit.config import LoraConfig
-    from toolkit.model import adapter_coverage, apply_lora
+    from toolkit.model.load import adapter_coverage, apply_lora
     from families import family_config
 
     tokenizer = family_tokenizer("qwen3-moe")
@@ -373,8 +373,8 @@ def test_router_aux_loss_is_the_models_own_and_weighs_as_a_mean(family, kind):
 
     import torch
 
-    from toolkit.loss import token_loss_sum, use_token_loss
-    from toolkit.objectives import Supervised
+    from toolkit.training.loss import token_loss_sum, use_token_loss
+    from toolkit.training.objectives import Supervised
 
     model = moe_model(family)
     reference = copy.deepcopy(model)
@@ -405,8 +405,8 @@ def test_router_aux_loss_is_the_models_own_and_weighs_as_a_mean(family, kind):
 
 def test_router_aux_loss_follows_the_model_config_and_the_recipe(tmp_path):
     from toolkit.config import ModelConfig, load_recipe
-    from toolkit.model import build_model
-    from toolkit.objectives import for_recipe
+    from toolkit.model.load import build_model
+    from toolkit.training.objectives import for_recipe
 
     def recipe(**model):
         path = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"),

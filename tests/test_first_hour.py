@@ -141,7 +141,7 @@ def test_resume_allows_changes_that_learn_nothing_else(work, tmp_path, change):
 def lora_on_a_folder(work):
     """A LoRA run over a local base folder named by a relative model.path."""
     from toolkit.config import ModelConfig
-    from toolkit.model import build_byte_tokenizer, build_model
+    from toolkit.model.load import build_byte_tokenizer, build_model
 
     base = work / "base"
     build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)
@@ -161,7 +161,7 @@ def test_adapter_records_its_base_by_absolute_path(lora_on_a_folder, tmp_path):
 
 def test_a_replaced_base_is_refused_by_merge_generate_and_eval(lora_on_a_folder, work, tmp_path):
     from toolkit.config import ModelConfig
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     final, base = lora_on_a_folder
     kept = tmp_path / "original"

@@ -16,8 +16,8 @@ import torch
 
 from helpers import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.cli import main
-from toolkit.data import ALPACA_PROMPT_WITH_INPUT
-from toolkit.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
+from toolkit.data.prepare import ALPACA_PROMPT_WITH_INPUT
+from toolkit.model.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -178,7 +178,7 @@ def test_prompts_file_text_and_jsonl(answers_run, answers_model, tmp_path, capsy
     assert [g["answer"] for g in got] == generate_answers(
         model, tokenizer, ["Add the numbers. 1+2", chat], system="Be brief.", max_new_tokens=12)
     # What the template rendered: the system turn first, then the conversation, then the assistant's cue.
-    from toolkit.inference import prompt_text
+    from toolkit.model.inference import prompt_text
 
     text, add_bos = prompt_text(tokenizer, chat, "Be brief.")
     assert not add_bos and text.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\nSort")
@@ -224,7 +224,7 @@ def test_end_of_turn_token_stops_generation_too(answers_model):
     model, tokenizer = answers_model
     assert end_of_turn_id(tokenizer) == tokenizer.eos_token_id
     assert stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id]
-    from toolkit.model import build_byte_tokenizer
+    from toolkit.model.load import build_byte_tokenizer
 
     other = build_byte_tokenizer()
     other.add_special_tokens({"additional_special_tokens": ["<|end|>"]})

@@ -153,7 +153,7 @@ def test_varlen_flash_kernel_matches_masked_sdpa_on_cuda():
 
     from test_chunked_loss import batch
     from test_padding_free import flattened, pair
-    from toolkit.loss import token_loss_sum, use_token_loss
+    from toolkit.training.loss import token_loss_sum, use_token_loss
 
     reference, model = (m.cuda() for m in pair())
     b = {k: v.cuda() for k, v in batch(packed=True).items()}

@@ -14,7 +14,7 @@ import torch
 from helpers import (alpaca_rows, base_recipe, read_metrics, run_command, run_toolkit, train_losses,
                       user_error_line, write_jsonl, write_recipe)
 from toolkit.errors import ToolkitError
-from toolkit.hub import is_hub_id, load_hub_dataset, resolve_model
+from toolkit.model.hub import is_hub_id, load_hub_dataset, resolve_model
 
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes
 SEED = 7  # base_recipe's seed: the cached model holds the weights a preset run of this seed starts from
@@ -39,7 +39,7 @@ def tiny_model(tmp_path_factory) -> Path:
     from accelerate.utils import set_seed
 
     from toolkit.config import ModelConfig
-    from toolkit.model import build_byte_tokenizer, build_model
+    from toolkit.model.load import build_byte_tokenizer, build_model
 
     folder = tmp_path_factory.mktemp("tiny_model")
     set_seed(SEED)
@@ -97,7 +97,7 @@ def test_resolve_model_from_the_cache(hub):
 @pytest.mark.launch
 def test_hf_hub_cache_is_respected(hub, tmp_path):
     """In a fresh process: HF_HUB_CACHE wins over HF_HOME, as in huggingface_hub."""
-    code = "from toolkit.hub import resolve_model; print(resolve_model('org/name', None))"
+    code = "from toolkit.model.hub import resolve_model; print(resolve_model('org/name', None))"
     proc = run_command([sys.executable, "-c", code],
                        env={"HF_HOME": str(tmp_path / "elsewhere"), "HF_HUB_CACHE": str(hub.cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -138,7 +138,7 @@ def test_a_partly_downloaded_model_resolves(hub):
 @pytest.mark.launch
 def test_an_unreachable_hub_falls_back_to_the_cache(hub):
     """Not offline, but the Hub refuses connections: the cache answers; a repo it lacks is one line."""
-    code = ("from toolkit.hub import load_hub_dataset, resolve_model\nfrom toolkit.errors import ToolkitError\n"
+    code = ("from toolkit.model.hub import load_hub_dataset, resolve_model\nfrom toolkit.errors import ToolkitError\n"
             "print(resolve_model('org/name', None))\n"
             "print(len(load_hub_dataset('org/data', 'train', None, 'data.train_files')))\n"
             "try:\n    resolve_model('org/missing', None)\nexcept ToolkitError as e:\n    print(e)\n")
@@ -160,14 +160,14 @@ def test_a_download_skips_weights_pytorch_never_reads(monkeypatch, tmp_path, fil
     """Online, the files are listed first (no Hub here: the listing and the download are stand-ins)."""
     from huggingface_hub.utils import filter_repo_objects
 
-    import toolkit.hub
+    import toolkit.model.hub
 
     asked = {}
-    monkeypatch.setattr(toolkit.hub.HfApi, "model_info",
+    monkeypatch.setattr(toolkit.model.hub.HfApi, "model_info",
                         lambda self, repo_id, revision=None: SimpleNamespace(siblings=[SimpleNamespace(rfilename=f)
                                                                                        for f in files]))
-    monkeypatch.setattr(toolkit.hub, "snapshot_download", lambda repo_id, **kw: asked.update(kw) or str(tmp_path))
-    toolkit.hub._download_model("org/name", "v1", str(tmp_path))
+    monkeypatch.setattr(toolkit.model.hub, "snapshot_download", lambda repo_id, **kw: asked.update(kw) or str(tmp_path))
+    toolkit.model.hub._download_model("org/name", "v1", str(tmp_path))
     assert asked["revision"] == "v1"  # the name, not its commit: snapshot_download records refs/v1
     assert list(filter_repo_objects(files, ignore_patterns=asked["ignore_patterns"])) == kept
 
@@ -225,7 +225,7 @@ def test_remote_code_runs_only_when_trusted(hub, tmp_path, data_files):
 @pytest.mark.launch
 def test_load_hub_dataset_offline(hub):
     """In a fresh process (datasets reads HF_HOME at import): both splits of org/data, from the cache."""
-    code = ("import json; from toolkit.hub import load_hub_dataset\n"
+    code = ("import json; from toolkit.model.hub import load_hub_dataset\n"
             "print(json.dumps({s: load_hub_dataset('org/data', s, None, 'data.train_files').to_list() "
             "for s in ('train', 'test')}))")
     proc = run_command([sys.executable, "-c", code])

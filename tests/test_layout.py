@@ -30,7 +30,7 @@ def verbs() -> set[str]:
     """The modules `cli.VERBS` dispatches to, and the CLI itself."""
     text = (PACKAGE / "cli.py").read_text()
     block = text[text.index("VERBS = {"):text.index("}\n", text.index("VERBS = {"))]
-    return set(re.findall(r'\("(\w+)", "', block)) | {"cli", "__main__"}
+    return {f"verbs.{m}" for m in re.findall(r'\("(\w+)", "', block)} | {"cli", "__main__"}
 
 
 def imports(name: str, tree: ast.Module, known: set[str]) -> list[tuple[str, list[str]]]:
@@ -91,7 +91,7 @@ def test_the_check_finds_a_circle():
 
 def test_the_runtime_never_imports_a_verb():
     edges, verb = graph(), verbs()
-    assert {"estimate", "generate", "evaluate", "merge", "convert", "plot", "doctor"} <= verb
+    assert {f"verbs.{v}" for v in ("estimate", "generate", "evaluate", "merge", "convert", "plot", "doctor")} <= verb
     wrong = {m: sorted(edges[m] & verb) for m in edges if m not in verb and edges[m] & verb}
     assert wrong == {}
 
@@ -114,15 +114,15 @@ def test_no_private_name_crosses_a_module():
 def test_the_graph_sees_subpackages():
     edges = graph()
     assert {"backends.base", "backends.deepspeed", "backends.fsdp", "backends.ddp"} <= edges["backends"]
-    assert "backends" in edges["train"] and "deepspeed_config" in edges["backends.deepspeed"]
-    assert "launch_config" in edges["backends.base"]
+    assert "backends" in edges["training.run"] and "backends.deepspeed_config" in edges["backends.deepspeed"]
+    assert "backends.launch_config" in edges["backends.base"]
 
 
 # What only one backend has; outside toolkit/backends/ only the modules that read the configs users
 # bring (their JSON and YAML, before any launch) may say these words.
 BACKEND_WORDS = re.compile(r"\b(ds_id|ds_shape|ds_tensor|zero_optimization_stage|deepspeed_plugin|fsdp_plugin|"
                            r"FSDPModule|DeepSpeedEngine|safe_get_full_\w+|safe_set_full_\w+|was_step_applied)\b")
-READS_CONFIGS = {"launch_config", "deepspeed_config", "doctor", "estimate", "sizing"}
+READS_CONFIGS = {"verbs.doctor", "verbs.estimate"}
 
 
 def test_backend_specifics_live_in_backends():
@@ -152,3 +152,42 @@ def test_test_modules_take_helpers_from_helpers_not_conftest():
     plain = [n.name for n in conftest.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("pytest_")
              and not any("fixture" in ast.unparse(d) for d in n.decorator_list)]
     assert plain == [], "helpers belong in tests/helpers.py"
+
+
+# The parts from the ground up: a module imports only from its own part or the parts below it. The
+# ground is the vocabulary every part speaks (the recipe, the user's error, signals, fault seams);
+# the entry (the CLI) sits on top. docs/architecture.md draws the same order.
+LAYERS = ["ground", "storage", "observe", "model", "data", "backends", "training", "verbs", "entry"]
+GROUND = {"errors", "faults", "stops", "config"}
+ENTRY = {"", "cli", "__main__"}
+
+
+def layer_of(module: str) -> str:
+    if module in GROUND:
+        return "ground"
+    if module in ENTRY:
+        return "entry"
+    part = module.split(".")[0]
+    assert part in LAYERS, f"toolkit/{part}: a part not in LAYERS (add it where it belongs in the order)"
+    return part
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted(f"{m} ({layer_of(m)}) imports {t} ({layer_of(t)})" for m, targets in edges.items() for t in targets
+                  if rank[layer_of(t)] > rank[layer_of(m)])
+
+
+def test_parts_import_only_downward():
+    assert upward_imports(graph()) == []
+
+
+def test_the_order_check_finds_an_upward_import():
+    assert upward_imports({"storage.disk": {"training.run"}, "training.run": set()}) == [
+        "storage.disk (storage) imports training.run (training)"]
+
+
+def test_every_module_lives_in_a_part():
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert top == GROUND | (ENTRY - {""})
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == set(LAYERS) - {"ground", "entry"}

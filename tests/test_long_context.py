@@ -41,7 +41,7 @@ def test_bad_rope_settings_are_refused_naming_the_key(tmp_path, model, key, word
 
 
 def test_the_model_is_built_with_the_scaling_and_its_own_theta(tmp_path):
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     folder = build_family("llama3", tmp_path / "llama3")
     config = json.loads((folder / "config.json").read_text())
@@ -63,7 +63,7 @@ def test_the_model_is_built_with_the_scaling_and_its_own_theta(tmp_path):
 
 def test_a_model_with_rope_settings_per_attention_type_is_refused_in_one_line(tmp_path):
     from toolkit.errors import ToolkitError
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     folder = build_family("gemma3", tmp_path / "gemma3")
     recipe = load_recipe(recipe_file(tmp_path, preset=None, path=str(folder),
@@ -78,7 +78,7 @@ def test_lora_with_rope_scaling_merges_and_loads_with_it(tmp_path):
     writes it into the merged config.json (theta kept) and its logits check (adapter on the scaled
     base against the merged model) passes; `load_for_inference` of the adapter builds the scaled base;
     a full fine-tuning run's final/config.json carries it."""
-    from toolkit.inference import load_for_inference
+    from toolkit.model.inference import load_for_inference
 
     folder = build_family("llama3", tmp_path / "llama3")
     pairs = [json.loads(x) for x in (ROOT / "examples" / "data" / "tasks_messages_train.jsonl").read_text().splitlines()[:16]]
@@ -150,7 +150,7 @@ def test_zero3_gathers_the_chunked_output_layer_once_per_micro_batch():
 
 
 def tiny(tmp_path, **model):
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     torch.manual_seed(0)
     recipe = load_recipe(recipe_file(tmp_path, preset="tiny-llama-mini", gradient_checkpointing=True, **model))
@@ -172,7 +172,7 @@ def test_tiled_mlp_runs_each_mlp_in_tiles_and_learns_the_same(tmp_path):
     (ceil(150 / 64)), in forward and in backward's recomputes, also for a shorter batch (the count
     is the run's, not the batch's: ZeRO-3 ranks must call alike); loss and every gradient equal the
     untiled model's (same weights) within float rounding."""
-    from toolkit.activations import tile_mlps
+    from toolkit.model.activations import tile_mlps
 
     plain, tiled = tiny(tmp_path), tiny(tmp_path)
     tiled.load_state_dict(plain.state_dict())
@@ -199,7 +199,7 @@ def test_activation_offload_keeps_the_checkpointed_inputs_in_host_copies_and_lea
     inputs (and the final norm's and the rotary tables): all of them pass through the offload hooks,
     the rotary tables once although every layer saves them; loss and gradients are bitwise those of
     the plain run (the copies are exact)."""
-    from toolkit.activations import Offload
+    from toolkit.model.activations import Offload
 
     model = tiny(tmp_path)
     ids = torch.randint(0, model.config.vocab_size, (2, 100))
@@ -221,7 +221,7 @@ def test_activation_offload_keeps_the_checkpointed_inputs_in_host_copies_and_lea
 
 def test_activation_offload_needs_checkpointing_and_tiling_needs_a_dense_model(tmp_path):
     from toolkit.errors import ToolkitError
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     import yaml
 
@@ -231,7 +231,7 @@ def test_activation_offload_needs_checkpointing_and_tiling_needs_a_dense_model(t
     with pytest.raises(ConfigError) as e:
         load_recipe(path)
     assert e.value.key == "model.activation_offload" and "gradient_checkpointing=true" in str(e.value)
-    from toolkit.activations import tile_mlps
+    from toolkit.model.activations import tile_mlps
 
     folder = build_family("mixtral", tmp_path / "mixtral")
     moe = build_model(load_recipe(recipe_file(tmp_path, preset=None, path=str(folder))).model)
@@ -280,7 +280,7 @@ def test_activation_offload_never_hands_one_tensor_the_copy_of_another_at_the_sa
     an offload index by address then returned the earlier tensor's copy for the later one (losses
     off by 16% at step 2 on an H100, 2026-11-26). Here the same memory holds two tensors in turn,
     each new to torch (version 0), as the allocator would hand it out: each gets its own copy."""
-    from toolkit.activations import Offload
+    from toolkit.model.activations import Offload
 
     import array
 
@@ -303,7 +303,7 @@ def test_the_estimate_counts_tiling_and_offload():
     two layers' checkpointed inputs (fp32 residual stream) to the host column, all of them counted there."""
     from dataclasses import replace
 
-    from toolkit.sizing import BY_NAME, ModelCounts, Setup, estimate
+    from toolkit.backends.sizing import BY_NAME, ModelCounts, Setup, estimate
 
     h, i, layers, s = 2048, 5632, 22, 32768
     m = ModelCounts(name="1b", params=993_118_208, trainable=993_118_208, matmul=992_000_000, layer=45_000_000,

@@ -5,7 +5,7 @@ import torch
 
 from toolkit.config import LoraConfig, ModelConfig
 from toolkit.errors import ToolkitError
-from toolkit.model import apply_lora, build_model, count_parameters, linear_module_names
+from toolkit.model.load import apply_lora, build_model, count_parameters, linear_module_names
 
 
 def fresh():

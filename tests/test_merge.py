@@ -12,7 +12,7 @@ from helpers import alpaca_rows, load_weights, run_toolkit, write_jsonl, write_r
 from toolkit.cli import main
 from toolkit.config import load_recipe
 from toolkit.errors import ToolkitError
-from toolkit.model import CHAT_TEMPLATE, apply_lora, build_byte_tokenizer, build_model
+from toolkit.model.load import CHAT_TEMPLATE, apply_lora, build_byte_tokenizer, build_model
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse abc"},
         {"role": "assistant", "content": "cba"}]

@@ -10,7 +10,7 @@ bucket visited), not 1M; the rest is numpy argsort and slicing the bins out.
 import numpy as np
 import pytest
 
-from toolkit.packing import PackStats, best_fit_decreasing, pack_stats
+from toolkit.data.packing import PackStats, best_fit_decreasing, pack_stats
 
 CAPACITY = 2048
 pytestmark = pytest.mark.timeout(120)  # a broken segment-tree walk loops forever; fail in minutes, not 20
@@ -64,7 +64,7 @@ def greedy_first_fit(lengths: np.ndarray, capacity: int) -> int:
 
 
 def greedy_next_fit(lengths: np.ndarray, capacity: int) -> int:
-    """Rows used by in-order concatenation (toolkit.data.pack): a new row when the next doesn't fit."""
+    """Rows used by in-order concatenation (toolkit.data.prepare.pack): a new row when the next doesn't fit."""
     rows, used = 0, capacity + 1
     for length in lengths.tolist():
         if used + length > capacity:

@@ -12,11 +12,11 @@ from transformers import MistralConfig, MistralForCausalLM
 from helpers import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, user_error_line, write_recipe
 from helpers import accelerate_launch, launch_config_for
 from test_chunked_loss import batch, lora
-from toolkit import varlen
+from toolkit.model import varlen
 from toolkit.config import ModelConfig
-from toolkit.data import IGNORE, Collator
-from toolkit.loss import token_loss_sum, use_token_loss
-from toolkit.model import build_byte_tokenizer, build_model
+from toolkit.data.prepare import IGNORE, Collator
+from toolkit.training.loss import token_loss_sum, use_token_loss
+from toolkit.model.load import build_byte_tokenizer, build_model
 
 TOL = 1e-5
 

@@ -98,7 +98,7 @@ def test_a_line_cut_short_is_skipped(runs, tmp_path):
 
 
 def test_equal_folder_names_are_told_apart(tmp_path):
-    from toolkit.plot import names
+    from toolkit.verbs.plot import names
 
     assert names([tmp_path / "a" / "run", tmp_path / "b" / "run"]) == ["a/run", "b/run"]
     assert names([tmp_path / "x", tmp_path / "y"]) == ["x", "y"]

@@ -102,7 +102,7 @@ def test_bf16_matches_fp32_within_tolerance(backend, workdir, fp32_reference, fp
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_lora_adapters_stay_fp32_over_a_half_precision_base(dtype):
     from toolkit.config import LoraConfig, ModelConfig
-    from toolkit.model import DTYPES, apply_lora, build_model
+    from toolkit.model.load import DTYPES, apply_lora, build_model
 
     model = apply_lora(build_model(ModelConfig(preset="tiny-llama-mini"), DTYPES[dtype]), LoraConfig(enabled=True, r=4))
     trainable = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
@@ -141,7 +141,7 @@ INF, NAN = float("inf"), float("nan")
     (2.0, INF, NAN, True),          # scale unknown
 ])
 def test_which_steps_count_toward_the_nonfinite_stop(loss, grad_norm, scale, counts):
-    from toolkit.train import counts_toward_stop
+    from toolkit.training.run import counts_toward_stop
 
     assert counts_toward_stop(loss, grad_norm, scale) is counts
 

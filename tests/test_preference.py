@@ -12,9 +12,9 @@ import torch
 
 from families import family_tokenizer
 from toolkit.config import ConfigError, DataConfig, load_recipe
-from toolkit.data import IGNORE, Collator, MissingField, build_datasets, tokenize_examples
+from toolkit.data.prepare import IGNORE, Collator, MissingField, build_datasets, tokenize_examples
 from toolkit.errors import ToolkitError
-from toolkit.objectives import preference_losses
+from toolkit.training.objectives import preference_losses
 
 
 def log_sigmoid(x: float) -> float:
@@ -99,7 +99,7 @@ def tiny_model(chunk_tokens: int):
     """A one-layer Llama (vocabulary 50), seeded, with the chunked loss at `chunk_tokens` a chunk."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from toolkit.loss import use_token_loss
+    from toolkit.training.loss import use_token_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -175,7 +175,7 @@ def test_collated_pairs_put_the_chosen_rows_first_then_the_rejected(tok):
     assert batch["labels"].tolist() == [[IGNORE, 2, 3], [IGNORE] * 3, [IGNORE, 9, IGNORE], [IGNORE] * 3]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
     assert batch["reference_logps"].tolist() == [-1.0, 0.0, -2.0, 0.0]
-    from toolkit.objectives import Preference
+    from toolkit.training.objectives import Preference
 
     assert Preference.valid(batch).tolist() == [True, False]  # eval padding is no pair
 
@@ -184,7 +184,7 @@ def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():
     """Preference.loss_sum on a tiny model equals preference_losses of the pairs' log-probabilities
     summed by hand from the model's own logits; a pair without targets adds nothing."""
     from toolkit.config import PreferenceConfig
-    from toolkit.objectives import Preference
+    from toolkit.training.objectives import Preference
 
     model = tiny_model(3)
     ids = torch.randint(1, 50, (6, 7))
@@ -212,7 +212,7 @@ def test_padding_free_pairs_give_the_padded_pairs_loss_and_metrics():
     """The same pairs collated padded (2 x batch rows) and padding-free (one row of 2 x batch
     documents): the objective's loss sum, units and metrics agree within 1e-5 (eval padding included)."""
     from toolkit.config import PreferenceConfig
-    from toolkit.objectives import Preference
+    from toolkit.training.objectives import Preference
 
     model = tiny_model(4)
     g = torch.Generator().manual_seed(3)
@@ -316,7 +316,7 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
     masked out of the loss, and the NaN gradient of that term stays on the side that has no tokens
     to pass it to, so nothing reaches the weights."""
     from toolkit.config import PreferenceConfig
-    from toolkit.objectives import Preference
+    from toolkit.training.objectives import Preference
 
     model = tiny_model(4)
     ids = torch.randint(1, 50, (4, 6))
@@ -332,8 +332,8 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
 def test_the_estimate_counts_both_sequences_of_a_pair_and_the_reference_forward(tmp_path):
     """Memory: a micro-batch of pairs is twice as many sequences in one forward. FLOPs: DPO's
     reference through the disabled adapter is one more forward (2 per weight) per token."""
-    from toolkit.observe import Flops
-    from toolkit.sizing import count_model, estimate, read_config, setup_from_recipe, BY_NAME
+    from toolkit.observe.measure import Flops
+    from toolkit.backends.sizing import count_model, estimate, read_config, setup_from_recipe, BY_NAME
 
     recipe = load_recipe(recipe_file(tmp_path, lora__enabled=True, train__micro_batch_size=4))
     pairs = setup_from_recipe(recipe)
@@ -349,7 +349,7 @@ def test_the_estimate_counts_both_sequences_of_a_pair_and_the_reference_forward(
 
 
 def test_the_label_audit_of_a_pair_shows_both_completions(tok):
-    from toolkit.data import label_audit
+    from toolkit.data.prepare import label_audit
 
     chosen, rejected = tokenize_examples({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"}, "preference",
                                          tok, 64, False)

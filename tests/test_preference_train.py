@@ -170,7 +170,7 @@ def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
     rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
     assert rc == 0, err[-3000:]
     assert "resumed from" in out
-    from toolkit.observe import MEASURED
+    from toolkit.observe.measure import MEASURED
 
     def comparable(folder):
         return [{k: v for k, v in r.items() if k not in MEASURED} for r in read_metrics(folder)]

@@ -27,12 +27,12 @@ import torch
 
 from helpers import (ROOT, alpaca_rows, base_recipe, finish, load_weights, read_metrics, read_output, run_toolkit,
                       start, user_error_line, write_jsonl, write_recipe)
-from toolkit import checkpoint
+from toolkit.storage import checkpoint
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 TRAIN_ROWS = 44  # global batch 4 x 2 = 8: floor(44 / 8) = 5 steps per epoch, 4 rows left over
-PRESET = json.loads((ROOT / "toolkit" / "presets" / "tiny-llama-mini.json").read_text())
+PRESET = json.loads((ROOT / "toolkit" / "model" / "presets" / "tiny-llama-mini.json").read_text())
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -75,7 +75,7 @@ def snapshot(root: Path) -> dict:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    from toolkit.observe import MEASURED
+    from toolkit.observe.measure import MEASURED
 
     return [{k: v for k, v in r.items() if k not in MEASURED} for r in rows]
 

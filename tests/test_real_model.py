@@ -24,14 +24,14 @@ END_OF_TURN = "<|im_end|>"  # SmolLM2's ChatML end of turn, also its eos token
 @pytest.fixture(scope="module")
 def tokenizer(real_model_dir):
     from toolkit.config import ModelConfig
-    from toolkit.model import build_tokenizer
+    from toolkit.model.load import build_tokenizer
 
     return build_tokenizer(ModelConfig(path=str(real_model_dir)))
 
 
 def labelled_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
     """The labelled tokens, as maximal runs of consecutive positions."""
-    from toolkit.data import IGNORE
+    from toolkit.data.prepare import IGNORE
 
     runs, current = [], []
     for token, label in zip(ids, labels):
@@ -51,7 +51,7 @@ def test_chat_template_labels_only_assistant_turns(tokenizer, system):
     labelled, each as its content, the end-of-turn token (one special token, not its characters)
     and the newline the template writes after it. tests/test_data.py pins the same convention on
     the byte-level template: a turn's labels are everything the turn adds to the rendering."""
-    from toolkit.data import IGNORE, tokenize_example
+    from toolkit.data.prepare import IGNORE, tokenize_example
 
     users, answers = ["Capital of France?", "And of Italy, briefly?"], ["Paris.", "Rome, of course."]
     messages = [{"role": "system", "content": system}] if system else []
@@ -79,7 +79,7 @@ def test_chat_template_labels_only_assistant_turns(tokenizer, system):
 
 @pytest.mark.parametrize("inp", ["abc def", ""])
 def test_alpaca_labels_only_the_response(tokenizer, inp):
-    from toolkit.data import IGNORE, tokenize_example
+    from toolkit.data.prepare import IGNORE, tokenize_example
 
     row = {"instruction": "Reverse the words.", "input": inp, "output": "fed cba"}
     ex = tokenize_example(row, "alpaca", tokenizer, 512, False)
@@ -113,8 +113,8 @@ def test_packing_is_isolated_on_the_real_model(real_model_dir, attn):
     """The start-up check passes on the real architecture, and is not vacuous there: the same
     model fed packed rows without restarting positions fails it."""
     from toolkit.config import ModelConfig
-    from toolkit.data import packing_is_isolated
-    from toolkit.model import build_model
+    from toolkit.data.prepare import packing_is_isolated
+    from toolkit.model.load import build_model
 
     model = build_model(ModelConfig(path=str(real_model_dir), attn_implementation=attn))
     assert model.config._attn_implementation == attn
@@ -159,7 +159,7 @@ def real_recipe(model_dir, train, evaluation, out, **train_overrides) -> dict:
 def eval_loss_unpacked(model, tokenizer, eval_file) -> float:
     """The eval loss recomputed outside the training code, one padded batch of unpacked examples."""
     from toolkit.config import DataConfig
-    from toolkit.data import IGNORE, Collator, build_datasets
+    from toolkit.data.prepare import IGNORE, Collator, build_datasets
 
     data = build_datasets(DataConfig(train_files=[str(eval_file)], format="messages", max_seq_len=128),
                           tokenizer, 0, False)

@@ -20,7 +20,7 @@ import torch
 
 from helpers import (RESUME_STEPS, descendants, finish, layout_command, layout_recipe, load_weights, read_metrics,
                      read_output, start)
-from toolkit import checkpoint
+from toolkit.storage import checkpoint
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -84,7 +84,7 @@ def logged_steps(run_dir):
 
 
 def comparable(rows, from_step):
-    from toolkit.observe import MEASURED
+    from toolkit.observe.measure import MEASURED
 
     return [{k: v for k, v in r.items() if k not in MEASURED} for r in rows if r["step"] > from_step]
 
@@ -198,7 +198,7 @@ def checkpoint_names(run):
     """The complete checkpoints a resume finds: those in place, and a `.tmp-` write killed after
     its marker but before its rename into place, which the resume completes (checkpoint.tidy; a
     fresh-clone CI once killed a run in that moment)."""
-    from toolkit.checkpoint import is_complete
+    from toolkit.storage.checkpoint import is_complete
 
     if not (run / "checkpoints").is_dir():
         return []

@@ -25,7 +25,7 @@ def recipe(tmp_path, out="run", **train):
 
 
 def final_answers(run):
-    from toolkit.inference import generate_answers, load_for_inference
+    from toolkit.model.inference import generate_answers, load_for_inference
 
     model, tokenizer = load_for_inference(str(run / "final"), "fp32")
     return generate_answers(model, tokenizer, PROMPTS, max_new_tokens=6)

@@ -1,4 +1,4 @@
-"""Every save is read back before the run calls it saved (toolkit/verify.py). A clean save passes
+"""Every save is read back before the run calls it saved (toolkit/storage/verify.py). A clean save passes
 on every backend (each run of the backend matrix goes through the same check); here a saved
 tensor is really changed on disk after it is written, and the run must stop in one line naming
 it, with exit 4, no `final/`, and an earlier `final/` left as it was."""
@@ -12,8 +12,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from helpers import ROOT, alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
-from toolkit import checkpoint
-from toolkit.verify import first_mismatch, tree_mismatch
+from toolkit.storage import checkpoint
+from toolkit.storage.verify import first_mismatch, tree_mismatch
 
 CORRUPT = {"TOOLKIT_FAULT_CORRUPT_SAVE": "1"}
 

@@ -11,11 +11,11 @@ import torch
 
 from helpers import (ROOT, finish, layout_command, layout_recipe, load_weights, read_metrics, run_toolkit, start,
                      write_recipe)
-from toolkit import sequence
+from toolkit.backends import sequence
 from toolkit.config import Recipe
-from toolkit.data import IGNORE, Collator
+from toolkit.data.prepare import IGNORE, Collator
 from toolkit.errors import ToolkitError
-from toolkit.launch_config import check, sequence_parallel_size, worker_env
+from toolkit.backends.launch_config import check, sequence_parallel_size, worker_env
 
 SP_YAML = ROOT / "accelerate_configs" / "zero2_sp.yaml"
 TOL = 1e-5
@@ -114,7 +114,7 @@ def test_the_yaml_attention_and_data_parallel_sizes_are_noted_not_obeyed():
 def test_heads_that_do_not_split_are_refused_naming_the_key():
     from toolkit.backends.deepspeed import DeepSpeed
     from toolkit.config import ModelConfig
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     backend = DeepSpeed.__new__(DeepSpeed)
     backend.sequence_parallel = 3

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import ROOT
 from toolkit.config import Recipe, load_recipe
-from toolkit.launch_config import plan, worker_env
+from toolkit.backends.launch_config import plan, worker_env
 
 RECIPES = sorted((ROOT / "examples" / "recipes").rglob("*.yaml"))
 LAUNCHES = sorted((ROOT / "accelerate_configs").glob("*.yaml"))

@@ -40,7 +40,7 @@ def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len:
     from transformers import AutoTokenizer
 
     from toolkit.config import DataConfig
-    from toolkit.data import IGNORE, Collator, build_datasets
+    from toolkit.data.prepare import IGNORE, Collator, build_datasets
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     data = build_datasets(DataConfig(train_files=[str(eval_file)], max_seq_len=max_seq_len, format=fmt), tok, 0, False)
@@ -59,7 +59,7 @@ def initial_weights(seed: int, preset: str) -> dict:
     from accelerate.utils import set_seed
 
     from toolkit.config import ModelConfig
-    from toolkit.model import build_model
+    from toolkit.model.load import build_model
 
     set_seed(seed)
     model = build_model(ModelConfig(preset=preset))

@@ -29,7 +29,7 @@ def test_new_tokens_are_single_and_grow_the_embeddings(family, folders):
     from transformers import AutoModelForCausalLM
 
     from toolkit.config import ModelConfig
-    from toolkit.model import build_model, build_tokenizer, fit_vocabulary
+    from toolkit.model.load import build_model, build_tokenizer, fit_vocabulary
 
     cfg = ModelConfig(path=str(folders[family]), add_special_tokens=NEW + [FAMILIES[family]["eos"]])
     tokenizer = build_tokenizer(cfg)
@@ -56,7 +56,7 @@ def test_with_lora_the_token_rows_train_whole_beside_the_adapter(family, folders
     and holding trained rows is refused in one line."""
     from toolkit.config import LoraConfig, ModelConfig
     from toolkit.errors import ToolkitError
-    from toolkit.model import apply_lora, build_model, build_tokenizer, fit_vocabulary, token_rows
+    from toolkit.model.load import apply_lora, build_model, build_tokenizer, fit_vocabulary, token_rows
 
     eos = FAMILIES[family]["eos"]  # already a token, listed: its row trains too (a base's reserved chat token)
     cfg = ModelConfig(path=str(folders[family]), add_special_tokens=NEW + [eos])
@@ -166,7 +166,7 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.inference import load_for_inference
+    from toolkit.model.inference import load_for_inference
 
     train = write_jsonl(tmp_path / "train.jsonl", calc_rows(32, 1))
     evaluation = write_jsonl(tmp_path / "eval.jsonl", calc_rows(4, 2))

@@ -36,7 +36,7 @@ VERBS = {"estimate": ("estimate", "which strategy (DDP, FSDP, ZeRO, offload) fit
 def verb_module(name: str):
     import importlib
 
-    return importlib.import_module(f"toolkit.{VERBS[name][0]}")
+    return importlib.import_module(f"toolkit.verbs.{VERBS[name][0]}")
 
 
 def report_user_error(e: ToolkitError, wait_for_main_s: float = 30.0) -> None:
@@ -81,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolkitError(f"--num-processes: must be positive, got {args.num_processes}")
         recipe = load_recipe(args.recipe, args.overrides)
         if args.command == "train":
-            from .train import run
+            from .training.run import run
 
             run(recipe, args.recipe, preemption)
         else:
             from .config import dump_recipe
-            from .launch_config import show
+            from .backends.launch_config import show
 
             if args.accelerate_config:
                 report = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)

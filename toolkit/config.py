@@ -71,10 +71,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run the Python code a model ships with (models not built into transformers). Only for sources you trust."""
     preset: Optional[str] = None
-    """A built-in model made from a config in toolkit/presets (e.g. `tiny-llama`)."""
+    """A built-in model made from a config in toolkit/model/presets (e.g. `tiny-llama`)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "varlen"] = "sdpa"
     """`varlen` attends within each packed document from its bounds, with no mask: PyTorch's flash
-    varlen kernel on CUDA in bf16/fp16, one SDPA call per document elsewhere (toolkit/varlen.py).
+    varlen kernel on CUDA in bf16/fp16, one SDPA call per document elsewhere (toolkit/model/varlen.py).
     `sdpa` and `eager` build a dense block-diagonal mask for packed rows."""
     gradient_checkpointing: bool = False
     """Activation checkpointing: each decoder layer's activations are recomputed in backward instead
@@ -82,7 +82,7 @@ class ModelConfig:
     tiled_mlp: bool = False
     """Long sequences: each decoder layer's MLP runs over tiles of hidden_size positions, each
     recomputed in backward, so its intermediate activations (the largest of a layer) exist for one
-    tile at a time (the ALST recipe; toolkit/activations.py). Same result, one more MLP forward.
+    tile at a time (the ALST recipe; toolkit/model/activations.py). Same result, one more MLP forward.
     Dense models only."""
     activation_offload: bool = False
     """Long sequences, with gradient_checkpointing: the activations kept for backward (each decoder

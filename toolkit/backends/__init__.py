@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from ..launch_config import launch_kind
+from .launch_config import launch_kind
 from .base import Backend, end_process_group, launched_world_size
 from .ddp import DDP
 from .deepspeed import DeepSpeed

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
-from .. import disk, faults, launch_config
+from ..storage import disk
+from .. import faults
+from . import launch_config
 from ..config import Recipe
 from ..errors import ToolkitError
 from ..stops import TrainingStopped
-from ..verify import EXIT_SAVE_MISMATCH, first_mismatch, inject_corruption, read_back, tree_mismatch
+from ..storage.verify import EXIT_SAVE_MISMATCH, first_mismatch, inject_corruption, read_back, tree_mismatch
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, by the names torch and DeepSpeed both use

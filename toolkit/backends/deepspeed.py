@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .. import deepspeed_config, launch_config, sequence
+from . import deepspeed_config, launch_config, sequence
 from ..errors import ToolkitError
-from ..verify import read_back, tree_mismatch
+from ..storage.verify import read_back, tree_mismatch
 from .base import MOMENTS, Backend, adam_step, launched_world_size
 
 MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
@@ -72,7 +72,7 @@ class DeepSpeed(Backend):
         """Ulysses gives each rank of a sequence group a share of the attention heads."""
         if self.sequence_parallel == 1:
             return
-        from ..objectives import for_recipe
+        from ..training.objectives import for_recipe
 
         sp, config = self.sequence_parallel, model.config.get_text_config()
         heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads

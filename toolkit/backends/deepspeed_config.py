@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import Recipe
-from .errors import ToolkitError
+from ..config import Recipe
+from ..errors import ToolkitError
 
 # zero_optimization spellings: deprecated or alternative name -> the one this module writes.
 # DeepSpeed's schema accepts a field under its name or its alias but fails when both appear.
@@ -394,7 +394,7 @@ def finalize(cfg: dict, recipe: Recipe, world_size: int, total_steps: int, hidde
 def model_hidden_size(recipe: Recipe) -> int | None:
     """hidden_size from the model's config.json, without building the model."""
     if recipe.model.preset is not None:
-        from .model import PRESETS
+        from ..model.load import PRESETS
 
         path = PRESETS / f"{recipe.model.preset}.json"
     else:

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import ToolkitError
-from ..verify import blank_like, read_back, tree_mismatch
+from ..storage.verify import blank_like, read_back, tree_mismatch
 from .base import Backend
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import Recipe
-from .errors import ToolkitError
+from ..config import Recipe
+from ..errors import ToolkitError
 
 ENV_SOURCE = "accelerate config"
 # With a deepspeed_config_file, accelerate refuses these YAML fields outright (a ValueError on

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .data import IGNORE
-from .errors import ToolkitError
+from ..data.prepare import IGNORE
+from ..errors import ToolkitError
 
 
 def shard(batch: dict, rank: int, size: int) -> dict:

@@ -93,7 +93,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 from .launch_config import launch_kind, sequence_parallel_size
 
 GIB = 1024**3
@@ -209,7 +209,7 @@ def read_config(source: str, *, revision: str | None = None, key: str = "--model
     """A transformers config from a preset name, a model folder, a config.json or a cached Hub id."""
     from transformers import AutoConfig
 
-    from .model import PRESETS, preset_names
+    from ..model.load import PRESETS, preset_names
 
     path = Path(source).expanduser()
     if (PRESETS / f"{source}.json").is_file() and not path.exists():
@@ -217,7 +217,7 @@ def read_config(source: str, *, revision: str | None = None, key: str = "--model
     elif path.is_dir():
         path = path / "config.json"
     elif not path.exists():
-        from .hub import is_hub_id
+        from ..model.hub import is_hub_id
 
         if not is_hub_id(source):
             raise ToolkitError(f"{key}: not found: {source} (a model folder, a config.json, a cached Hub id or a "

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from . import disk, faults
-from .config import DataConfig, DataSource
-from .errors import ToolkitError
+from ..storage import disk
+from .. import faults
+from ..config import DataConfig, DataSource
+from ..errors import ToolkitError
 from .packing import best_fit_decreasing, pack_stats
 
 IGNORE = -100
@@ -83,7 +84,7 @@ def resolve_sources(entries: list, cfg: DataConfig, key: str) -> list[Source]:
         fmt = e.format or cfg.format
         files = _expand(e.path, k)
         if files is None:  # not a local path: a Hub dataset id
-            from .hub import is_hub_id
+            from ..model.hub import is_hub_id
 
             if not is_hub_id(e.path):
                 raise ToolkitError(f"{k}: file not found: {e.path}")
@@ -227,7 +228,7 @@ def load_rows(source: Source, cache_dir: Path | None = None):
 
     datasets.disable_progress_bars()
     if source.hub_id:
-        from .hub import load_hub_dataset
+        from ..model.hub import load_hub_dataset
 
         ds = load_hub_dataset(source.hub_id, source.split, source.revision, source.key)
     elif is_saved_dataset(Path(source.files[0])):
@@ -1031,7 +1032,7 @@ class Collator:
 
     def with_bounds(self, batch: dict) -> dict:
         if self.bounds:
-            from .varlen import document_bounds
+            from ..model.varlen import document_bounds
 
             cu, longest = document_bounds(batch["position_ids"].numpy())
             batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)

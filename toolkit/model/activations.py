@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 MIN_OFFLOAD_BYTES = 64 << 10
 

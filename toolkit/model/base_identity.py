@@ -14,7 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 RECORD = "toolkit_base.json"
 WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")

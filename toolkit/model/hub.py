@@ -15,8 +15,8 @@ from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from .errors import ToolkitError
-from .stops import TrainingStopped
+from ..errors import ToolkitError
+from ..stops import TrainingStopped
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
 # Weights of other frameworks and runtimes, and Meta's original checkpoints beside the converted ones.

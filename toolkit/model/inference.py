@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 MARKER = "TOOLKIT-ANSWER-MARKER"  # assistant text whose end shows where a template closes a turn
 
@@ -99,7 +99,7 @@ def _load(path: str, dtype, trust_remote_code: bool):
     if adapter:
         from peft import PeftModel
 
-        from .model import fit_vocabulary
+        from .load import fit_vocabulary
 
         fit_vocabulary(model, tokenizer, mean=False)  # model.add_special_tokens: the adapter brings the new rows
         try:
@@ -115,7 +115,7 @@ def base_config(folder: str, adapter: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     from .base_identity import config_overrides
-    from .model import apply_config_overrides
+    from .load import apply_config_overrides
 
     overrides = config_overrides(adapter)
     if not overrides:

@@ -9,8 +9,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
 
-from .config import LoraConfig, ModelConfig
-from .errors import ToolkitError
+from ..config import LoraConfig, ModelConfig
+from ..errors import ToolkitError
 from .hub import resolve_model
 
 PRESETS = Path(__file__).parent / "presets"

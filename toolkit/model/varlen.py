@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 NAME = "toolkit_varlen"
 

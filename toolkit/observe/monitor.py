@@ -11,7 +11,8 @@ import json
 import time
 from pathlib import Path
 
-from . import disk, observe
+from ..storage import disk
+from . import measure
 from .watchdog import Watchdog
 
 
@@ -38,8 +39,8 @@ class Monitor:
     def __init__(self, accelerator, run_dir: Path, watchdog: Watchdog, profile_steps: list[int] | None,
                  first_step: int):
         self.watchdog, self.first_step = watchdog, first_step
-        self.clock = observe.StepClock(accelerator.device)
-        self.trace = observe.Trace(profile_steps, run_dir, accelerator.process_index, accelerator.device)
+        self.clock = measure.StepClock(accelerator.device)
+        self.trace = measure.Trace(profile_steps, run_dir, accelerator.process_index, accelerator.device)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", accelerator)
         self.outside = {"eval": 0.0, "checkpoints": 0.0}  # seconds spent outside steps, for the step profile
 
@@ -74,4 +75,4 @@ class Monitor:
             self.outside[counted_as] += time.perf_counter() - began
 
     def profile_report(self, gradient_checkpointing: bool) -> tuple[str, dict]:
-        return observe.profile_report(self.clock, self.outside, gradient_checkpointing)
+        return measure.profile_report(self.clock, self.outside, gradient_checkpointing)

@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import disk, faults
-from .errors import ToolkitError
+from . import disk
+from .. import faults
+from ..errors import ToolkitError
 from .verify import corrupt_checkpoint
 from . import portable
-from .stops import TrainingStopped
+from ..stops import TrainingStopped
 from .verify import EXIT_SAVE_MISMATCH
 
 MARKER = "COMPLETE"

@@ -11,8 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
-from . import faults
-from .stops import TrainingStopped
+from .. import faults
+from ..stops import TrainingStopped
 
 EXIT_DISK = 74  # EX_IOERR: the file system refused a write; earlier checkpoints are intact
 REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",

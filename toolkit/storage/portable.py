@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 from .verify import first_mismatch, inject_corruption, tree_mismatch
 
 FOLDER = "portable"

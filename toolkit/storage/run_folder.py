@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from . import checkpoint
-from .config import Recipe, dump_recipe, load_recipe
-from .errors import ToolkitError
+from ..config import Recipe, dump_recipe, load_recipe
+from ..errors import ToolkitError
 
 RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model", "tensorboard", "profile",
              "profile.json", "hang", "plot.png"}

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .errors import ToolkitError
-from .data import IGNORE
+from ..errors import ToolkitError
+from ..data.prepare import IGNORE
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False):
@@ -191,7 +191,7 @@ def check_chunked_loss(model, partitioned: bool = False) -> None:
     of the architecture where the weights are partitioned: `isolation_probe`). Models that scale
     or cut their logits after the output layer differently from what `chunked_loss_sum` does
     fail here, not silently."""
-    from .model import isolation_probe
+    from ..model.load import isolation_probe
 
     probe = isolation_probe(model, partitioned)
     embeddings = probe.get_input_embeddings()  # peft's trainable-token wrapper (added tokens) has no num_embeddings

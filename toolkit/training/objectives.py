@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from . import observe
-from .data import IGNORE
-from .errors import ToolkitError
+from ..observe import measure
+from ..data.prepare import IGNORE
+from ..errors import ToolkitError
 from .loss import has_router, sequence_index, token_logps, token_loss_sum
 
 
@@ -43,7 +43,7 @@ class Supervised:
         targets = sum(self.units(b) for b in micro_batches)
         tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
                      for b in micro_batches)
-        squared = sum(int(observe.document_lengths(b).pow(2).sum()) for b in micro_batches)
+        squared = sum(int(measure.document_lengths(b).pow(2).sum()) for b in micro_batches)
         return [targets, tokens, squared]
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import base_identity, disk
-from .data import Collator, EvalShardSampler, Examples
-from .errors import ToolkitError
-from .hub import resolve_model
+from ..model import base_identity
+from ..storage import disk
+from ..data.prepare import Collator, EvalShardSampler, Examples
+from ..errors import ToolkitError
+from ..model.hub import resolve_model
 from .loss import token_logps
 
 

@@ -22,22 +22,26 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import (activations, backends, base_identity, checkpoint, disk, faults, objectives, observe, reference,
-               run_folder)
-from .config import Recipe
-from .errors import ToolkitError
-from .data import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, longest_row,
-                   most_positions, packing_is_isolated, remove_partial_data)
-from .sizing import count_model
-from .hub import is_hub_id, resolve_model
+from ..model import activations, base_identity
+from .. import backends, faults
+from ..storage import checkpoint, disk, run_folder
+from . import objectives, reference
+from ..observe import measure
+from ..config import Recipe
+from ..errors import ToolkitError
+from ..data.prepare import (Collator, EpochSampler, EvalShardSampler, build_datasets, label_audit, longest_row,
+                            most_positions, packing_is_isolated, remove_partial_data)
+from ..backends.sizing import count_model
+from ..model.hub import is_hub_id, resolve_model
 from .loss import use_token_loss
-from .model import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                    compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe, token_rows)
-from .monitor import Monitor
-from .stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
+from ..model.load import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
+                          compiled_graphs, config_overrides, count_parameters, fit_vocabulary, isolation_probe,
+                          token_rows)
+from ..observe.monitor import Monitor
+from ..stops import EXIT_NONFINITE, EXIT_PREEMPTED, Preemption, TrainingStopped
 from .samples import Samples
 from .summary import run_summary
-from .watchdog import Watchdog
+from ..observe.watchdog import Watchdog
 
 
 def run(recipe: Recipe, source: str = "recipe", preemption: Preemption | None = None) -> dict:
@@ -76,7 +80,7 @@ class Run:
     monitor: Monitor
     preemption: Preemption
     samples: Samples
-    speed: observe.Throughput
+    speed: measure.Throughput
     offload: Any  # the context each forward runs in (model.activation_offload)
 
 
@@ -138,7 +142,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                "the model's spare embedding rows hold them")
             + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
                if recipe.lora.enabled else ""))
-    flops = observe.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
+    flops = measure.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
                              extra_forwards=int(recipe.preference.reference == "adapter"))
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))  # in the forward, where every backend has whole weights
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
@@ -257,7 +261,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     watchdog = Watchdog(out, accelerator.process_index, world, accelerator.is_main_process, t.watchdog_seconds,
                         t.watchdog)
     monitor = Monitor(accelerator, out, watchdog, t.profile_steps, first_step=state.step + 1)
-    speed = observe.Throughput(flops, observe.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
+    speed = measure.Throughput(flops, measure.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
     return Run(backend=backend, accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer, scheduler=scheduler,
                train_loader=train_loader, eval_loader=eval_loader, sampler=sampler, state=state,
                total_steps=total_steps, out=out, objective=objective, monitor=monitor, preemption=preemption,
@@ -338,7 +342,7 @@ def fit(run: Run) -> dict:
     line, profile = monitor.profile_report(run.recipe.model.gradient_checkpointing)
     say(acc, line)
     if acc.is_main_process and profile:
-        observe.write_profile(run.out, profile)
+        measure.write_profile(run.out, profile)
     return row
 
 
@@ -396,7 +400,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     with monitor.phase("sync", step):
         extra = run.objective.step_metrics(acc.device)
         flags = torch.zeros(1 + world, dtype=torch.float64)
-        flags[0], flags[1 + rank] = float(run.preemption.requested), observe.peak_memory_gib(acc.device)
+        flags[0], flags[1 + rank] = float(run.preemption.requested), measure.peak_memory_gib(acc.device)
         sums = torch.stack([loss_sum.double(), *extra.values()])
         totals = acc.reduce(torch.cat([sums, flags.to(acc.device)]), reduction="sum").tolist()
         loss, *extra_sums = (x / n_units for x in totals[:len(sums)])

@@ -5,13 +5,13 @@ rank in each forward pass: no rank waits alone."""
 
 from __future__ import annotations
 
-from .config import Recipe
-from .data import render
+from ..config import Recipe
+from ..data.prepare import render
 
 
 class Samples:
     def __init__(self, recipe: Recipe, tokenizer, accelerator):
-        from .inference import prompt_text
+        from ..model.inference import prompt_text
 
         self.prompts = list(recipe.train.sample_prompts)
         self.max_new_tokens = recipe.train.sample_max_new_tokens
@@ -32,7 +32,7 @@ class Samples:
         return bool(self.prompts)
 
     def __call__(self, model) -> list[dict]:
-        from .inference import generate_texts
+        from ..model.inference import generate_texts
 
         module = self.accelerator.unwrap_model(model)
         module.eval()

@@ -5,9 +5,9 @@ manifest; a line starting with `warning: ` (the estimate does not fit the GPU) i
 
 from __future__ import annotations
 
-from . import deepspeed_config
-from .config import Recipe
-from .sizing import estimate_for_run
+from ..backends import deepspeed_config
+from ..config import Recipe
+from ..backends.sizing import estimate_for_run
 
 
 def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, eval_rows: int,

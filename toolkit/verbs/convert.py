@@ -17,8 +17,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from . import disk
-from .errors import ToolkitError
+from ..storage import disk
+from ..errors import ToolkitError
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -34,8 +34,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from . import checkpoint
-    from .config import load_recipe
+    from ..storage import checkpoint
+    from ..config import load_recipe
 
     source, out = Path(args.checkpoint), Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -81,11 +81,11 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
     import torch
     from safetensors.torch import load_file
 
-    from . import base_identity
-    from .hub import resolve_model
-    from .model import (DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, config_overrides,
-                        fit_vocabulary, token_rows)
-    from .verify import first_mismatch
+    from ..model import base_identity
+    from ..model.hub import resolve_model
+    from ..model.load import (DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, config_overrides,
+                              fit_vocabulary, token_rows)
+    from ..storage.verify import first_mismatch
 
     weights = load_file(str(portable))
     tokenizer = build_tokenizer(recipe.model)

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import deepspeed_config, launch_config
-from .backends import end_process_group
-from .errors import ToolkitError
+from ..backends import deepspeed_config, launch_config
+from ..backends import end_process_group
+from ..errors import ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")
 OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}

@@ -7,9 +7,9 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .errors import ToolkitError
-from .sizing import (BYTES, GIB, USABLE_FRACTION, Row, Setup, Strategy, count_model, estimate_all, launched_strategy, read_config,
-                     recommend, setup_from_recipe)
+from ..errors import ToolkitError
+from ..backends.sizing import (BYTES, GIB, USABLE_FRACTION, Row, Setup, Strategy, count_model, estimate_all,
+                               launched_strategy, read_config, recommend, setup_from_recipe)
 
 
 def add_arguments(p) -> None:
@@ -61,7 +61,7 @@ def run(args) -> int:
     if args.recipe:
         setup, launched = _from_recipe(args)
     else:
-        from .config import LoraConfig
+        from ..config import LoraConfig
 
         lora = LoraConfig(enabled=bool(args.lora), r=args.lora_r or 8)
         setup = Setup(model=count_model(read_config(args.model), args.model, lora),
@@ -102,15 +102,15 @@ def _check_sequence_parallel(setup: Setup, key: str) -> None:
 
 
 def _from_recipe(args) -> tuple[Setup, Strategy | None]:
-    from .config import load_recipe
+    from ..config import load_recipe
 
     recipe = load_recipe(args.recipe)
     if args.lora or args.lora_r:
         recipe.lora.enabled, recipe.lora.r = True, args.lora_r or recipe.lora.r
     launched, gpus, sequence_parallel = None, args.gpus, 1
     if args.config_file:
-        from . import deepspeed_config
-        from .launch_config import check, sequence_parallel_size, worker_env
+        from ..backends import deepspeed_config
+        from ..backends.launch_config import check, sequence_parallel_size, worker_env
 
         env = worker_env(args.config_file)
         check(recipe, env, cuda=True, source=args.config_file)  # what the launch would refuse

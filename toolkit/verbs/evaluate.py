@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 FORMATS = ("alpaca", "messages", "text", "preference")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
@@ -62,7 +62,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .inference import locate_model
+    from ..model.inference import locate_model
 
     for name in ("batch_size", "max_new_tokens", "limit"):
         value = getattr(args, name)
@@ -71,8 +71,8 @@ def run(args) -> int:
     if args.max_seq_len is not None and args.max_seq_len < 2:
         raise ToolkitError(f"--max-seq-len: must be at least 2, got {args.max_seq_len}")
     locate_model(args.model)  # a wrong path fails here, before torch is imported
-    from .config import DataConfig
-    from .data import resolve_sources  # (imports torch)
+    from ..config import DataConfig
+    from ..data.prepare import resolve_sources  # (imports torch)
 
     source = resolve_sources([args.data], DataConfig(format=args.format or "text"), "--data")[0]
     source.format = args.format or infer_format(source)
@@ -93,7 +93,7 @@ def run(args) -> int:
         parts = measure(args, state, rows, where, source.format, max_seq_len, train_on_prompt)
     finally:
         if state is not None:
-            from .backends import end_process_group
+            from ..backends import end_process_group
 
             end_process_group()
     if parts is None:  # not the main process
@@ -116,7 +116,7 @@ def run(args) -> int:
 def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, train_on_prompt: bool) -> list | None:
     """This process's share of the rows measured: loss sums and scored answers. The main process
     gets every process's share (a list of dicts), the others None."""
-    from .inference import generate_texts, load_for_inference
+    from ..model.inference import generate_texts, load_for_inference
 
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
     model, tokenizer = load_for_inference(args.model, args.dtype, device=state.device if state else None,
@@ -193,10 +193,10 @@ def infer_format(source) -> str:
     """alpaca, messages or text, from the first row's keys (or the file's columns)."""
     import csv
 
-    from .data import check_json_lines, is_saved_dataset, load_saved_dataset
+    from ..data.prepare import check_json_lines, is_saved_dataset, load_saved_dataset
 
     if source.hub_id:
-        from .hub import load_hub_dataset
+        from ..model.hub import load_hub_dataset
 
         columns = load_hub_dataset(source.hub_id, source.split, source.revision, "--data").column_names
     else:
@@ -237,7 +237,7 @@ def infer_format(source) -> str:
 
 def read_rows(source, cache: Path, limit: int | None):
     """The rows as dicts, and a function naming row i by file and line (JSON lines) or by number."""
-    from .data import load_rows
+    from ..data.prepare import load_rows
 
     ds = load_rows(source, cache_dir=cache)
     if limit is not None:
@@ -261,7 +261,7 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
     """This rank's rows as training examples, and the questions of those with a reference answer."""
     from jinja2 import TemplateError
 
-    from .data import render, tokenize_examples
+    from ..data.prepare import render, tokenize_examples
 
     examples, questions = [], []
     for i in indices:
@@ -282,7 +282,7 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
 def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
     """{text: what to generate from (specials written out, as training renders it), prompt: the
     question in short, reference: the expected answer}, or None for a row without a reference."""
-    from .data import text_value
+    from ..data.prepare import text_value
 
     if fmt == "alpaca":
         reference = text_value(row, "output")
@@ -292,7 +292,7 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         prompt = " ".join(text_value(row, k, required=False) for k in ("instruction", "input")).strip()
         return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
     if fmt == "messages":
-        from .data import chat_messages
+        from ..data.prepare import chat_messages
 
         messages = chat_messages(row)
         if len(messages) < 2 or messages[-1]["role"] != "assistant" or not isinstance(messages[-1]["content"], str) \
@@ -307,7 +307,7 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
 def run_settings(model: str) -> tuple[int, bool, str | None]:
     """(max_seq_len, train_on_prompt, where they came from): the run's recipe when MODEL_DIR is
     the final/ of a run folder (config.yaml and manifest.json beside it), else the defaults."""
-    from .config import load_recipe
+    from ..config import load_recipe
 
     run_dir = Path(model).expanduser().resolve().parent
     config = run_dir / "config.yaml"
@@ -329,8 +329,8 @@ def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[
     training's batches (right-padded, unpacked) and training's loss function."""
     import torch
 
-    from .data import IGNORE, Collator
-    from .loss import token_loss_sum, use_token_loss
+    from ..data.prepare import IGNORE, Collator
+    from ..training.loss import token_loss_sum, use_token_loss
 
     try:
         use_token_loss(model)  # training's default, train.loss=chunked
@@ -357,8 +357,8 @@ def pair_sums(model, tokenizer, examples: list[dict], batch_size: int) -> dict:
     those margins. In training's pair batches and its log-probabilities (`loss.token_logps`)."""
     import torch
 
-    from .data import Collator
-    from .loss import token_logps, use_token_loss
+    from ..data.prepare import Collator
+    from ..training.loss import token_logps, use_token_loss
 
     try:
         use_token_loss(model)

@@ -16,12 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
-from .inference import generate_with_counts, load_for_inference, locate_model
+from ..model.inference import generate_with_counts, load_for_inference, locate_model
 
 
 def add_arguments(p) -> None:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import base_identity, disk
-from .errors import ToolkitError
+from ..model import base_identity
+from ..storage import disk
+from ..errors import ToolkitError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The check fails above this max |logit difference|, relative to max(1, the largest |logit|): fp32
@@ -157,7 +158,7 @@ def loaded_base(plan: Plan):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .model import apply_config_overrides
+    from ..model.load import apply_config_overrides
 
     extra = {}
     if plan.overrides:
@@ -219,7 +220,7 @@ def resolve_base(adapter: Path, cfg: dict, override: str | None) -> Path:
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    from .hub import is_hub_id, resolve_model
+    from ..model.hub import is_hub_id, resolve_model
 
     if not is_hub_id(name):
         raise ToolkitError(f"merge: the base {name} ({where}) is not a folder; give the base with --base PATH")
@@ -438,7 +439,7 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> tuple[in
 def grown(plan: Plan, model, tokenizer):
     """With trained token rows (model.add_special_tokens), the base with as many embedding rows as the
     adapter's tokenizer has tokens, as the run trained it (the adapter's rows replace the new ones)."""
-    from .model import fit_vocabulary
+    from ..model.load import fit_vocabulary
 
     if plan.grows:
         fit_vocabulary(model, tokenizer, mean=False)

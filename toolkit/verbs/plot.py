@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from .errors import ToolkitError
+from ..errors import ToolkitError
 
 DEFAULT_COMPARE = "runs-compare.png"
 # (panel title, [(metrics key, matplotlib line style)]), drawn left to right, top to bottom.
