@@ -191,3 +191,14 @@ def test_every_module_lives_in_a_part():
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert top == GROUND | (ENTRY - {""})
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == set(LAYERS) - {"ground", "entry"}
+
+
+def test_exit_codes_are_declared_in_one_table():
+    """Every `EXIT_* = ...` lives in errors.py, and its table describes each code."""
+    declared = {name: [t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+                       if isinstance(t, ast.Name) and t.id.startswith("EXIT_")] for name, tree in modules().items()}
+    assert {name for name, found in declared.items() if found} == {"errors"}
+    from toolkit import errors
+
+    codes = {getattr(errors, n) for n in declared["errors"] if n != "EXIT_CODES"}
+    assert codes == set(errors.EXIT_CODES)

@@ -15,10 +15,9 @@ import sys
 import time
 
 from .config import load_recipe
-from .errors import ToolkitError
+from .errors import EXIT_OK, EXIT_USER_ERROR, ToolkitError
 from .stops import Preemption, TrainingStopped
 
-EXIT_USER_ERROR = 2
 # Verbs that write results: a signal ends them in one line (their partial output removed), exit 75.
 STOP_TEXTS = {"train": "before training started; nothing was trained or saved. Run again to start over",
               "merge": "during merge; nothing was written (its partial folder removed). Run it again",
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             report_user_error(e)
             return EXIT_USER_ERROR
         raise
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

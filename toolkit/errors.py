@@ -1,6 +1,29 @@
-"""The error a user can fix: a recipe, a data file, a path, a launch that does not fit. The CLI
-prints it as one line and exits 2, never with a traceback. Signals and non-finite losses stop a
-run through `stops.TrainingStopped`, with exit codes of their own."""
+"""The error a user can fix, and every exit code the toolkit ends with (the README shows this table).
+
+A `ToolkitError` is a mistake the user can fix: a recipe, a data file, a path, a launch that does not
+fit. The CLI prints it as one line and exits `EXIT_USER_ERROR`, never with a traceback. Signals,
+non-finite losses, saves that do not read back and refused writes stop a run through
+`stops.TrainingStopped` with the codes below."""
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1  # `toolkit doctor`: a check failed (its FAIL lines say which)
+EXIT_USER_ERROR = 2  # a ToolkitError: one line naming the file, key or row; nothing on disk changed
+EXIT_NONFINITE = 3  # train.max_nonfinite_steps steps in a row not applied (loss or gradient not finite)
+EXIT_SAVE_MISMATCH = 4  # a save read back differently from what was written; earlier checkpoints intact
+EXIT_DISK = 74  # EX_IOERR: the file system refused a write; earlier checkpoints are intact
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a signal; the step finished and a checkpoint saved; resume=auto continues
+EXIT_SIGNAL_BASE = 128  # 128 + N: a second signal N more than 2 s after the first aborted at once
+
+EXIT_CODES = {
+    EXIT_OK: "trained (or the verb did what it was asked)",
+    EXIT_CHECK_FAILED: "toolkit doctor: a check failed",
+    EXIT_USER_ERROR: "a mistake you can fix: one line naming the file, key or row; nothing on disk changed",
+    EXIT_NONFINITE: "loss or gradient not finite for train.max_nonfinite_steps steps in a row; last good checkpoint named",
+    EXIT_SAVE_MISMATCH: "a save did not read back as written; it is not marked complete, earlier ones are intact",
+    EXIT_DISK: "the file system refused a write (full, read-only); earlier checkpoints are intact",
+    EXIT_PREEMPTED: "stopped by a signal: the step finished, a checkpoint was saved; resume=auto continues",
+    EXIT_SIGNAL_BASE: "128 + N: a second signal N aborted at once; resume=auto continues from the last checkpoint",
+}
 
 
 class ToolkitError(Exception):

@@ -10,8 +10,7 @@ import signal
 import threading
 import time
 
-EXIT_NONFINITE = 3
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; resume=auto continues from the saved checkpoint
+from .errors import EXIT_PREEMPTED, EXIT_SIGNAL_BASE
 
 
 _ABRUPT = False  # inside Preemption.abrupt(): a process forked now dies with its parent
@@ -184,7 +183,7 @@ class Preemption:
         if self.requested_at is not None and now - self.requested_at > 2.0:
             os.write(2, f"\n{name} again: aborting at once; resume=auto continues from the last checkpoint\n".encode())
             kill_descendants()
-            os._exit(128 + signum)
+            os._exit(EXIT_SIGNAL_BASE + signum)
         if self.requested_at is not None:
             return
         self.requested_at, self.signal_name = now, name

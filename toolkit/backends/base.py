@@ -21,7 +21,8 @@ from . import launch_config
 from ..config import Recipe
 from ..errors import ToolkitError
 from ..stops import TrainingStopped
-from ..storage.verify import EXIT_SAVE_MISMATCH, first_mismatch, inject_corruption, read_back, tree_mismatch
+from ..errors import EXIT_SAVE_MISMATCH
+from ..storage.verify import first_mismatch, inject_corruption, read_back, tree_mismatch
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, by the names torch and DeepSpeed both use

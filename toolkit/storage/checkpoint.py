@@ -30,7 +30,7 @@ from ..errors import ToolkitError
 from .verify import corrupt_checkpoint
 from . import portable
 from ..stops import TrainingStopped
-from .verify import EXIT_SAVE_MISMATCH
+from ..errors import EXIT_SAVE_MISMATCH
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.json"

@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 from .. import faults
+from ..errors import EXIT_DISK
 from ..stops import TrainingStopped
 
-EXIT_DISK = 74  # EX_IOERR: the file system refused a write; earlier checkpoints are intact
 REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
            errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
 TEXTS = {"no space left on device": "no space left on device", "os error 28": "no space left on device",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-EXIT_SAVE_MISMATCH = 4
+from ..errors import EXIT_SAVE_MISMATCH
+
 
 
 def saved_tensors(folder: Path) -> dict[str, tuple[Path, str]]:

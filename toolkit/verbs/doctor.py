@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..backends import deepspeed_config, launch_config
 from ..backends import end_process_group
-from ..errors import ToolkitError
+from ..errors import EXIT_CHECK_FAILED, EXIT_OK, ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")
 OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
@@ -64,7 +64,7 @@ class Report:
             print(f"doctor: {len(self.failed)} of {self.checks} checks FAILED ({', '.join(self.failed)})"
                   f"{'; stopped there' if stopped else ''}" if self.failed else
                   f"doctor: all {self.checks} checks passed", flush=True)
-        return 1 if self.failed else 0
+        return EXIT_CHECK_FAILED if self.failed else EXIT_OK
 
     @contextlib.contextmanager
     def deadline(self, name: str, hint: str = "timeout"):
@@ -85,7 +85,7 @@ class Report:
         if self.rank != 0:  # on another node this may be all there is to read
             print(f"rank {self.rank}: FAIL {name}: {text}", file=sys.stderr, flush=True)
         self.summary(stopped=True)
-        os._exit(1)
+        os._exit(EXIT_CHECK_FAILED)
 
 
 def versions() -> dict[str, str]:
