@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -m "not slow"
 # runs); a single process leaves one of 2 cores idle most of the time. PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup train test data clean constraints gpu-check gpu-wheels docs
+.PHONY: setup train test lint data clean constraints gpu-check gpu-wheels docs
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# ruff at the code's line length (pyproject.toml [tool.ruff]); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check toolkit tests benchmarks examples
 
 # docs/recipe-keys.md from the docstrings of toolkit/config.py (tests/test_config.py keeps the two in sync).
 docs: $(STAMP)

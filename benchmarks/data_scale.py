@@ -285,7 +285,8 @@ def data_config(a, procs: int | None = None):
 
 def run_prep(a) -> dict:
     tok = child_imports(a.model)
-    from toolkit.data.prepare import build_datasets, cache_root
+    from toolkit.data.prepare import build_datasets
+    from toolkit.data.sources import cache_root
 
     cfg = data_config(a, a._procs)
     gc.collect()
@@ -331,7 +332,8 @@ def run_rank(a) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from toolkit.data.prepare import Collator, EpochSampler, build_datasets
+    from toolkit.data.batching import Collator, EpochSampler
+    from toolkit.data.prepare import build_datasets
 
     cfg = data_config(a)
     gc.collect()

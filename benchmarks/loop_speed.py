@@ -183,7 +183,8 @@ def toolkit_steps(work: Path, a):
     optimizer step k. (The toolkit's metrics are checked against these counts.)"""
     sys.path.insert(0, str(ROOT))
     from toolkit.config import load_recipe
-    from toolkit.data.prepare import EpochSampler, build_datasets
+    from toolkit.data.batching import EpochSampler
+    from toolkit.data.prepare import build_datasets
     from toolkit.model.load import build_tokenizer
 
     recipe = load_recipe(work / "recipe.yaml")
@@ -298,7 +299,7 @@ def run_plain_pytorch(work: Path, a) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.data.prepare import Collator
+    from toolkit.data.batching import Collator
 
     torch.manual_seed(SEED)
     device, dtype = device_and_dtype(a)

@@ -102,6 +102,9 @@ class Backend:
     def check_model(self, model, recipe: Recipe) -> None:
         """Refuse, in one line, a model this launch cannot train (right after it is built)."""
 
+    def check_objective(self, objective) -> None:
+        """Refuse an objective this launch cannot train (its `unsplittable()` reason, say)."""
+
     def check_distributed(self) -> None:
         """Several processes started, but accelerate not distributed: each rank would train alone."""
         started, accelerator = launched_world_size(), self.accelerator

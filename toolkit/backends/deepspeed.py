@@ -72,18 +72,18 @@ class DeepSpeed(Backend):
         """Ulysses gives each rank of a sequence group a share of the attention heads."""
         if self.sequence_parallel == 1:
             return
-        from ..training.objectives import for_recipe
-
         sp, config = self.sequence_parallel, model.config.get_text_config()
         heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if heads % sp or not (kv % sp == 0 or sp % kv == 0):
             raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp} but the model has {heads} "
                                f"attention heads and {kv} key/value heads; sp_size must divide the heads (and divide "
                                "or be a multiple of the key/value heads)")
-        if getattr(for_recipe(recipe, model), "router_aux_coef", 0):
-            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp}: the router's "
-                               "load-balancing loss of a mixture-of-experts model is not split across a sequence "
-                               "group; set model.router_aux_loss_coef=0 or remove sp_size")
+
+    def check_objective(self, objective) -> None:
+        """A loss taken on rows split across a sequence group must be a sum over positions."""
+        if self.sequence_parallel > 1 and (why := objective.unsplittable()):
+            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {self.sequence_parallel}: "
+                               f"{why}; or remove sp_size")
 
     def check_adapter(self, token_rows: bool) -> None:
         """peft builds the trained token rows of model.add_special_tokens under ZeRO-3 on a CUDA device

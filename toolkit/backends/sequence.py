@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.prepare import IGNORE
+from ..data.formats import IGNORE
 from ..errors import ToolkitError
 
 

@@ -10,9 +10,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EXIT_SAVE_MISMATCH
-
-
 
 def saved_tensors(folder: Path) -> dict[str, tuple[Path, str]]:
     """Tensor name -> (file, name) over every safetensors file of a saved folder."""

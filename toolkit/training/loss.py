@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ToolkitError
-from ..data.prepare import IGNORE
+from ..data.formats import IGNORE
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False):

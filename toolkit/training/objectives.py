@@ -1,29 +1,78 @@
 """What a batch is trained to do: the loss of a batch and what it is normalised by. The loop asks
-its objective for both and knows nothing else about the loss, so another objective (preference
-pairs, say) is a class here, not branches in the loop.
+its objective through one typed contract, `Objective`, and knows nothing else about the loss, so
+another objective is a class here, not branches in the loop.
 
-An objective gives, for the micro-batches of one optimizer step:
-- `host_counts(micro_batches)`: [units, tokens, squared document lengths] counted on the host
-  before the batches move (no device synchronisation). `units` is what the loss is averaged over
-  across the whole global batch (every micro-batch, every rank): target tokens for `Supervised`.
-- `loss_sum(model, batch)`: the loss summed over the batch's units, a 0-dim tensor that carries
-  the gradient. The loop divides by the global count of units, so every unit weighs the same
-  whatever the accumulation, the number of ranks or the padding.
-- `step_metrics(device)`: this rank's sums of the metrics it logs beside the loss since the last
-  call (summed over ranks and divided by the global units by the loop, in the same reduction).
+Two implement it: `Supervised` (units: target tokens) and `Preference` (units: pairs). The
+contract already has the seam an objective that makes its own batch needs (online RL generates
+completions and scores them before the loss): `step_batches`, called once per optimizer step on the
+micro-batches the loader gave, before anything is counted.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
 import torch
 
 from ..observe import measure
-from ..data.prepare import IGNORE
+from ..data.formats import IGNORE
 from ..errors import ToolkitError
 from .loss import has_router, sequence_index, token_logps, token_loss_sum
 
 
-class Supervised:
+class Objective(ABC):
+    """The contract between the loop and what a batch is trained to do. For the micro-batches of
+    one optimizer step the loop calls, in this order:
+
+    1. `step_batches(model, micro_batches)`: the micro-batches the loss is taken on. The loader's,
+       as they are, for an objective trained on a dataset; an objective that makes its own batch
+       (sampling completions for the loader's prompts, scoring them) returns what it made.
+    2. `host_counts(micro_batches)`: [units, tokens, squared document lengths], counted on the host
+       before the batches move (no device synchronisation). `units` is what the loss is averaged
+       over across the whole global batch (every micro-batch, every rank).
+    3. `loss_sum(model, batch)` per micro-batch: the loss summed over the batch's units, a 0-dim
+       tensor that carries the gradient. The loop divides by the global count of units, so every
+       unit weighs the same whatever the accumulation, the number of ranks or the padding.
+    4. `step_metrics(device)`: this rank's sums of the metrics logged beside the loss since the
+       last call (summed over ranks and divided by the global units in the loss's reduction).
+
+    Evaluation calls `loss_sum` and `units` per eval batch, then `step_metrics`, and reports the
+    metrics named in `eval_metrics`. `describe()` gives the start-of-run lines; `unsplittable()`
+    says why the loss cannot be taken on rows split across ranks (sequence parallelism), if so."""
+
+    unit: ClassVar[str]  # what the loss is a mean over, in words ("target tokens", "pairs")
+    eval_metrics: ClassVar[tuple[str, ...]] = ()  # step metrics that evaluation reports too (eval_<name>)
+
+    def step_batches(self, model, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        return micro_batches
+
+    def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
+        """Units, processed tokens (packed and padding-free rows carry no mask, so their little
+        padding counts too) and the sum of squared document lengths (attention's FLOPs) of one
+        step's host batches."""
+        units = sum(self.units(b) for b in micro_batches)
+        tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                     for b in micro_batches)
+        squared = sum(int(measure.document_lengths(b).pow(2).sum()) for b in micro_batches)
+        return [units, tokens, squared]
+
+    @abstractmethod
+    def units(self, batch: dict[str, torch.Tensor]) -> int: ...
+
+    @abstractmethod
+    def loss_sum(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def step_metrics(self, device) -> dict[str, torch.Tensor]: ...
+
+    def describe(self) -> list[str]:
+        return []
+
+    def unsplittable(self) -> str | None:
+        return None
+
+class Supervised(Objective):
     """Next-token cross-entropy on the target tokens (labels != IGNORE): the responses of chat data,
     the whole text of plain text, as the data settings chose (train.loss picks chunked or full).
     `router_aux_coef` (mixture-of-experts models): the router's load-balancing loss of each
@@ -35,16 +84,6 @@ class Supervised:
     def __init__(self, router_aux_coef: float = 0.0):
         self.router_aux_coef = router_aux_coef
         self.sums: dict[str, torch.Tensor] = {}
-
-    def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
-        """Units (target tokens), processed tokens (packed and padding-free rows carry no mask, so
-        their little padding counts too) and the sum of squared document lengths (attention's
-        FLOPs) of one step's host batches."""
-        targets = sum(self.units(b) for b in micro_batches)
-        tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-                     for b in micro_batches)
-        squared = sum(int(measure.document_lengths(b).pow(2).sum()) for b in micro_batches)
-        return [targets, tokens, squared]
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE).sum())
@@ -64,6 +103,15 @@ class Supervised:
         names = ["aux_loss"] if self.router_aux_coef else []
         return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
                 for name in names}
+
+
+    def describe(self) -> list[str]:
+        return [f"router: load-balancing loss x {self.router_aux_coef:g} added to the training loss (aux_loss)"] \
+            if self.router_aux_coef else []
+
+    def unsplittable(self) -> str | None:
+        return ("the router's load-balancing loss of a mixture-of-experts model is not split across a sequence "
+                "group (set model.router_aux_loss_coef=0)") if self.router_aux_coef else None
 
 
 def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_n: torch.Tensor,
@@ -104,7 +152,7 @@ def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor,
     return losses, beta * c.detach(), beta * r.detach()
 
 
-class Preference:
+class Preference(Objective):
     """A preference loss (`preference_losses`) over pairs: each micro-batch holds its chosen
     sequences first and the rejected ones after them (`Collator(pairs=True)`; rows, or the
     documents of a padding-free row), both in
@@ -115,14 +163,29 @@ class Preference:
     rewards_chosen, rewards_rejected, reward_margin, reward_accuracy (ties count as wrong, as TRL)."""
 
     unit = "pairs"
-    metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+    eval_metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, cfg, adapter=None):
         self.cfg, self.adapter = cfg, adapter
         self.needs_reference = cfg.method == "dpo"
         self.sums: dict[str, torch.Tensor] = {}
 
-    host_counts = Supervised.host_counts  # the same counts, the units being pairs
+    def describe(self) -> list[str]:
+        """What the preference objective is and where DPO's reference comes from."""
+        p = self.cfg
+        knobs = [f"beta {p.beta:g}"] + ([f"loss_type {p.loss_type}"] if p.method == "dpo" else []) \
+            + ([f"gamma {p.gamma:g}"] if p.method == "simpo" else []) \
+            + ([f"label_smoothing {p.label_smoothing:g}"] if p.label_smoothing else [])
+        where = {"adapter": "reference: the model with its LoRA adapter disabled (one more forward per micro-batch, "
+                            "without gradient; no second model)",
+                 "precomputed": "reference: log-probabilities computed once with the starting weights, before step 1, "
+                                "and kept beside the prepared data (no second model)"}
+        return [f"preference: {p.method}, " + ", ".join(knobs)
+                + (f"; {where[p.reference]}" if p.method == "dpo" else "; no reference model")
+                + "; the loss is a mean over pairs"]
+
+    def unsplittable(self) -> str | None:
+        return "a preference pair's log-probabilities are taken on whole sequences, not on rows split across ranks"
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(self.valid(batch).sum())
@@ -158,17 +221,17 @@ class Preference:
                                                      label_smoothing=p.label_smoothing, gamma=p.gamma or 0.0)
         zero = torch.zeros((), device=logps.device, dtype=torch.float64)
         kept = valid.to(torch.float64)
-        for name, value in zip(self.metrics, (chosen, rejected, chosen - rejected, (chosen > rejected))):
+        for name, value in zip(self.eval_metrics, (chosen, rejected, chosen - rejected, (chosen > rejected))):
             self.sums[name] = self.sums.get(name, zero) + (value.double() * kept).sum()
         return torch.where(valid, losses, torch.zeros_like(losses)).sum()
 
     def step_metrics(self, device) -> dict[str, torch.Tensor]:
         sums, self.sums = self.sums, {}
         return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
-                for name in self.metrics}
+                for name in self.eval_metrics}
 
 
-def for_recipe(recipe, model=None) -> Supervised | Preference:
+def for_recipe(recipe, model=None) -> Objective:
     """The recipe's objective for `model` as built (before prepare; after LoRA for a preference
     objective, whose DPO reference may be the model with its adapter disabled): supervised, with
     the router's load-balancing loss as model.router_aux_loss_coef says, or preference."""

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..model import base_identity
 from ..storage import disk
-from ..data.prepare import Collator, EvalShardSampler, Examples
+from ..data.batching import Collator, EvalShardSampler, Examples
 from ..errors import ToolkitError
 from ..model.hub import resolve_model
 from .loss import token_logps

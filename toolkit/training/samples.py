@@ -6,7 +6,7 @@ rank in each forward pass: no rank waits alone."""
 from __future__ import annotations
 
 from ..config import Recipe
-from ..data.prepare import render
+from ..data.tokenize import render
 
 
 class Samples:

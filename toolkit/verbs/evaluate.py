@@ -1,8 +1,8 @@
 """`toolkit eval MODEL_DIR --data FILE`: loss, perplexity and answer accuracy of a model on a data file.
 
-The loss is training's eval loss: rows rendered and labelled by `toolkit.data.tokenize_examples`
+The loss is training's eval loss: rows rendered and labelled by `toolkit.data.tokenize.tokenize_examples`
 (same formats, chat template and response-only labels), batched by `Collator`, and the
-token-weighted mean of next-token cross-entropy over target tokens (`toolkit.loss.token_loss_sum`
+token-weighted mean of next-token cross-entropy over target tokens (`toolkit.training.loss.token_loss_sum`
 summed, divided by the count). So a run's final/ on its eval file gives the eval_loss the run
 logged at its last step. Answers: for rows with a reference (alpaca `output`; messages: the last
 assistant turn, prompted with the turns before it), a greedy answer scored by exact match after
@@ -72,7 +72,7 @@ def run(args) -> int:
         raise ToolkitError(f"--max-seq-len: must be at least 2, got {args.max_seq_len}")
     locate_model(args.model)  # a wrong path fails here, before torch is imported
     from ..config import DataConfig
-    from ..data.prepare import resolve_sources  # (imports torch)
+    from ..data.sources import resolve_sources
 
     source = resolve_sources([args.data], DataConfig(format=args.format or "text"), "--data")[0]
     source.format = args.format or infer_format(source)
@@ -193,7 +193,7 @@ def infer_format(source) -> str:
     """alpaca, messages or text, from the first row's keys (or the file's columns)."""
     import csv
 
-    from ..data.prepare import check_json_lines, is_saved_dataset, load_saved_dataset
+    from ..data.sources import check_json_lines, is_saved_dataset, load_saved_dataset
 
     if source.hub_id:
         from ..model.hub import load_hub_dataset
@@ -237,7 +237,7 @@ def infer_format(source) -> str:
 
 def read_rows(source, cache: Path, limit: int | None):
     """The rows as dicts, and a function naming row i by file and line (JSON lines) or by number."""
-    from ..data.prepare import load_rows
+    from ..data.sources import load_rows
 
     ds = load_rows(source, cache_dir=cache)
     if limit is not None:
@@ -261,7 +261,7 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
     """This rank's rows as training examples, and the questions of those with a reference answer."""
     from jinja2 import TemplateError
 
-    from ..data.prepare import render, tokenize_examples
+    from ..data.tokenize import render, tokenize_examples
 
     examples, questions = [], []
     for i in indices:
@@ -282,7 +282,7 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
 def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
     """{text: what to generate from (specials written out, as training renders it), prompt: the
     question in short, reference: the expected answer}, or None for a row without a reference."""
-    from ..data.prepare import text_value
+    from ..data.tokenize import text_value
 
     if fmt == "alpaca":
         reference = text_value(row, "output")
@@ -292,7 +292,7 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         prompt = " ".join(text_value(row, k, required=False) for k in ("instruction", "input")).strip()
         return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
     if fmt == "messages":
-        from ..data.prepare import chat_messages
+        from ..data.tokenize import chat_messages
 
         messages = chat_messages(row)
         if len(messages) < 2 or messages[-1]["role"] != "assistant" or not isinstance(messages[-1]["content"], str) \
@@ -329,7 +329,8 @@ def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[
     training's batches (right-padded, unpacked) and training's loss function."""
     import torch
 
-    from ..data.prepare import IGNORE, Collator
+    from ..data.batching import Collator
+    from ..data.formats import IGNORE
     from ..training.loss import token_loss_sum, use_token_loss
 
     try:
@@ -357,7 +358,7 @@ def pair_sums(model, tokenizer, examples: list[dict], batch_size: int) -> dict:
     those margins. In training's pair batches and its log-probabilities (`loss.token_logps`)."""
     import torch
 
-    from ..data.prepare import Collator
+    from ..data.batching import Collator
     from ..training.loss import token_logps, use_token_loss
 
     try:

@@ -1,0 +1,12 @@
+"""The vocabulary of the data formats: the label that carries no loss (`IGNORE`), the columns each
+`data.format` needs, the Alpaca prompt templates and ShareGPT's speaker names. Constants only (no
+torch, no datasets), so that any part can import them cheaply."""
+
+IGNORE = -100
+COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",),
+           "preference": ("chosen", "rejected")}  # `prompt` too, unless the conversations carry it (implicit)
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system",
+                  "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool"}

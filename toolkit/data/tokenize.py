@@ -1,0 +1,407 @@
+"""Tokenizing: one source's rows -> examples with response-only labels, in Arrow (`tokenize_source`).
+
+Each row is rendered to text (`render`: the Alpaca template, the tokenizer's chat template, plain
+text, or a preference pair's two completions) with the character spans that carry loss, encoded
+and labelled. Every example has `input_ids` and `labels` of equal length; `labels` is -100
+(`IGNORE`) wherever no loss is taken (the prompt, by default, and always the first token of a
+document, which nothing predicts). Overlong rows are truncated or dropped (data.overlong); rows
+left without a target token are dropped under the EMPTY_ROWS_TOLERATED rule."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import faults
+from ..config import DataConfig
+from ..errors import ToolkitError
+from .formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, IGNORE, SHAREGPT_ROLES
+from .sources import Source, load_rows
+
+EMPTY_ROWS_TOLERATED = 0.01
+"""Rows left without a target token (an empty response, or a prompt that fills max_seq_len) are
+dropped with a warning while they are at most this share of their file; more is an error."""
+ROWS_PER_PROCESS = 1000  # fewer rows than this per tokenizing process is not worth a process
+ENCODE_ROWS = 256  # rows per tokenizer call
+MAP_BATCH_ROWS = 1000  # rows per Arrow record batch (each costs a rank its header page when it opens the file)
+
+
+def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_proc: int, report: "Report",
+                    cache_file: Path):
+    """One source tokenized into Arrow, overlong rows truncated or dropped, rows left without a
+    target dropped (an error when they are more than EMPTY_ROWS_TOLERATED of the source)."""
+
+    import datasets
+    from jinja2 import TemplateError
+
+    ds = load_rows(source)
+    procs = max(1, min(num_proc, math.ceil(len(ds) / ROWS_PER_PROCESS)))
+    datasets.enable_progress_bars()  # the one bar worth showing; only the preparing process runs this
+    threads = os.environ.get("TOKENIZERS_PARALLELISM")
+    if procs > 1 and threads is None:  # num_proc processes of one core each, not num_proc x cores threads
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    faults.at("data")
+    try:
+        tokenized = ds.map(_tokenize_batch, batched=True, with_indices=True, batch_size=MAP_BATCH_ROWS,
+                           remove_columns=ds.column_names,
+                           features=_features(source.format), num_proc=procs if procs > 1 else None,
+                           cache_file_name=str(cache_file), new_fingerprint=cache_file.stem,
+                           fn_kwargs=dict(fmt=source.format, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
+                                          train_on_prompt=cfg.train_on_prompt, source=index),
+                           desc=f"tokenizing {Path(source.name).name}")
+    except ToolkitError as e:
+        raise ToolkitError(f"{source.name}: {e}") from None
+    except (KeyError, TypeError, AttributeError, TemplateError) as e:
+        raise ToolkitError(f"{source.name}: a row does not fit data.format={source.format} "
+                           f"({type(e).__name__}: {e})") from None
+    finally:
+        datasets.disable_progress_bars()
+        if procs > 1 and threads is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length", "missing",
+                                     "row"]).with_format("numpy")[:]
+    row_of = cols["row"] + 1  # an example's row in the file (a chat may give several examples: render)
+    n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
+    all_targets = (n_targets == cols["length"] - 1) & (n_targets > 0)
+    if source.format != "text" and not cfg.train_on_prompt and all_targets.mean() > 0.5:
+        # A prompt format whose prompts carry no tokens: the chat template dropped them (or a field is empty).
+        raise ToolkitError(f"{source.name}: row {int(row_of[np.flatnonzero(all_targets)[0]])}: every token is a target in "
+                           f"{int(all_targets.sum())} of {len(tokenized)} rows, although data.format={source.format} "
+                           "trains on responses only; the tokenizer's chat template probably renders no prompt "
+                           "(or data.train_on_prompt=true was meant)")
+    overlong = full_length > cfg.max_seq_len
+    keep = np.ones(len(tokenized), dtype=bool)
+    if cfg.overlong == "drop":
+        keep &= ~overlong
+        report.dropped_overlong += int(overlong.sum())
+        report.targets_lost += int(full_targets[overlong].sum())
+    else:
+        report.truncated += int(overlong.sum())
+        report.targets_lost += int((full_targets - n_targets)[overlong].sum())
+    empty = keep & (n_targets == 0)
+    if empty.any():
+        i = int(np.flatnonzero(empty)[0])
+        reason = (cols["missing"][i] if cols["missing"][i] else
+                  f"the prompt fills data.max_seq_len={cfg.max_seq_len}" if full_targets[i] > 0
+                  else "it has no response tokens")
+        where = f"{source.name}: row {int(row_of[i])}: no target tokens left ({reason})"
+        if empty.sum() > EMPTY_ROWS_TOLERATED * len(tokenized):
+            raise ToolkitError(f"{where}; {int(empty.sum())} of {len(tokenized)} rows affected "
+                               f"(more than {EMPTY_ROWS_TOLERATED:.0%})")
+        report.warnings.append(f"{where}; dropped {int(empty.sum())} such row(s) of {len(tokenized)}")
+        report.dropped_empty += int(empty.sum())
+        keep &= ~empty
+    report.rows += len(tokenized)
+    if len(tokenized) > len(ds):
+        report.warnings.append(f"{source.name}: {len(ds)} rows gave {len(tokenized)} examples: the chat template "
+                               "renders earlier assistant turns differently once later turns follow (as Qwen3 drops "
+                               "earlier <think> blocks), so each turn is trained as rendered at its point")
+    if not keep.any():
+        raise ToolkitError(f"{source.name}: no rows left after dropping overlong rows (data.overlong=drop)")
+    return tokenized, np.flatnonzero(keep)
+
+
+@dataclass
+class Report:
+    """What preparation did, for the start-of-run `data:` lines (kept beside the prepared data)."""
+    rows: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_empty: int = 0
+    targets_lost: int = 0
+    seconds: float = 0.0
+    num_proc: int = 1
+    counts: dict = field(default_factory=dict)  # per part: examples, tokens, targets (so no rank scans the columns)
+    warnings: list = field(default_factory=list)
+    lines: list = field(default_factory=list)
+
+
+def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool,
+                    source: int) -> dict:
+    """`datasets.map` function: a batch of rows rendered, encoded in one call, and labelled."""
+    from jinja2 import TemplateError
+
+    rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
+    out = []
+    missing = {}  # row within this batch -> the null field (the row becomes a placeholder without targets)
+
+    def rendered_row(k) -> list:
+        try:
+            return render(rows[k], fmt, tokenizer)
+        except MissingField as e:
+            missing[k] = str(e)
+            return [("", [], True)] * (2 if fmt == "preference" else 1)
+        except ToolkitError as e:
+            raise ToolkitError(f"row {indices[k] + 1}: {e}") from None
+        except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
+            raise ToolkitError(f"row {indices[k] + 1} does not fit data.format={fmt} ({type(e).__name__}: {e})") from None
+
+    placeholder_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time
+        rendered = [(k, r) for k in range(start, min(start + ENCODE_ROWS, len(rows))) for r in rendered_row(k)]
+        enc = tokenizer([r[0] for _, r in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                        truncation=False)
+        for (k, r), i, o in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+            if k in missing:  # one token, no target: dropped below by the rule for rows without targets
+                i, o = [placeholder_id], [(0, 0)]
+            out.append(_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt))
+            out[-1]["missing"] = missing.get(k, "")
+            out[-1]["row"] = indices[k]
+            if k in missing:
+                out[-1].update(n_targets=0, full_targets=0, labels=np.full(1, IGNORE, dtype=np.int32))
+        del rendered, enc
+    if fmt == "preference":
+        out = [pair(chosen, rejected) for chosen, rejected in zip(out[::2], out[1::2])]
+    columns = {k: [o[k] for o in out] for k in out[0]}
+    columns["source"] = [source] * len(out)
+    return columns
+
+
+def _features(fmt: str = "text"):
+    from datasets import Features, Sequence, Value
+
+    pairs = {"rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32"))}
+    return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
+                     **(pairs if fmt == "preference" else {}),
+                     "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
+                     "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
+                     "row": Value("int32")})
+
+
+class MissingField(ToolkitError):
+    """A row whose required field is null or absent (or that cannot train for another `reason`: a
+    preference pair whose completions are empty or identical): dropped under the
+    EMPTY_ROWS_TOLERATED rule (in training), refused by file and row otherwise. `field` names it
+    (`output`, `messages[2].content`)."""
+
+    def __init__(self, field: str, reason: str = "is null or missing"):
+        super().__init__(f"{field} {reason}")
+        self.field = field
+
+
+def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """The examples of one row: (text, the character spans that carry loss, whether the text already
+    holds its own BOS; alpaca and chat templates write it, plain text gets it added). Every value
+    reaches the text as the user wrote it (text_value, chat_messages). One example per row, except a
+    chat whose template renders an earlier assistant turn differently once later turns follow (Qwen3
+    drops the <think> block of turns before the last user message): each assistant turn is then
+    trained as the template renders it at that point of the conversation, in as few examples as
+    that allows (chat_examples)."""
+    if fmt == "alpaca":
+        instruction, output = text_value(row, "instruction"), text_value(row, "output")
+        inp = text_value(row, "input", required=False)
+        template = ALPACA_PROMPT_WITH_INPUT if inp != "" else ALPACA_PROMPT
+        prompt = (tokenizer.bos_token or "") + template.format(instruction=instruction, input=inp)
+        text = prompt + output + tokenizer.eos_token
+        return [(text, [(len(prompt), len(text))], True)]
+    if fmt == "text":
+        return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
+    if fmt == "preference":
+        return preference_examples(row, tokenizer)
+    return chat_examples(chat_messages(row), row.get("tools") or None, tokenizer)
+
+
+def text_value(row: dict, key: str, required: bool = True) -> str:
+    """A text field exactly as the user wrote it: a string as it is; an integer (JSON and Parquet
+    write integers one way only) as its digits; null or absent: MissingField when required, else
+    "". Anything else (a float, true/false, a list) would not train as written: refused."""
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise MissingField(key)
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    kind = {bool: "true/false", float: "a number"}.get(type(value), type(value).__name__)
+    raise ToolkitError(f"{key} is {kind} ({value!r}), not text; write it as a string in quotes so that it trains "
+                       "exactly as written")
+
+
+def chat_messages(row: dict) -> list[dict]:
+    """A conversation's messages as the template will see them, checked: a list of mappings with a
+    string role, at least one assistant turn, and text (or, for an assistant turn with tool calls,
+    nothing) as content. Null or empty: MissingField."""
+    messages = row.get("messages")
+    if messages is None and "conversations" in row:  # ShareGPT: {"from": "human", "value": ...}
+        messages = sharegpt_messages(row["conversations"])
+    if not messages:
+        raise MissingField("messages")
+    if not isinstance(messages, list):
+        raise ToolkitError(f"messages is {type(messages).__name__}, not a list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ToolkitError(f"messages[{i}] is not a message with a role ({m!r:.80})")
+        content = m.get("content")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise MissingField(f"messages[{i}].content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ToolkitError(f"messages[{i}].content is {type(content).__name__} ({content!r:.40}), not text")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MissingField("an assistant message")
+    return messages
+
+
+def sharegpt_messages(turns) -> list[dict] | None:
+    """ShareGPT `conversations` (`from`/`value`) as chat messages (`role`/`content`)."""
+    if not turns:
+        return None
+    if not isinstance(turns, list):
+        raise ToolkitError(f"conversations is {type(turns).__name__}, not a list of turns")
+    messages = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t:
+            raise ToolkitError(f"conversations[{i}] has no `from` ({t!r:.80})")
+        role = SHAREGPT_ROLES.get(str(t["from"]).lower())
+        if role is None:
+            raise ToolkitError(f"conversations[{i}]: unknown speaker from={t['from']!r} (known: "
+                               f"{', '.join(sorted(SHAREGPT_ROLES))})")
+        messages.append({"role": role, "content": t.get("value")})
+    return messages
+
+
+def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """A preference row as its two examples, prompt + chosen and prompt + rejected, each with its
+    completion as the span that carries loss (TRL's standard and conversational formats).
+    Text: the completions get eos (unless they end with it), and BOS is added as for `text`.
+    Chat: the prompt is the template's rendering with the generation prompt, each completion what
+    the template adds after it (where the prompt alone renders differently, the text both share).
+    A row without `prompt` whose chosen and rejected conversations open alike has those turns as
+    its prompt. Empty or identical completions: MissingField (the 1% rule)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if chosen is None or rejected is None:
+        raise MissingField("chosen" if chosen is None else "rejected")
+    chat = isinstance(chosen, list)
+    if chat != isinstance(rejected, list):
+        raise ToolkitError("chosen and rejected must both be text or both be lists of chat messages")
+    if chat:
+        prompt = row.get("prompt")
+        if prompt is None and "prompt" not in row:  # implicit prompt: the turns both conversations open with
+            shared = 0
+            while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+                shared += 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if prompt is None:
+            raise MissingField("prompt")
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        for name, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not turns:
+                raise MissingField(name, "is empty")
+            chat_messages({"messages": turns + ([{"role": "assistant", "content": ""}] if name == "prompt" else [])})
+        need_chat_template(tokenizer, "preference pairs written as chat messages")
+        tools = row.get("tools") or None
+        before = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+        texts = [tokenizer.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
+                 for turns in (chosen, rejected)]
+        cut = min(len(os.path.commonprefix([before, t])) for t in texts)
+        completions = [t[cut:] for t in texts]
+        empty = [not "".join(str(m.get("content") or "") for m in turns).strip() and not any(
+            m.get("tool_calls") for m in turns) for turns in (chosen, rejected)]
+        has_specials = True
+    else:
+        prompt = text_value(row, "prompt")
+        completions = [text_value(row, name) for name in ("chosen", "rejected")]
+        empty = [not c.strip() for c in completions]
+        eos = tokenizer.eos_token or ""
+        completions = [c if c.endswith(eos) else c + eos for c in completions]
+        texts, cut, has_specials = [prompt + c for c in completions], len(prompt), False
+    for name, is_empty in zip(("chosen", "rejected"), empty):
+        if is_empty:
+            raise MissingField(name, "is empty")
+    if completions[0] == completions[1]:
+        raise MissingField("chosen", "is identical to rejected")
+    return [(t, [(cut, len(t))], has_specials) for t in texts]
+
+
+def need_chat_template(tokenizer, what: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ToolkitError(f"{what} render through the tokenizer's chat template, and this tokenizer has none "
+                           "(no chat_template in its tokenizer_config.json or chat_template.jinja); use a model "
+                           "that has one, or data.format=alpaca or text")
+
+
+def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """Assistant turn i carries loss on what the template adds between the conversation up to its
+    prompt (add_generation_prompt) and the conversation up to and including it. When every such
+    rendering is a prefix of the whole conversation's, one example holds them all. Otherwise (the
+    template rewrote earlier turns), the last turn's rendering is an example with every turn it
+    renders alike, and so on backwards with the turns left; `tools` (function schemas) go to every
+    rendering."""
+    need_chat_template(tokenizer, "chat messages")
+    turns = []  # (end of prompt, end of turn, rendering up to the turn's end)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:  # an opening assistant turn (a greeting) answers nothing: context
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
+        if not upto.startswith(before):
+            raise ToolkitError("data.format=messages: the tokenizer's chat template does not render turns "
+                               "as prefixes of each other, so assistant turns cannot be located")
+        turns.append((len(before), len(upto), upto))
+    whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    if all(whole.startswith(upto) for _, _, upto in turns):
+        return [(whole, [(a, b) for a, b, _ in turns], True)]
+    examples = []
+    while turns:
+        text = turns[-1][2]
+        alike = [t for t in turns if text.startswith(t[2])]
+        examples.append((text, [(a, b) for a, b, _ in alike], True))
+        turns = [t for t in turns if t not in alike]
+    return examples[::-1]
+
+
+def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_seq_len, train_on_prompt) -> dict:
+    """Labels: a token is a target when its first character lies inside a span that carries loss."""
+    ids = np.asarray(enc_ids, dtype=np.int64)
+    starts = np.asarray([a for a, _ in offsets], dtype=np.int64)
+    if fmt in ("text", "preference") and tokenizer.bos_token_id is not None and not has_specials:
+        ids, starts = np.concatenate([[tokenizer.bos_token_id], ids]), np.concatenate([[0], starts])
+    if fmt == "text" or train_on_prompt:
+        target = np.ones(len(ids), dtype=bool)
+    else:
+        bounds = np.asarray(spans, dtype=np.int64).reshape(-1)  # [s0, e0, s1, e1, ...], ascending
+        target = np.searchsorted(bounds, starts, side="right") % 2 == 1  # inside some [s, e)
+    full_targets = int(target[1:].sum())
+    full_length = len(ids)
+    ids, target = ids[:max_seq_len], target[:max_seq_len].copy()
+    target[0] = False  # nothing predicts a document's first token
+    labels = np.where(target, ids, IGNORE)  # numpy, not lists: datasets writes a list of arrays in one copy
+    return {"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int32), "n_targets": int(target.sum()),
+            "full_targets": full_targets, "length": len(ids), "full_length": full_length}
+
+
+def pair(chosen: dict, rejected: dict) -> dict:
+    """A preference row's two examples as one: the chosen one's columns, `rejected_input_ids` and
+    `rejected_labels`; its counts those of both (its targets 0 when either completion has none, so
+    that the rules for rows without targets drop the pair), its full length the longer one's (so
+    the pair is overlong when either is)."""
+    both = chosen["n_targets"] > 0 and rejected["n_targets"] > 0
+    return {**chosen, "rejected_input_ids": rejected["input_ids"], "rejected_labels": rejected["labels"],
+            "n_targets": chosen["n_targets"] + rejected["n_targets"] if both else 0,
+            "full_targets": chosen["full_targets"] + rejected["full_targets"],
+            "length": chosen["length"] + rejected["length"],
+            "full_length": max(chosen["full_length"], rejected["full_length"])}
+
+
+def tokenize_examples(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool) -> list[dict]:
+    """A row's examples (one, or one per group of chat turns: render) as `input_ids`/`labels`
+    (truncated to max_seq_len) with their target and length counts."""
+    out = []
+    for text, spans, has_specials in render(row, fmt, tokenizer):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
+        ex = _example(text, spans, has_specials, enc["input_ids"], enc["offset_mapping"], fmt, tokenizer,
+                      max_seq_len, train_on_prompt)
+        out.append({**ex, "input_ids": ex["input_ids"].tolist(), "labels": ex["labels"].tolist()})
+    return out
+
+
+def tokenize_example(row: dict, fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool) -> dict:
+    """The example of a row that gives one (every alpaca and text row; chats of most templates)."""
+    (example,) = tokenize_examples(row, fmt, tokenizer, max_seq_len, train_on_prompt)
+    return example

@@ -1,0 +1,305 @@
+"""`build`: everything the recipe asks for, checked, prepared and resumed, as the `Run` that `fit`
+trains. It reads as its list of stages; each stage is a function below it, in call order, that takes
+what it needs and returns what it made. Every check that can refuse the run comes before anything on
+disk changes; an earlier run that `overwrite` replaces is removed only at the end, just before step 1.
+Each backend hook runs in the stage where what it checks exists: `check_model` on the built model,
+`check_adapter`/`adapted` around LoRA, `check_objective` on the objective, `check_prepared` after
+prepare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .. import backends, faults
+from ..config import ModelConfig, Recipe
+from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
+from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
+from ..backends.sizing import count_model
+from ..errors import ToolkitError
+from ..model import activations
+from ..model.hub import is_hub_id
+from ..model.load import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
+                          count_parameters, fit_vocabulary, isolation_probe, token_rows)
+from ..observe import measure
+from ..observe.monitor import Monitor
+from ..observe.watchdog import Watchdog
+from ..stops import Preemption
+from ..storage import checkpoint, disk, run_folder
+from . import objectives, reference
+from .loop import Run
+from .loss import use_token_loss
+from .samples import Samples
+from .summary import run_summary
+
+
+def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
+          lock: run_folder.RunLock) -> tuple[Run, Any]:
+    """(the run, its tokenizer): the run folder opened (or resumed), the model, objective, data,
+    loaders, optimizer and scheduler made, prepared by accelerate, and the monitor started."""
+    from accelerate.utils import set_seed
+
+    accelerator, log = backend.accelerator, backend.accelerator.print
+    resume_from = run_folder.open_run(accelerator, recipe, lock)
+    set_seed(recipe.seed)  # same initial weights on every rank and every backend
+    tokenizer = build_tokenizer(recipe.model)
+    samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
+    built = setup_model(backend, recipe, tokenizer, log)
+    objective = setup_objective(backend, recipe, built.model, log)
+    data = setup_data(recipe, tokenizer, built.packing, accelerator, preemption, lock, log)
+    loaders = setup_loaders(backend, recipe, data, tokenizer, built)
+    state = setup_state(backend, recipe, data, loaders, resume_from)
+    optimizer, scheduler, ds_config = setup_optimizer(backend, built.model, recipe, loaders.total_steps)
+    train_loader = backend.prepare_train_loader(loaders.train)  # the loop moves batches itself, after counting
+    faults.at("prepare")
+    model, optimizer, scheduler = accelerator.prepare(built.model, optimizer, scheduler)
+    backend.check_prepared(model)
+    if recipe.preference.reference == "precomputed":  # with the starting weights, before any resume loads others
+        for line in reference.precompute(accelerator, model, {"train": data.train, "eval": data.eval}, data.folder,
+                                         reference.weights_key(recipe), loaders.eval_batch, loaders.collate):
+            log(f"reference: {line}")
+    if resume_from is not None:
+        state = run_folder.resume(backend, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
+        loaders.sampler.resume_at(*state.data_position)
+    open_run_folder(backend, recipe, ds_config, state, resume_from, loaders, built, tokenizer, len(data.eval))
+    monitor, speed = setup_monitor(accelerator, recipe, state, built.flops, loaders.total_steps)
+    return Run(backend=backend, accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer,
+               scheduler=scheduler, train_loader=train_loader, eval_loader=loaders.eval, sampler=loaders.sampler,
+               state=state, total_steps=loaders.total_steps, out=Path(recipe.output_dir), objective=objective,
+               monitor=monitor, preemption=preemption, samples=samples, speed=speed,
+               offload=activations.offload(recipe.model.activation_offload)), tokenizer
+
+
+@dataclass
+class BuiltModel:
+    """The model as `setup_model` made it (before prepare), and what its making decided."""
+    model: Any
+    config: ModelConfig  # the recipe's, with the attention the data needs
+    flops: measure.Flops
+    packing: bool  # false where the model lets packed documents attend to each other
+    padding_free: bool
+    preset_base: tuple[Any, dict] | None  # (config, weights) of a preset's base, saved beside a LoRA run
+
+
+def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> BuiltModel:
+    """The model in the run's dtype: attention, tiled MLPs, vocabulary, loss in the forward, packing
+    isolation, LoRA and compile, each said in a start-of-run line."""
+    t, model_cfg, out = recipe.train, recipe.model, Path(recipe.output_dir)
+    split = backend.sequence_parallel > 1  # each row split across that many ranks (backends/sequence.py)
+    if model_cfg.attn_implementation == "sdpa" and (recipe.data.padding_free or (split and recipe.data.packing)):
+        # sdpa would build a dense mask over the micro-batch, and a split row's attention takes no mask
+        model_cfg = dataclasses.replace(model_cfg, attn_implementation="varlen")
+        log("attention: varlen (" + ("data.padding_free; sdpa would mask the whole micro-batch)" if not split else
+                                     "packed documents split across ranks; sequence-parallel attention takes no mask)"))
+    faults.at("model")
+    model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    backend.check_model(model, recipe)
+    if recipe.model.tiled_mlp:
+        row = longest_row(recipe)
+        tiles, mlps = activations.tile_mlps(model, row)
+        log(f"tiled MLP: each of {mlps} MLPs runs as {tiles} tiles of at most {-(-row // tiles)} positions")
+    added = fit_vocabulary(model, tokenizer, backend.full_shape)
+    rows = token_rows(model, tokenizer, recipe.model.add_special_tokens, added, backend.full_shape)
+    if recipe.model.add_special_tokens:
+        log(f"vocabulary: {len(tokenizer)} tokens with model.add_special_tokens; "
+            + (f"embeddings grown by {added} rows (mean-initialised, trained)" if added else
+               "the model's spare embedding rows hold them")
+            + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
+               if recipe.lora.enabled else ""))
+    flops = measure.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
+                             extra_forwards=int(recipe.preference.reference == "adapter"))
+    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))  # in the forward, where every backend has whole weights
+    packing, padding_free = recipe.data.packing, recipe.data.padding_free
+    if (packing or padding_free) and not packing_is_isolated(
+            isolation_probe(model, backend.partitioned_before_prepare(model))):
+        log("warning: this model lets packed documents attend to each other; padding instead of "
+            + ("packing" if packing else "data.padding_free"))
+        packing = padding_free = False
+    preset_base = None
+    if recipe.lora.enabled:
+        if recipe.model.preset is not None:
+            # A preset has no folder of its own: its weights are saved beside the run (open_run_folder)
+            # so that the adapter in final/ loads with plain peft.
+            preset_base = (model.config, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        model = setup_lora(backend, recipe, model, rows, out)
+    if t.compile:
+        backend.check_compile(recipe)
+        log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
+    trainable, total = count_parameters(model)
+    log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    if recipe.lora.enabled:
+        coverage, warning = adapter_coverage(model, backend.full_shape)
+        log(f"lora: {coverage}")
+        if warning:
+            log(f"warning: {warning}")
+    if backend.accelerator.is_main_process and (warning := run_folder.check_free_space(out, recipe, trainable, total)):
+        log(f"warning: {warning}")
+    return BuiltModel(model, model_cfg, flops, packing, padding_free, preset_base)
+
+
+def setup_lora(backend: backends.Backend, recipe: Recipe, model, rows: list[int], out: Path):
+    """The peft model, its adapter seeded alike on every backend, pointing at the base it belongs to."""
+    from accelerate.utils import set_seed
+
+    backend.check_adapter(bool(rows))
+    # The adapter's first weights must not depend on what building drew: under ZeRO-3's
+    # zero.Init on a GPU the load draws from the CUDA generator and the isolation probe builds a
+    # small model, so the CPU generator stood elsewhere than in a plain run (H100, 2026-11-26:
+    # lora_A 0.27 apart between one process and ZeRO-3).
+    set_seed(recipe.seed)
+    model = apply_lora(model, recipe.lora, rows)
+    backend.adapted(model)
+    if recipe.model.preset is not None:
+        model.peft_config["default"].base_model_name_or_path = str((out / "base-model").resolve())
+    elif not is_hub_id(recipe.model.path):  # absolute: the adapter loads from any working directory
+        model.peft_config["default"].base_model_name_or_path = str(Path(recipe.model.path).resolve())
+    return model
+
+
+def setup_objective(backend: backends.Backend, recipe: Recipe, model, log) -> objectives.Objective:
+    """The recipe's objective for the built model (after LoRA: DPO's reference may be the model with
+    its adapter disabled), checked by the backend and said at the start of the run."""
+    objective = objectives.for_recipe(recipe, model)
+    backend.check_objective(objective)
+    for line in objective.describe():
+        log(line)
+    return objective
+
+
+def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption: Preemption,
+               lock: run_folder.RunLock, log) -> Datasets:
+    """The prepared train and eval data, with what preparing found said, and the label audit of the
+    first row (what the loss is taken on, before an hour is spent on it)."""
+    # The main process of each node prepares the data; the others wait on the file system, not in a
+    # collective that a long tokenization could time out.
+    with preemption.abrupt(lock.release, remove_partial_data):  # a signal while datasets' workers tokenize
+        data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process)
+    for line in data.lines:
+        log(f"data: {line}")
+    for line in data.warnings:
+        log(f"warning: {line}")
+    if accelerator.is_main_process:
+        log(f"data: {label_audit(data.train[0], tokenizer)}")
+    return data
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    eval: DataLoader
+    sampler: EpochSampler
+    collate: Collator
+    eval_batch: int
+    global_batch: int
+    total_steps: int
+
+
+def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tokenizer, built: BuiltModel) -> Loaders:
+    """The train loader (a seeded epoch sampler over global batches) and the eval loader (each rank a
+    disjoint share), and the run's number of optimizer steps."""
+    t, accelerator = recipe.train, backend.accelerator
+    world, (_, ranks) = accelerator.num_processes, backend.data_parallel()  # ranks that see different rows
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * ranks
+    sampler = EpochSampler(len(data.train), global_batch, recipe.seed)
+    if sampler.steps_per_epoch == 0:
+        raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
+                           f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {ranks} "
+                           + ("processes)" if ranks == world else f"data-parallel ranks of {world} processes)"))
+    collate = Collator(tokenizer.pad_token_id, packed=built.packing, padding_free=built.padding_free,
+                       bounds=built.config.attn_implementation == "varlen", pairs=data.train.pairs,
+                       multiple=backend.sequence_parallel)
+    # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
+    # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
+    train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
+                              drop_last=True, generator=torch.Generator().manual_seed(recipe.seed),
+                              pin_memory=accelerator.device.type == "cuda")
+    # At most one rank's share of the eval rows: a larger batch is the same one forward, without padding to it.
+    eval_batch = min(t.eval_batch_size or t.micro_batch_size, max(1, math.ceil(len(data.eval) / world)))
+    eval_loader = DataLoader(data.eval, batch_size=eval_batch, collate_fn=collate,
+                             sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
+                             generator=torch.Generator().manual_seed(recipe.seed))
+    total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch
+    if t.warmup_steps > total_steps:  # max_steps was checked at load; epochs give their steps only now
+        raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer steps "
+                           f"that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch {global_batch})")
+    return Loaders(train_loader, eval_loader, sampler, collate, eval_batch, global_batch, total_steps)
+
+
+def setup_state(backend: backends.Backend, recipe: Recipe, data: Datasets, loaders: Loaders,
+                resume_from: Path | None) -> checkpoint.TrainerState:
+    """The training state at step 0; a checkpoint this launch cannot continue is refused now, before any work."""
+    state = checkpoint.TrainerState(world_size=backend.accelerator.num_processes, global_batch=loaders.global_batch,
+                                    launch=backend.kind, data_fingerprint=data.train_fingerprint,
+                                    recipe=run_folder.learning_relevant(recipe), layout=backend.layout())
+    if resume_from is not None:
+        run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
+    return state
+
+
+def setup_optimizer(backend: backends.Backend, model, recipe: Recipe, total_steps: int):
+    """(optimizer, scheduler, the resolved DeepSpeed config or None): the backend's, or a DeepSpeed JSON's own."""
+    t = recipe.train
+    optimizer = backend.make_optimizer(backend.param_groups(model, t.weight_decay), recipe)
+    scheduler = backend.make_scheduler(optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
+                                       total_steps, t.warmup_steps)
+    return optimizer, scheduler, backend.finalize_config(model, recipe, total_steps)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """LR multiplier for the i-th optimizer step (i from 0): linear warmup, then cosine decay."""
+
+    def factor(i: int) -> float:
+        if i < warmup_steps:
+            return (i + 1) / warmup_steps
+        progress = min(1.0, (i - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def open_run_folder(backend: backends.Backend, recipe: Recipe, ds_config, state: checkpoint.TrainerState,
+                    resume_from: Path | None, loaders: Loaders, built: BuiltModel, tokenizer, eval_rows: int) -> None:
+    """The start-of-run summary said and recorded in the run folder (where `overwrite` removes the
+    earlier run's results, the last thing before step 1), a preset's base saved beside a LoRA run,
+    and the trackers started."""
+    accelerator, out = backend.accelerator, Path(recipe.output_dir)
+    summary = run_summary(recipe, backend, ds_config, rows=len(loaders.train.dataset), eval_rows=eval_rows,
+                          steps_per_epoch=loaders.sampler.steps_per_epoch, total_steps=loaders.total_steps)
+    if accelerator.is_main_process:
+        for line in summary:
+            print(line if line.startswith("warning: ") else f"run: {line}", file=sys.stderr)
+        with disk.writing("output_dir", out, remove=False, error=ToolkitError):
+            removed = run_folder.record_launch(recipe, state, ds_config, resume_from, summary)
+        if removed:
+            accelerator.print(f"overwrite: removed the earlier run's {', '.join(removed)} from {out}")
+        if built.preset_base is not None:
+            run_folder.save_preset_base(*built.preset_base, tokenizer, out / "base-model")
+    accelerator.wait_for_everyone()
+    start_trackers(accelerator, recipe)  # after the overwrite: TensorBoard writes into output_dir
+
+
+def start_trackers(accelerator, recipe: Recipe) -> None:
+    """train.report_to: TensorBoard / W&B through accelerate, the recipe as hyperparameters."""
+    if recipe.train.report_to:
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                for k, v in run_folder.flat_recipe(recipe).items()}
+        accelerator.init_trackers(Path(recipe.output_dir).resolve().name, config=flat)
+
+
+def setup_monitor(accelerator, recipe: Recipe, state: checkpoint.TrainerState, flops: measure.Flops,
+                  total_steps: int) -> tuple[Monitor, measure.Throughput]:
+    """The watchdog behind the monitor, and the throughput and MFU of each step."""
+    t, out, world = recipe.train, Path(recipe.output_dir), accelerator.num_processes
+    watchdog = Watchdog(out, accelerator.process_index, world, accelerator.is_main_process, t.watchdog_seconds,
+                        t.watchdog)
+    monitor = Monitor(accelerator, out, watchdog, t.profile_steps, first_step=state.step + 1)
+    speed = measure.Throughput(flops, measure.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
+    return monitor, speed
