@@ -12,7 +12,10 @@ from torch.utils.data import DataLoader
 from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import DataConfig, DataSource
 from toolkit.errors import ToolkitError
-from toolkit.data.prepare import Collator, EpochSampler, build_datasets, cache_root, tokenize_example
+from toolkit.data.batching import Collator, EpochSampler
+from toolkit.data.prepare import build_datasets
+from toolkit.data.sources import cache_root
+from toolkit.data.tokenize import tokenize_example
 from toolkit.model.load import build_byte_tokenizer
 
 

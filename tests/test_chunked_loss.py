@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import ROOT
 from toolkit.config import ConfigError, LoraConfig, ModelConfig, load_recipe
 from toolkit.errors import ToolkitError
-from toolkit.data.prepare import IGNORE
+from toolkit.data.formats import IGNORE
 from toolkit.training.loss import token_loss_sum, use_token_loss
 from toolkit.model.load import PRESETS, apply_lora, build_model
 from toolkit.storage.run_folder import learning_relevant
@@ -245,7 +245,7 @@ def test_per_document_log_probabilities_in_a_padding_free_row(kind):
     """The rows of `batch()` without their padding, concatenated into one padding-free row with
     `position_ids` restarting at each: `token_logps` gives each document what it gave each padded
     row (sums within 1e-5, the same counts), so a preference pair may sit in one row."""
-    from toolkit.data.prepare import Collator
+    from toolkit.data.batching import Collator
     from toolkit.training.loss import token_logps
 
     model = tiny_llama()

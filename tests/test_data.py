@@ -6,7 +6,10 @@ import torch
 from helpers import write_jsonl
 from toolkit.config import DataConfig, ModelConfig
 from toolkit.errors import ToolkitError
-from toolkit.data.prepare import (IGNORE, Collator, Examples, _bins_dataset, build_datasets, packing_is_isolated, tokenize_example)
+from toolkit.data.batching import Collator, Examples, bins_dataset, packing_is_isolated
+from toolkit.data.formats import IGNORE
+from toolkit.data.prepare import build_datasets
+from toolkit.data.tokenize import tokenize_example
 from toolkit.model.load import build_byte_tokenizer, build_model
 
 
@@ -119,7 +122,7 @@ def packed_rows(docs: list[dict], bins: list[list[int]]) -> list[dict]:
     import numpy as np
 
     table = datasets.Dataset.from_list([{k: d[k] for k in ("input_ids", "labels")} for d in docs])
-    return list(Examples(table, _bins_dataset([np.array(b) for b in bins])))
+    return list(Examples(table, bins_dataset([np.array(b) for b in bins])))
 
 
 def test_packed_batch_gives_document_b_the_logits_of_b_alone(tok):

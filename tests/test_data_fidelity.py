@@ -3,7 +3,7 @@ zeros, numbers written as text, unicode and whitespace, written as .jsonl, .json
 a `datasets` save_to_disk folder, then prepared by the real preparation (`build_datasets`, into a
 cache of the test's own). What is tokenized must be exactly what the user wrote (decoded back, the
 whole text and the trained part), or the file is refused in one ToolkitError naming the file and
-the row. Rules checked (toolkit/data/prepare.py `text_value`):
+the row. Rules checked (toolkit/data/tokenize.py `text_value`):
 
 - a string is taken as it is; an integer as its digits; CSV cells are text, always;
 - a null or missing required field drops its row under the 1% rule (more is an error naming the
@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from toolkit.config import DataConfig
 from toolkit.errors import ToolkitError
-from toolkit.data.prepare import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, build_datasets
+from toolkit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT
+from toolkit.data.prepare import build_datasets
 from toolkit.model.load import build_byte_tokenizer
 
 TOKENIZER = build_byte_tokenizer()

@@ -18,7 +18,7 @@ from test_bad_input import snapshot
 from test_deepspeed_config import TRAINER_STYLE
 from toolkit.storage import checkpoint
 from toolkit.config import ConfigError, load_recipe
-from toolkit.data.prepare import Collator, EvalShardSampler
+from toolkit.data.batching import Collator, EvalShardSampler
 
 
 # ----------------------------------------------------------------------------- eval padding
@@ -39,7 +39,7 @@ def test_a_rank_whose_eval_share_is_all_padding_gets_a_batch():
 
 
 class Rows(torch.utils.data.Dataset):
-    """Examples by index, None (eval padding) as None, as toolkit.data.prepare.Examples reads them from Arrow."""
+    """Examples by index, None (eval padding) as None, as toolkit.data.batching.Examples reads them from Arrow."""
 
     def __init__(self, rows):
         self.rows = rows

@@ -7,7 +7,8 @@ import pytest
 
 from families import FAMILIES, build_family, family_tokenizer
 from helpers import run_toolkit, write_jsonl, write_recipe
-from toolkit.data.prepare import IGNORE, tokenize_examples
+from toolkit.data.formats import IGNORE
+from toolkit.data.tokenize import tokenize_examples
 from toolkit.errors import ToolkitError
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"},
@@ -105,7 +106,8 @@ def test_each_reasoning_turn_trains_as_rendered_at_its_point(family):
 def test_what_a_template_cannot_render_is_refused_naming_the_row(family, tmp_path):
     """Mistral's template raises on a system role, Gemma 3's on tool turns: one line, the row named."""
     from toolkit.config import DataConfig
-    from toolkit.data.prepare import Source, Report, tokenize_source
+    from toolkit.data.sources import Source
+    from toolkit.data.tokenize import Report, tokenize_source
 
     rows = [{"messages": CHAT}] * 3 + [{"messages": SYSTEM if family == "mistral" else TOOL_CHAT}]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)

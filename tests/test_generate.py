@@ -16,7 +16,7 @@ import torch
 
 from helpers import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.cli import main
-from toolkit.data.prepare import ALPACA_PROMPT_WITH_INPUT
+from toolkit.data.formats import ALPACA_PROMPT_WITH_INPUT
 from toolkit.model.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
 
 pytestmark = pytest.mark.launch  # every test here starts processes

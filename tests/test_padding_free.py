@@ -14,7 +14,8 @@ from helpers import accelerate_launch, launch_config_for
 from test_chunked_loss import batch, lora
 from toolkit.model import varlen
 from toolkit.config import ModelConfig
-from toolkit.data.prepare import IGNORE, Collator
+from toolkit.data.batching import Collator
+from toolkit.data.formats import IGNORE
 from toolkit.training.loss import token_loss_sum, use_token_loss
 from toolkit.model.load import build_byte_tokenizer, build_model
 

@@ -170,7 +170,7 @@ def test_a_checkpoint_without_its_portable_state_is_refused_in_one_line(workdir)
 def test_a_new_global_batch_continues_at_the_samples_seen():
     """The sampler of a launch with another global batch, resumed at a checkpoint's data position,
     yields exactly the samples the old one had not yet given, in the same order."""
-    from toolkit.data.prepare import EpochSampler
+    from toolkit.data.batching import EpochSampler
 
     old = EpochSampler(48, 8, seed=3)
     order = []

@@ -12,7 +12,10 @@ import torch
 
 from families import family_tokenizer
 from toolkit.config import ConfigError, DataConfig, load_recipe
-from toolkit.data.prepare import IGNORE, Collator, MissingField, build_datasets, tokenize_examples
+from toolkit.data.batching import Collator
+from toolkit.data.formats import IGNORE
+from toolkit.data.prepare import build_datasets
+from toolkit.data.tokenize import MissingField, tokenize_examples
 from toolkit.errors import ToolkitError
 from toolkit.training.objectives import preference_losses
 

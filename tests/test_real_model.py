@@ -31,7 +31,7 @@ def tokenizer(real_model_dir):
 
 def labelled_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
     """The labelled tokens, as maximal runs of consecutive positions."""
-    from toolkit.data.prepare import IGNORE
+    from toolkit.data.formats import IGNORE
 
     runs, current = [], []
     for token, label in zip(ids, labels):
@@ -51,7 +51,8 @@ def test_chat_template_labels_only_assistant_turns(tokenizer, system):
     labelled, each as its content, the end-of-turn token (one special token, not its characters)
     and the newline the template writes after it. tests/test_data.py pins the same convention on
     the byte-level template: a turn's labels are everything the turn adds to the rendering."""
-    from toolkit.data.prepare import IGNORE, tokenize_example
+    from toolkit.data.formats import IGNORE
+    from toolkit.data.tokenize import tokenize_example
 
     users, answers = ["Capital of France?", "And of Italy, briefly?"], ["Paris.", "Rome, of course."]
     messages = [{"role": "system", "content": system}] if system else []
@@ -79,7 +80,8 @@ def test_chat_template_labels_only_assistant_turns(tokenizer, system):
 
 @pytest.mark.parametrize("inp", ["abc def", ""])
 def test_alpaca_labels_only_the_response(tokenizer, inp):
-    from toolkit.data.prepare import IGNORE, tokenize_example
+    from toolkit.data.formats import IGNORE
+    from toolkit.data.tokenize import tokenize_example
 
     row = {"instruction": "Reverse the words.", "input": inp, "output": "fed cba"}
     ex = tokenize_example(row, "alpaca", tokenizer, 512, False)
@@ -113,7 +115,7 @@ def test_packing_is_isolated_on_the_real_model(real_model_dir, attn):
     """The start-up check passes on the real architecture, and is not vacuous there: the same
     model fed packed rows without restarting positions fails it."""
     from toolkit.config import ModelConfig
-    from toolkit.data.prepare import packing_is_isolated
+    from toolkit.data.batching import packing_is_isolated
     from toolkit.model.load import build_model
 
     model = build_model(ModelConfig(path=str(real_model_dir), attn_implementation=attn))
@@ -159,7 +161,9 @@ def real_recipe(model_dir, train, evaluation, out, **train_overrides) -> dict:
 def eval_loss_unpacked(model, tokenizer, eval_file) -> float:
     """The eval loss recomputed outside the training code, one padded batch of unpacked examples."""
     from toolkit.config import DataConfig
-    from toolkit.data.prepare import IGNORE, Collator, build_datasets
+    from toolkit.data.batching import Collator
+    from toolkit.data.formats import IGNORE
+    from toolkit.data.prepare import build_datasets
 
     data = build_datasets(DataConfig(train_files=[str(eval_file)], format="messages", max_seq_len=128),
                           tokenizer, 0, False)

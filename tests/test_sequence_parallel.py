@@ -13,7 +13,8 @@ from helpers import (ROOT, finish, layout_command, layout_recipe, load_weights, 
                      write_recipe)
 from toolkit.backends import sequence
 from toolkit.config import Recipe
-from toolkit.data.prepare import IGNORE, Collator
+from toolkit.data.batching import Collator
+from toolkit.data.formats import IGNORE
 from toolkit.errors import ToolkitError
 from toolkit.backends.launch_config import check, sequence_parallel_size, worker_env
 

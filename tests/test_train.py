@@ -40,7 +40,9 @@ def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len:
     from transformers import AutoTokenizer
 
     from toolkit.config import DataConfig
-    from toolkit.data.prepare import IGNORE, Collator, build_datasets
+    from toolkit.data.batching import Collator
+    from toolkit.data.formats import IGNORE
+    from toolkit.data.prepare import build_datasets
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     data = build_datasets(DataConfig(train_files=[str(eval_file)], max_seq_len=max_seq_len, format=fmt), tok, 0, False)
@@ -240,3 +242,25 @@ def test_another_objective_plugs_in_without_touching_the_loop(tmp_path, data_fil
     a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "doubled")
     assert a[0]["step"] == b[0]["step"] == 0 and b[0]["eval_loss"] == 2 * a[0]["eval_loss"]
     assert a[1]["step"] == b[1]["step"] == 1 and b[1]["loss"] == 2 * a[1]["loss"]
+
+
+def test_an_objective_that_makes_its_own_batch_plugs_in(tmp_path, data_files):
+    """tests/objective_driver.py --remade: an objective written against `objectives.Objective` alone
+    makes each step's batch itself (every row of the loader's twice over, through `step_batches`,
+    the seam online RL uses for its sampled completions). The loop, unchanged, must count what was
+    made (twice the tokens) and take the loss on it: a mean over units that is the plain run's."""
+    import subprocess
+    import sys
+
+    train_f, eval_f = data_files
+    plain = write_recipe(tmp_path / "plain.yaml", **base_recipe(tmp_path, train_f, eval_f, out="plain",
+                                                               train__max_steps=1, train__warmup_steps=0))
+    remade = write_recipe(tmp_path / "remade.yaml", **base_recipe(tmp_path, train_f, eval_f, out="remade",
+                                                                 train__max_steps=1, train__warmup_steps=0))
+    assert run_toolkit("train", plain).returncode == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "objective_driver.py"), "--remade", str(remade)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "remade")
+    assert b[1]["tokens"] == 2 * a[1]["tokens"]
+    assert b[1]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
