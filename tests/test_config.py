@@ -123,3 +123,17 @@ def test_the_key_reference_is_generated_from_the_docstrings_and_in_sync():
     assert [r for r in rows if r.rstrip().endswith("|  |")] == [], "a key without a docstring"
     for key in ("train.max_steps", "data.padding_free", "checkpoint.portable", "lora.use_dora", "resume"):
         assert f"| `{key}` |" in text
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("lora.rank=8", "lora.rank: unknown key; did you mean r?"),
+    ("lora.lora_alpha=16", "lora.lora_alpha: unknown key; did you mean alpha?"),
+    ("train.lr=1e-4", "train.lr: unknown key; did you mean learning_rate?"),
+    ("train.num_train_epochs=2", "train.num_train_epochs: unknown key; did you mean epochs?"),
+    ("data.max_length=64", "data.max_length: unknown key; did you mean max_seq_len?"),
+])
+def test_a_peers_name_for_a_key_is_pointed_at_ours(override, hint):
+    """peft's `lora_alpha`, the Trainer's `num_train_epochs`: keys users carry over from the peers
+    get the name here in the one-line refusal (a near-miss check alone does not find `r` for `rank`)."""
+    with pytest.raises(ConfigError, match=hint.replace("?", r"\?")):
+        load_recipe(ROOT / "examples" / "recipes" / "quickstart_lora.yaml", [override])

@@ -410,10 +410,19 @@ def _build(cls, data: Any, prefix: str, source: str):
     return cls(**kwargs)
 
 
+# What peers (peft, TRL, the HF Trainer, axolotl) call a key that has another name here.
+PEER_NAMES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "lr": "learning_rate",
+              "num_train_epochs": "epochs", "per_device_train_batch_size": "micro_batch_size",
+              "batch_size": "micro_batch_size", "max_length": "max_seq_len", "sequence_len": "max_seq_len"}
+
+
 def _suggest(key: str, names: set[str]) -> str:
-    """`; did you mean max_steps?` for a near miss here, or the dotted key of a section that has it."""
+    """`; did you mean max_steps?` for a near miss here or a peer's name for a key here (`rank` for
+    `r`), or the dotted key of a section that has it."""
     import difflib
 
+    if PEER_NAMES.get(key) in names:
+        return f"; did you mean {PEER_NAMES[key]}?"
     close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.75)
     if close:
         return f"; did you mean {close[0]}?"
