@@ -1,0 +1,211 @@
+"""The README and docs/ say what is there: the README stays a front door (under 200 lines) that names
+every verb, and its exit-code table is the one in toolkit/errors.py; in README.md and docs/*.md every
+`make X` is a Makefile target, every relative link (and its #anchor) leads somewhere, and every
+`import toolkit...` / `from toolkit... import ...` line in a code block imports.
+Each check is a helper run on the real files and on a bad example, so it can fail. Starts no process."""
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
+
+
+def prose(text: str) -> str:
+    """The text without its fenced code blocks."""
+    return FENCE.sub("", text)
+
+
+def code_blocks(text: str) -> list[str]:
+    return [m.group(0) for m in FENCE.finditer(text)]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_\[\]]|\]\([^)]*\)", "", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", prose(text), re.M)}
+
+
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """Relative links of a markdown page whose file (or #anchor in a markdown file) does not exist."""
+    text = page.read_text()
+    broken = []
+    for target in re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", prose(text)):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists() or root.resolve() not in (file, *file.parents):
+            broken.append(f"{page.name}: {target}: no such file in the repository")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(f"{page.name}: {target}: no heading #{anchor} in {file.name}")
+    return broken
+
+
+def import_lines(text: str) -> list[str]:
+    """The `import toolkit...` and `from toolkit... import ...` statements in a page's code blocks
+    (a parenthesised import may run over several lines)."""
+    found = []
+    for block in code_blocks(text):
+        lines = block.splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i].strip()
+            if re.match(r"(from\s+toolkit(\.\w+)*\s+import\s|import\s+toolkit\b)", line):
+                statement = line
+                while statement.count("(") > statement.count(")") and i + 1 < len(lines):
+                    i += 1
+                    statement += " " + lines[i].strip()
+                found.append(statement)
+            i += 1
+    return found
+
+
+def failed_imports(statements: list[str]) -> list[str]:
+    failed = []
+    for statement in statements:
+        try:
+            exec(compile(statement, "<docs>", "exec"), {})
+        except Exception as e:  # noqa: BLE001 - any failure is the finding
+            failed.append(f"{statement}: {type(e).__name__}: {e}")
+    return failed
+
+
+def make_targets_named(text: str) -> set[str]:
+    """`make X` where it is a command: in a code span or a code block."""
+    code = "\n".join(code_blocks(text) + re.findall(r"`([^`]+)`", prose(text)))
+    return set(re.findall(r"(?:^|[\s;(])make[ \t]+([A-Za-z][\w-]*)", code, re.M))
+
+
+def makefile_targets(makefile: str) -> set[str]:
+    targets = set()
+    for m in re.finditer(r"^([A-Za-z][\w\- ]*?)\s*:(?!=)", makefile, re.M):
+        targets.update(m.group(1).split())
+    return targets
+
+
+def verb_phrases() -> list[str]:
+    """`toolkit train`, `toolkit config show`, and each verb of toolkit.cli.VERBS as typed (a verb whose
+    first argument is a fixed action, as `checkpoint convert`, with that action)."""
+    from toolkit.cli import VERBS, verb_module
+
+    phrases = ["toolkit train", "toolkit config show"]
+    for name in VERBS:
+        parser = argparse.ArgumentParser()
+        verb_module(name).add_arguments(parser)
+        first = next((a for a in parser._actions if not a.option_strings), None)
+        action = f" {first.choices[0]}" if first is not None and first.choices else ""
+        phrases.append(f"toolkit {name}{action}")
+    return phrases
+
+
+def exit_table_codes(text: str) -> set[int]:
+    """The codes in the first column of the table under the README's `## Exit codes` heading
+    (`128 + N` stands for the signal base, 128)."""
+    section = re.search(r"^## Exit codes\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section, "the README has no `## Exit codes` section"
+    codes = set()
+    for m in re.finditer(r"^\|\s*(\d+)(\s*\+\s*N)?\s*\|", section.group(1), re.M):
+        codes.add(int(m.group(1)))
+    return codes
+
+
+# ----------------------------------------------------------------------------- the real files
+
+
+def test_the_readme_is_a_front_door():
+    lines = README.read_text().splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines; move reference text to docs/"
+
+
+def test_the_readme_names_every_verb():
+    text = README.read_text()
+    missing = [p for p in verb_phrases() if p not in text]
+    assert missing == [], f"README.md does not name {missing}"
+
+
+def test_every_relative_link_leads_somewhere():
+    assert [b for page in PAGES for b in broken_links(page)] == []
+
+
+def test_every_import_in_a_code_block_imports():
+    statements = {s: page.name for page in PAGES for s in import_lines(page.read_text())}
+    assert statements, "no `import toolkit` line found in any code block (the check would check nothing)"
+    failed = failed_imports(list(statements))
+    assert failed == [], "\n".join(failed)
+
+
+def test_every_make_target_named_exists():
+    assert {"train", "test"} <= make_targets_named(README.read_text())
+    targets = makefile_targets((ROOT / "Makefile").read_text())
+    missing = {f"{page.name}: make {t}" for page in PAGES for t in make_targets_named(page.read_text()) - targets}
+    assert missing == set(), f"make targets the Makefile lacks: {sorted(missing)}"
+
+
+def test_the_readme_exit_codes_are_the_table_in_errors():
+    from toolkit.errors import EXIT_CODES
+
+    assert exit_table_codes(README.read_text()) == set(EXIT_CODES)
+
+
+# ----------------------------------------------------------------------------- the checks can fail
+
+
+def test_a_broken_link_and_a_missing_anchor_are_found(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## Exit codes\n")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n[ok](other.md) [ok](other.md#exit-codes) [ok](#page) [web](https://example.com)\n"
+                    "[gone](missing.md) [bad](other.md#no-such-heading)\n\n```\n[in code](ignored.md)\n```\n")
+    assert broken_links(page, root=tmp_path) == ["page.md: missing.md: no such file in the repository",
+                                                 "page.md: other.md#no-such-heading: no heading #no-such-heading "
+                                                 "in other.md"]
+
+
+def test_a_link_out_of_the_repository_is_broken(tmp_path):
+    (tmp_path / "outside.md").write_text("x")
+    (tmp_path / "repo").mkdir()
+    page = tmp_path / "repo" / "page.md"
+    page.write_text("[out](../outside.md)\n")
+    assert broken_links(page, root=tmp_path / "repo") == ["page.md: ../outside.md: no such file in the repository"]
+
+
+def test_a_wrong_import_in_a_code_block_fails():
+    text = ("Prose: from toolkit.nowhere import x is not code.\n\n```python\n"
+            "from toolkit.model.inference import (load_for_inference,\n    generate_answers)\n"
+            "from toolkit.generate import generate_answers\nimport toolkit.no_such_module\n```\n")
+    statements = import_lines(text)
+    assert statements == ["from toolkit.model.inference import (load_for_inference, generate_answers)",
+                          "from toolkit.generate import generate_answers", "import toolkit.no_such_module"]
+    failed = failed_imports(statements)
+    assert [f.split(":")[0] for f in failed] == statements[1:]
+
+
+def test_a_make_target_the_makefile_lacks_is_found():
+    makefile = ".PHONY: setup train\nsetup: $(STAMP)\n\tpip install\ntrain test: setup\nVAR := 1\n"
+    assert makefile_targets(makefile) == {"setup", "train", "test"}
+    text = "Run `make train`, then\n\n```bash\nmake bench   # no such target\n```\nto make it fast.\n"
+    assert make_targets_named(text) == {"train", "bench"}
+    assert make_targets_named(text) - makefile_targets(makefile) == {"bench"}
+
+
+def test_an_exit_table_row_is_read_as_its_code():
+    text = ("## Exit codes\n\n| exit code | meaning |\n|---|---|\n| 0 | ok |\n| 75 | preempted |\n"
+            "| 128 + N | abort |\n\n## Next\n| 9 | x |\n")
+    assert exit_table_codes(text) == {0, 75, 128}
+
+
+@pytest.mark.parametrize("heading, anchor", [
+    ("Exit codes", "exit-codes"),
+    ("Stopping, preemption and exit codes", "stopping-preemption-and-exit-codes"),
+    ("`toolkit estimate`: which strategy fits", "toolkit-estimate-which-strategy-fits")])
+def test_headings_get_github_anchors(heading, anchor):
+    assert slug(heading) == anchor
