@@ -334,3 +334,25 @@ def test_a_run_logs_its_estimate(tmp_path, data_files):
     assert line.startswith("run: estimate per process (one process, toolkit estimate): params 0.5 MiB, gradients "
                            "0.5 MiB, optimizer 1.0 MiB, buffers 0.0 MiB, activations "), line
     assert line.endswith("; no memory limit known on cpu"), line
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 100, "num_attention_heads": 3}, "is not a model config: The hidden size (100) is not a multiple of the number of "
+                                 "attention heads (3)."),
+    ({"hidden_size": -100, "num_attention_heads": 4}, ": hidden_size is -100; it must be a positive whole number"),
+    ({"num_hidden_layers": 0}, ": num_hidden_layers is 0; it must be a positive whole number"),
+    ({"hidden_size": "100"}, "is not a model config: Field 'hidden_size' expected int, got str"),
+])
+def test_a_config_transformers_rejects_is_one_line(tmp_path, change, message):
+    """A model config that transformers rejects, or whose sizes cannot build a model (negative, zero,
+    quoted), is refused naming the file (it used to end in a traceback from the meta-device build)."""
+    from toolkit.backends.sizing import read_config
+    from toolkit.errors import ToolkitError
+
+    data = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "intermediate_size": 200, "vocab_size": 1000, **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ToolkitError) as e:
+        read_config(str(tmp_path))
+    assert str(e.value).startswith(f"--model: {path}") and message in str(e.value), str(e.value)

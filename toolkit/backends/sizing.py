@@ -230,11 +230,23 @@ def read_config(source: str, *, revision: str | None = None, key: str = "--model
             raise ToolkitError(f"{key}: cannot read the config.json of {source}: {str(e).splitlines()[0]}") from None
     try:
         data = json.loads(path.read_text())
-        return AutoConfig.for_model(**data)
+        config = AutoConfig.for_model(**data)
     except FileNotFoundError:
         raise ToolkitError(f"{key}: {path.parent} has no config.json") from None
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ToolkitError(f"{key}: {path} is not a model config: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' validators raise their own types (a strict dataclass's)
+        cause = e.__cause__ or e  # the validator's own words, not its wrapper's
+        raise ToolkitError(f"{key}: {path} is not a model config: {' '.join(str(cause).split())}") from None
+    text = config.get_text_config()
+    for size in SIZES:  # transformers accepts a negative or zero size; building the model (to count it) does not
+        value = getattr(text, size, None)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ToolkitError(f"{key}: {path}: {size} is {value!r}; it must be a positive whole number")
+    return config
+
+
+# The sizes of a config that must be positive whole numbers for the model to exist.
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "vocab_size", "head_dim", "max_position_embeddings")
 
 
 def count_model(config, name: str, lora=None) -> ModelCounts:

@@ -181,7 +181,7 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     lines.append("host/node: host RAM per node for offload (NVMe: RAM + 'n' NVMe space); comm/step: what each GPU "
                  "sends per optimizer step")
     lines.append(f"fits: total <= {USABLE_FRACTION:.0%} of the GPU's memory; totals are upper bounds (see "
-                 "`python -c 'import toolkit.estimate as e; help(e)'` for the formulas)")
+                 "`python -c 'import toolkit.verbs.estimate as e; help(e)'` for the formulas)")
     lines.append(f"recommendation: {report['recommendation']}")
     epoch = report["epoch"]
     if epoch:
