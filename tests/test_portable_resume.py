@@ -164,6 +164,24 @@ def test_a_checkpoint_without_its_portable_state_is_refused_in_one_line(workdir)
     assert rc != 0 and "without its portable state" in err, err[-3000:]
 
 
+
+@pytest.mark.launch
+def test_a_portable_weights_file_cut_short_is_refused_in_one_line(workdir, uninterrupted):
+    """A checkpoint whose portable weights were cut short after the save (a copy interrupted, a full
+    disk elsewhere): convert ends in one line naming the file, exit 2, no traceback, no folder."""
+    import shutil
+
+    source = uninterrupted("single", False) / "checkpoints" / f"step-{STEPS:06d}"
+    run = workdir / "cut_short_run"
+    shutil.copytree(source.parent.parent, run, ignore=shutil.ignore_patterns("final"))
+    weights = run / "checkpoints" / source.name / "portable" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    proc = convert(weights.parent.parent, "--out", workdir / "cut_short_out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: checkpoint convert: {weights} cannot be read") and "cut short" in line, line
+    assert not (workdir / "cut_short_out").exists()
+
 # ----------------------------------------------------------------------------- resume_new_global_batch
 
 

@@ -62,14 +62,26 @@ def files_problem(folder: Path, written: dict | None) -> str | None:
     return None if written is None else first_mismatch(Path(folder) / FOLDER, written)
 
 
+def read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a portable safetensors file; one line naming it when it cannot be read (cut
+    short by a full disk or a copy, damaged) instead of safetensors' traceback."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ToolkitError(f"{where}: {path} is missing; the checkpoint is incomplete") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        raise ToolkitError(f"{where}: {path} cannot be read ({' '.join(str(e).split())[:200]}); the file is cut "
+                           "short or damaged: use an earlier checkpoint") from None
+
+
 def load(backend, model, optimizer, scheduler, folder: Path) -> None:
     """Set the prepared model, optimizer and scheduler from `folder/portable/`, whatever backend and
     process count wrote it. Every rank reads the files (each holds them whole for a moment)."""
-    from safetensors.torch import load_file
-
     source = Path(folder) / FOLDER
-    weights = load_file(str(source / "weights.safetensors"))
-    moments = load_file(str(source / "moments.safetensors"))
+    weights = read_tensors(source / "weights.safetensors", "resume")
+    moments = read_tensors(source / "moments.safetensors", "resume")
     state = json.loads((source / "state.json").read_text())
     names = [n for n, _ in backend.trainable(model)]
     if sorted(names) != sorted(weights):

@@ -79,15 +79,15 @@ def run(args) -> int:
 def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> None:
     """The recipe's model with the checkpoint's trainable weights, saved to `folder` and read back."""
     import torch
-    from safetensors.torch import load_file
 
     from ..model import base_identity
     from ..model.hub import resolve_model
     from ..model.load import (DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, config_overrides,
                               fit_vocabulary, token_rows)
+    from ..storage.portable import read_tensors
     from ..storage.verify import first_mismatch
 
-    weights = load_file(str(portable))
+    weights = read_tensors(portable, "checkpoint convert")
     tokenizer = build_tokenizer(recipe.model)
     model = build_model(recipe.model, TORCH_DTYPES[recipe.model.dtype], TORCH_DTYPES[recipe.train.precision])
     added = fit_vocabulary(model, tokenizer)  # model.add_special_tokens: the shapes the run trained
