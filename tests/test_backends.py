@@ -64,7 +64,7 @@ def test_backend_matches_single_process(backend, mode, layout_dir, layout_runs, 
         stderr = proc.stderr
     if backend == "fsdp_offload" and not torch.cuda.is_available():  # said, not silently dropped
         assert "fsdp_offload_params has no effect on a CPU-only host" in stderr
-    # The layout a checkpoint of this run records; resume refuses any other (tests/test_edges.py).
+    # The layout a checkpoint of this run records; resume refuses any other (tests/test_deepspeed_config.py).
     layout = json.loads((run / "manifest.json").read_text())["launches"][-1]["layout"]
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(backend[:5])
     assert layout == {"ddp": "DDP", "fsdp": "FSDP2 SHARDED_STATE_DICT"}.get(backend[:4], f"DeepSpeed ZeRO-{stage}"), layout

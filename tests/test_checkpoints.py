@@ -1,21 +1,26 @@
-"""README promises that had no test of their own, each checked as the README states it.
+"""A run's checkpoints across its launches (toolkit/storage/checkpoint.py, and the resume choices of
+toolkit/storage/run_folder.py), on real launches: which checkpoints are kept (keep_last), what the
+manifest records for each launch, resume by path (into an empty folder it continues identically;
+into another run, or from a checkpoint that is not the newest, it is refused), the resumes refused
+under another process count and global batch or with changed data, saves that a kill interrupted
+finished or removed on resume, and SIGINT: a checkpoint and exit 75, a repeat within 2 s the same
+request, a second one later an abort at once.
 
 Every run is a real launch (`python -m toolkit train`, or `accelerate launch` with
 accelerate_configs/ddp.yaml where 2 processes are needed). Runs are module fixtures so one run
 gives the facts for several tests: `main_run` (epochs=2, warmup, min_lr_ratio, checkpoints every
-3 steps, keep_last 3) serves epochs, cosine, keep_last, the manifest, resume by path and both
-refusals. Of these promises only one half was tested before: a non-empty output_dir refused
-without overwrite (tests/test_train.py::test_non_empty_output_dir_is_refused_and_untouched).
-
-Gradient checkpointing is observed through a `sitecustomize.py` put on the run's PYTHONPATH that
-wraps torch's `checkpoint` function (still calling it) and counts its calls; nothing is replaced.
+3 steps, keep_last 3) serves keep_last, the manifest, resume by path and both refusals, and with
+them the schedule of a run without max_steps (epochs, warmup then cosine to min_lr_ratio), which
+would otherwise need a run of its own; `preempted` (two interrupted launches into one folder)
+serves SIGINT and the manifest's launches; `finished_run` (checkpoints at steps 2 and 4) serves
+resume by path into another run and the interrupted saves.
 """
 
 import hashlib
 import json
 import math
 import os
-import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,28 +37,16 @@ from toolkit.storage import checkpoint
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 TRAIN_ROWS = 44  # global batch 4 x 2 = 8: floor(44 / 8) = 5 steps per epoch, 4 rows left over
-PRESET = json.loads((ROOT / "toolkit" / "model" / "presets" / "tiny-llama-mini.json").read_text())
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def text_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 10)))
-        rows.append({"text": f"{word} backwards is {word[::-1]}."})
-    return rows
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("promises")
+    d = tmp_path_factory.mktemp("checkpoints")
     write_jsonl(d / "train.jsonl", alpaca_rows(TRAIN_ROWS, seed=11))
     write_jsonl(d / "eval.jsonl", alpaca_rows(8, seed=12))
-    write_jsonl(d / "text_train.jsonl", text_rows(48, seed=13))
-    write_jsonl(d / "text_eval.jsonl", text_rows(8, seed=14))
     return d
 
 
@@ -129,6 +122,8 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(main_run):
     assert all(checkpoint.is_complete(main_run / "checkpoints" / n) for n in names)
 
 
+# ----------------------------------------------------------------------------- resume by path
+
 @pytest.fixture(scope="module")
 def by_path(work, main_run):
     """resume=<a checkpoint of main_run> into a new, empty output_dir."""
@@ -151,6 +146,65 @@ def test_resume_by_path_continues_identically(main_run, by_path):
     for k in want:
         assert torch.equal(want[k], have[k]), f"{k} differs"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000009", "step-000010"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished single-process run with checkpoints at steps 2 and 4."""
+    d = tmp_path_factory.mktemp("finished_run")
+    train = write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=1))
+    evaluation = write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=2))
+    recipe = base_recipe(d, train, evaluation, out="a", train__max_steps=4, train__micro_batch_size=2,
+                         checkpoint={"every_steps": 2, "keep_last": 5})
+    proc = run_toolkit("train", write_recipe(d / "a.yaml", **recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return d, recipe
+
+
+def test_resume_by_path_never_writes_into_another_run(finished_run):
+    d, recipe = finished_run
+    step2 = d / "a" / "checkpoints" / "step-000002"
+    other = d / "b"
+    shutil.copytree(d / "a", other)  # someone's earlier results
+    before_a, before_b = snapshot(d / "a"), snapshot(other)
+
+    error = user_error_line(run_toolkit("train", write_recipe(d / "into_b.yaml", **{**recipe, "output_dir": str(other)}),
+                                       f"resume={step2}"))
+    assert "b is not empty and resume=" in error and "is a checkpoint of another run" in error, error
+    error = user_error_line(run_toolkit("train", d / "a.yaml", f"resume={step2}"))
+    assert "is not the newest checkpoint" in error and "step-000004 is" in error, error
+    assert snapshot(d / "a") == before_a and snapshot(other) == before_b
+
+    # Into an empty folder it is a new run that continues from that checkpoint, as the first one did.
+    proc = run_toolkit("train", d / "a.yaml", f"resume={step2}", f"output_dir={d / 'c'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = {r["step"]: r["loss"] for r in read_metrics(d / "a") if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(d / "c") if "loss" in r}
+    assert resumed == {3: steps[3], 4: steps[4]}
+    a, c = load_weights(d / "a" / "final"), load_weights(d / "c" / "final")
+    assert a.keys() == c.keys() and all(a[k].equal(c[k]) for k in a)
+
+
+def test_interrupted_saves_are_finished_or_removed_on_resume(finished_run):
+    """The states a kill can leave inside checkpoint.save / replace_dir / save_model."""
+    d, recipe = finished_run
+    run = d / "killed"
+    shutil.copytree(d / "a", run)
+    cks = run / "checkpoints"
+    (cks / "step-000004").rename(cks / ".tmp-step-000004")  # complete, killed before its rename
+    shutil.copytree(cks / "step-000002", cks / ".tmp-step-000006")
+    (cks / ".tmp-step-000006" / checkpoint.MARKER).unlink()  # killed mid-write
+    shutil.copytree(cks / "step-000002", cks / ".del-step-000001")  # killed while pruning
+    (run / "final").rename(run / ".del-final")  # killed between the two renames of replace_dir
+    shutil.copytree(run / ".del-final", run / "final.tmp")
+    proc = run_toolkit("train", write_recipe(d / "killed.yaml", **{**recipe, "output_dir": str(run)}), "resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoints: completed step-000004" in proc.stdout, proc.stdout[-2000:]
+    assert "resumed from" in proc.stdout and "step-000004 at step 4" in proc.stdout, proc.stdout[-2000:]
+    assert sorted(p.name for p in cks.iterdir()) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".") or p.name.endswith(".tmp")) == []
+    a, k = load_weights(d / "a" / "final"), load_weights(run / "final")
+    assert all(a[key].equal(k[key]) for key in a)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -223,7 +277,7 @@ def test_resume_with_changed_data_is_refused(work, main_run):
     assert snapshot(main_run) == before
 
 
-# ----------------------------------------------------------------------------- second SIGINT
+# ----------------------------------------------------------------------------- SIGINT
 
 SIGINT_STEPS = 5000  # far more than run before the signals (a step takes ~20 ms here)
 
@@ -331,175 +385,3 @@ def test_second_sigint_after_2s_aborts_at_once(preempted):
     assert second["writing"].is_dir() and not (second["writing"] / checkpoint.MARKER).exists()
     assert checkpoint.complete_checkpoints(run) == [preempted["checkpoint"]]
     assert not (run / "final").exists()
-
-
-# ----------------------------------------------------------------------------- output_dir, model.path, text
-
-
-def test_overwrite_clears_an_earlier_run_and_trains(work):
-    """(Without overwrite=true the folder is refused: tests/test_train.py::test_non_empty_output_dir_is_refused_and_untouched;
-    a folder that is not a run is never cleared: tests/test_first_hour.py.)"""
-    out = work / "overwritten"
-    (out / "checkpoints" / "step-000099").mkdir(parents=True)
-    (out / "checkpoints" / "step-000099" / checkpoint.MARKER).write_text("step 99\n")
-    (out / "config.yaml").write_text("output_dir: earlier\n")
-    (out / "final").mkdir()
-    (out / "final" / "old.txt").write_text("earlier results")
-    write_jsonl(out / "metrics.jsonl", [{"step": 99, "loss": 1.0}])
-    train(work, "overwrite", recipe(work, "overwritten", overwrite=True, train__max_steps=1, train__warmup_steps=0))
-    assert not (out / "final" / "old.txt").exists() and not (out / "checkpoints").exists()
-    assert [r["step"] for r in read_metrics(out)] == [0, 1]
-    assert (out / "final" / "model.safetensors").is_file()
-
-
-def text_recipe(work: Path, out: str, train_file: str, eval_file: str, **overrides) -> dict:
-    sections = recipe(work, out, **overrides)
-    sections["data"] = {"train_files": [str(work / train_file)], "eval_files": [str(work / eval_file)],
-                        "format": "text", "max_seq_len": 96}
-    return sections
-
-
-def plain_text_loss(folder: Path, rows: list[dict]) -> float:
-    """Token-weighted loss of a saved folder on text rows, with plain transformers: BOS + text + EOS,
-    every token after the first a target."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    total, count = 0.0, 0
-    for row in rows:
-        ids = torch.tensor([[tok.bos_token_id] + tok(row["text"], add_special_tokens=False)["input_ids"]
-                            + [tok.eos_token_id]])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits
-        total += torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
-        count += ids.shape[1] - 1
-    return total / count
-
-
-@pytest.fixture(scope="module")
-def text_run(work):
-    train(work, "text", text_recipe(work, "text", "text_train.jsonl", "text_eval.jsonl", train__max_steps=12,
-                                    train__learning_rate=3e-3))
-    return work / "text"
-
-
-def test_text_format_trains_end_to_end(work, text_run):
-    rows = read_metrics(text_run)
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == 12 and losses[-1] < 0.9 * losses[0], losses
-    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
-    eval_rows = [json.loads(line) for line in (work / "text_eval.jsonl").read_text().splitlines()]
-    assert plain_text_loss(text_run / "final", eval_rows) == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
-
-
-def test_training_from_model_path(work, text_run):
-    """model.path = the text run's final/ folder. Its 8 eval rows are exactly one global batch here,
-    so the first training loss and the step-0 eval loss are both the loss of those weights on them."""
-    source = text_run / "final"
-    sections = text_recipe(work, "from_path", "text_eval.jsonl", "text_eval.jsonl", train__max_steps=3,
-                           train__warmup_steps=0, model={"path": str(source)})
-    train(work, "from_path", sections)
-    rows = read_metrics(work / "from_path")
-    eval_rows = [json.loads(line) for line in (work / "text_eval.jsonl").read_text().splitlines()]
-    same_weights = plain_text_loss(source, eval_rows)
-    assert rows[0]["eval_loss"] == pytest.approx(same_weights, rel=1e-5)
-    assert rows[1]["loss"] == pytest.approx(same_weights, rel=1e-5)
-    assert rows[0]["eval_loss"] == pytest.approx(read_metrics(text_run)[-1]["eval_loss"], rel=1e-5)
-    assert rows[-1]["loss"] < rows[1]["loss"]  # and it trained from there
-    before, after = load_weights(source), load_weights(work / "from_path" / "final")
-    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
-
-
-# ----------------------------------------------------------------------------- weight decay groups
-
-DECAY_LR, DECAY = 1e-3, 5.0
-
-
-@pytest.fixture(scope="module")
-def decay_runs(work):
-    """One optimizer step (lr = learning_rate, no warmup) with weight_decay 0 and 5; everything else equal."""
-    out = {}
-    for wd in (0.0, DECAY):
-        name = f"decay_{wd:g}"
-        train(work, name, recipe(work, name, train__max_steps=1, train__warmup_steps=0,
-                                 train__learning_rate=DECAY_LR, train__weight_decay=wd))
-        out[wd] = load_weights(work / name / "final")
-    return out
-
-
-def test_weight_decay_reaches_matrices_only(decay_runs):
-    """Same first gradient in both runs, so AdamW's decoupled decay is the only difference:
-    norm weights (1-D) identical; every matrix decayed by exactly learning_rate x weight_decay
-    times its initial value p0, i.e. p(wd=0) - p(wd) = lr * wd * p0. With the Adam update of a
-    first step at most lr per element, p0 recovered this way lies within lr of p(wd=0)."""
-    plain, decayed = decay_runs[0.0], decay_runs[DECAY]
-    assert plain.keys() == decayed.keys()
-    vectors = [k for k, v in plain.items() if v.ndim < 2]
-    matrices = [k for k, v in plain.items() if v.ndim >= 2]
-    assert vectors and all("norm" in k for k in vectors) and len(matrices) > len(vectors)
-    for k in vectors:
-        assert torch.equal(plain[k], decayed[k]), f"{k} (1-D) was decayed"
-    for k in matrices:
-        assert not torch.equal(plain[k], decayed[k]), f"{k} (a matrix) was not decayed"
-        initial = (plain[k] - decayed[k]) / (DECAY_LR * DECAY)
-        moved = (plain[k] - initial).abs().max().item()
-        assert moved <= DECAY_LR * 1.05, f"{k}: decay is not lr * weight_decay * p ({moved:.2e} > lr)"
-
-
-# ----------------------------------------------------------------------------- gradient checkpointing
-
-# Loaded by every Python started with this folder on PYTHONPATH: wraps (and calls) torch's
-# checkpoint function, which transformers binds when imported, and counts its calls.
-COUNTING_CHECKPOINT = '''
-import atexit, os
-import torch.utils.checkpoint as _cp
-_real, _calls = _cp.checkpoint, [0]
-def checkpoint(*args, **kwargs):
-    _calls[0] += 1
-    return _real(*args, **kwargs)
-_cp.checkpoint = checkpoint
-atexit.register(lambda: open(os.environ["CHECKPOINT_CALLS_FILE"], "w").write(str(_calls[0])))
-'''
-GC_STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def checkpointing_runs(work):
-    """LoRA with dropout (so the recomputed forward must redraw the same dropout masks), with and
-    without model.gradient_checkpointing; each counts the layer forwards that went through torch's
-    checkpoint."""
-    spy = work / "spy"
-    spy.mkdir()
-    (spy / "sitecustomize.py").write_text(COUNTING_CHECKPOINT)
-    out = {}
-    for enabled in (False, True):
-        name = f"gc_{str(enabled).lower()}"
-        calls = work / f"{name}.calls"
-        env = {"PYTHONPATH": os.pathsep.join([str(spy)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               "CHECKPOINT_CALLS_FILE": str(calls)}
-        train(work, name, recipe(work, name, lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1},
-                                 model={"preset": "tiny-llama-mini", "gradient_checkpointing": enabled},
-                                 train__max_steps=GC_STEPS, train__warmup_steps=1, train__learning_rate=5e-3),
-              env=env)
-        out[enabled] = {"rows": read_metrics(work / name), "calls": int(calls.read_text()),
-                        "adapter": load_weights(work / name / "final")}
-    return out
-
-
-def test_gradient_checkpointing_is_used_and_learns_the_same(checkpointing_runs):
-    off, on = checkpointing_runs[False], checkpointing_runs[True]
-    # Every decoder layer, every training micro-batch (2 per step), went through checkpoint; eval did not.
-    # So did train.loss=chunked's one chunk per training micro-batch (fewer than 1,024 targets), in both.
-    assert off["calls"] == 2 * GC_STEPS
-    assert on["calls"] == (PRESET["num_hidden_layers"] + 1) * 2 * GC_STEPS
-    for key in ("loss", "grad_norm", "eval_loss"):
-        a = [r[key] for r in off["rows"] if key in r]
-        b = [r[key] for r in on["rows"] if key in r]
-        assert len(a) == len(b) > 1
-        assert b == pytest.approx(a, rel=1e-5), key
-    assert off["rows"][-1]["loss"] < off["rows"][1]["loss"]
-    assert off["adapter"].keys() == on["adapter"].keys() and off["adapter"]
-    for k, v in off["adapter"].items():
-        torch.testing.assert_close(on["adapter"][k], v, rtol=1e-5, atol=1e-6, msg=k)
-    assert any("lora_B" in k and v.abs().max() > 0 for k, v in on["adapter"].items())  # it trained

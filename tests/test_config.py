@@ -1,10 +1,12 @@
-"""Recipes: typed loading, overrides, and one-line errors that name the file and the key."""
+"""Recipes (toolkit/config.py): typed loading, overrides, unknown keys (with the near miss suggested),
+values that would fail late refused at load, and one-line errors that name the file and the key,
+through the CLI too (a recipe that is not YAML or not UTF-8; `config show --num-processes -2`)."""
 
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_toolkit
+from helpers import ROOT, alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import ConfigError, Recipe, load_recipe
 
 SHIPPED = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
@@ -137,3 +139,66 @@ def test_a_peers_name_for_a_key_is_pointed_at_ours(override, hint):
     get the name here in the one-line refusal (a near-miss check alone does not find `r` for `rank`)."""
     with pytest.raises(ConfigError, match=hint.replace("?", r"\?")):
         load_recipe(ROOT / "examples" / "recipes" / "quickstart_lora.yaml", [override])
+
+
+# --------------------------------------------------------- unknown keys, values that fail late, the CLI
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.max_step=3", "train.max_step: unknown key; did you mean max_steps?"),
+    ("max_steps=3", "max_steps: unknown key; did you mean train.max_steps?"),
+    ("lora.size=3", "lora.size: unknown key (known here"),  # nothing close: no guess (lora.rank now points at r)
+])
+def test_unknown_keys_suggest_the_near_miss(tmp_path, override, words):
+    path = write_recipe(tmp_path / "r.yaml", output_dir="o", model={"preset": "tiny-llama"},
+                        data={"train_files": ["a.jsonl"]})
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path, [override])
+    assert words in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("config")
+    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
+    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
+    return d
+
+
+def recipe(work: Path, name: str, **overrides) -> Path:
+    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
+                    train__warmup_steps=1, **overrides)
+    return write_recipe(work / f"{name}.yaml", **r)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("override,fragment", [
+    ("seed=-1", "seed: must be in [0, 2**32), got -1"),
+    ("train.learning_rate=.nan", "train.learning_rate: must be a finite number"),
+    ("train.adam_epsilon=inf", "train.adam_epsilon: must be a finite number"),
+    ("model.attn_implementation=flash_attention_2", "flash_attention_2 needs the flash-attn package"),
+])
+def test_recipe_values_that_would_fail_late_are_refused_at_load(work, override, fragment, tmp_path):
+    if "flash" in override:
+        pytest.importorskip("torch")
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            pytest.skip("flash-attn is installed here")
+    line = user_error_line(run_toolkit("train", recipe(work, "v"), f"output_dir={tmp_path / 'run'}", override))
+    assert fragment in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.launch
+def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("output_dir: café\n".encode("latin-1"))
+    assert "not UTF-8 text (byte 0xe9 at offset 15)" in user_error_line(run_toolkit("train", path))
+
+
+@pytest.mark.launch
+def test_config_show_refuses_a_negative_process_count(work):
+    proc = run_toolkit("config", "show", recipe(work, "c"), "--accelerate-config",
+                       ROOT / "accelerate_configs" / "ddp.yaml", "--num-processes", "-2")
+    assert "--num-processes: must be positive, got -2" in user_error_line(proc)

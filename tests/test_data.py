@@ -1,12 +1,17 @@
-"""Data formats, label masking token by token, truncation, packing isolation."""
+"""Data (toolkit/data/): formats, label masking token by token, truncation, packing isolation,
+collation, and eval batches of padding only on a rank whose share ran out; in real runs of the CLI,
+a conversation without messages dropped by row, an opening assistant turn and tool calls rendered,
+save_to_disk folders and ShareGPT rows trained."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import write_jsonl
+from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import DataConfig, ModelConfig
 from toolkit.errors import ToolkitError
-from toolkit.data.batching import Collator, Examples, bins_dataset, packing_is_isolated
+from toolkit.data.batching import Collator, EvalShardSampler, Examples, bins_dataset, packing_is_isolated
 from toolkit.data.formats import IGNORE
 from toolkit.data.prepare import build_datasets
 from toolkit.data.tokenize import tokenize_example
@@ -167,3 +172,107 @@ def test_collator_pads_and_masks(tok):
     assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 7, 0], [0, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 5, 6], [IGNORE, 7, IGNORE], [IGNORE] * 3]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0], [1, 0, 0]]
+
+
+# ----------------------------------------------------------------------------- eval padding
+
+
+def test_a_rank_whose_eval_share_is_all_padding_gets_a_batch():
+    """9 eval rows, 2 ranks, eval batches of 2: rank 1 holds 4 rows and pads to 3 batches, the last
+    of which has no row at all (it once crashed the collator with `max() arg is an empty sequence`)."""
+    rows = [{"input_ids": [5, 6, 7][: 1 + i % 3], "labels": [5, 6, 7][: 1 + i % 3]} for i in range(9)]
+    for packed in (False, True):
+        data = [dict(r, position_ids=list(range(len(r["input_ids"])))) if packed else r for r in rows]
+        sampler = EvalShardSampler(len(data), 2, rank=1, world=2)
+        batches = list(torch_loader(Rows(data), sampler, Collator(0, packed=packed)))
+        assert len(batches) == 3
+        last = batches[-1]
+        assert last["input_ids"].shape == (2, 1) and (last["labels"] == -100).all()
+        assert ("position_ids" in last) == packed and ("attention_mask" in last) != packed
+
+
+class Rows(torch.utils.data.Dataset):
+    """Examples by index, None (eval padding) as None, as toolkit.data.batching.Examples reads them from Arrow."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return None if i is None else self.rows[i]
+
+
+def torch_loader(dataset, sampler, collate):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate)
+
+
+# ----------------------------------------------------------------------------- data shapes in a real run
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
+    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
+    return d
+
+
+def recipe(work: Path, name: str, **overrides) -> Path:
+    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
+                    train__warmup_steps=1, **overrides)
+    return write_recipe(work / f"{name}.yaml", **r)
+
+
+def chat(user="hi", answer="hello") -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def trained_first_example(work: Path, rows: list[dict], tmp_path: Path, name: str = "run") -> str:
+    data = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    proc = run_toolkit("train", recipe(work, "chat"), f"output_dir={tmp_path / name}", f"data.train_files=[{data}]",
+                       "data.format=messages", "data.eval_files=[]", "data.max_seq_len=512")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.launch
+def test_a_conversation_with_no_messages_is_dropped_by_row(work, tmp_path):
+    proc = trained_first_example(work, [{"messages": []}] + [chat()] * 120, tmp_path)
+    assert "row 1: no target tokens left (messages is null or missing); dropped 1 such row(s) of 121" in proc.stdout
+
+
+@pytest.mark.launch
+def test_an_opening_assistant_turn_is_context_and_tool_calls_are_rendered(work, tmp_path):
+    opening = {"messages": [{"role": "assistant", "content": "Welcome!"}, {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "hello"}]}
+    tool = {"messages": [{"role": "user", "content": "weather?"},
+                         {"role": "assistant", "content": None,
+                          "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                           "arguments": {"city": "Paris"}}}]},
+                         {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]}
+    proc = trained_first_example(work, [opening] * 20, tmp_path)
+    assert "<s><|assistant|>\\nWelcome!</s>\\n<|user|>\\nhi</s>\\n<|assistant|>\\n[[hello</s>\\n]]" in proc.stdout
+    proc = trained_first_example(work, [tool] * 20, tmp_path, "tools")
+    assert ('[[<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call></s>\\n]]'
+            '<|tool|>\\nsunny</s>\\n<|assistant|>\\n[[It is sunny.</s>\\n]]') in proc.stdout
+
+
+@pytest.mark.launch
+def test_save_to_disk_folders_and_sharegpt_rows_train(work, tmp_path):
+    import datasets
+
+    sharegpt = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}] * 20
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(sharegpt),
+                          "test": datasets.Dataset.from_list(sharegpt[:4])}).save_to_disk(str(tmp_path / "saved"))
+    proc = run_toolkit("train", recipe(work, "saved"), f"output_dir={tmp_path / 'run'}",
+                       f"data.train_files=[{tmp_path / 'saved'}]", "data.format=messages", "data.eval_files=[]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "<s><|user|>\\nhi</s>\\n<|assistant|>\\n[[hello</s>\\n]]" in proc.stdout
+    line = user_error_line(run_toolkit("train", recipe(work, "saved"), f"output_dir={tmp_path / 'run2'}",
+                                       f"data.train_files=[{{path: {tmp_path / 'saved'}, split: validation}}]",
+                                       "data.format=messages", "data.eval_files=[]"))
+    assert "has splits train, test; no split 'validation'" in line

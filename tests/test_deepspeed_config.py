@@ -1,5 +1,7 @@
 """DeepSpeed JSONs as users bring them: every shipped config resolves; Trainer-style "auto" files
-train; contradictions stop before training with one line naming the file, key and both values."""
+train; contradictions stop before training with one line naming the file, key and both values; a
+run says which of its schedule and optimizer came from the JSON, and resumes under another ZeRO
+stage (refused in one line under another global batch)."""
 
 import json
 import math
@@ -8,7 +10,9 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
+from helpers import (ROOT, alpaca_rows, base_recipe, read_metrics, run_toolkit, user_error_line, write_jsonl,
+                     write_recipe)
+from test_bad_input import snapshot
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
 from toolkit.backends.deepspeed_config import load_json, resolve
@@ -278,7 +282,7 @@ def torch_optimizer():
 
 
 def test_an_applied_step_never_counts_toward_the_stop():
-    from toolkit.training.run import counts_toward_stop
+    from toolkit.training.loop import counts_toward_stop
 
     nan = float("nan")
     assert counts_toward_stop(2.0, nan, None) and not counts_toward_stop(2.0, nan, None, applied=True)
@@ -319,3 +323,52 @@ def test_zero0_trains_with_finite_grad_norms_and_skips_what_is_not_finite(tmp_pa
     rows = [r for r in read_metrics(tmp_path / "nan" / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1], rows
     assert all(math.isfinite(r["loss"]) for r in rows if r["step"] != 3)
+
+
+# ------------------------------------------------------------- the run's summary; resume under another stage
+
+
+def ds_launch(tmp_path, name: str, ds: dict, recipe: dict):
+    (tmp_path / f"{name}.json").write_text(json.dumps(ds))
+    launch = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_machines": 1,
+              "num_processes": 2, "machine_rank": 0,
+              "deepspeed_config": {"deepspeed_config_file": str(tmp_path / f"{name}.json"), "zero3_init_flag": False}}
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(launch))
+    path = write_recipe(tmp_path / f"{name}_recipe.yaml", **recipe)
+    return run_toolkit("train", path, launcher=[sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                                str(tmp_path / f"{name}.yaml"), "--main_process_port", "0", "-m"])
+
+
+@pytest.mark.launch
+def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(9, seed=2))  # rank 1's last eval batch: padding only
+    recipe = base_recipe(tmp_path, train, evaluation, train__max_steps=2, train__micro_batch_size=2,
+                         train__eval_batch_size=2, train__warmup_steps=1, checkpoint={"every_steps": 2})
+    proc = ds_launch(tmp_path, "zero2", TRAINER_STYLE, recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_lines = [line[len("run: "):] for line in proc.stderr.splitlines() if line.startswith("run: ")]
+    schedule = [line for line in run_lines if line.startswith("schedule ")]
+    assert schedule and schedule[0].startswith(f"schedule WarmupDecayLR from {tmp_path / 'zero2.json'}: "), run_lines
+    assert "total_num_steps 2" in schedule[0] and "the recipe's warmup-cosine and min_lr_ratio are not used" in schedule[0]
+    assert any(line.startswith("optimizer AdamW from ") for line in run_lines), run_lines
+    assert any(line.startswith("backend DeepSpeed ZeRO-2, 2 processes") for line in run_lines), run_lines
+    assert any("batch 8 sequences per optimizer step = micro_batch_size 2 x gradient_accumulation_steps 2 x 2 "
+               "processes" in line for line in run_lines), run_lines
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["launches"][0]["summary"] == run_lines and manifest["launches"][0]["layout"] == "DeepSpeed ZeRO-2"
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "eval_loss" in r] == [0, 2]
+
+    # Under ZeRO-3 with another split of the global batch: refused in one line naming both, nothing touched.
+    zero3 = dict(TRAINER_STYLE, zero_optimization={"stage": 3})
+    before = snapshot(tmp_path / "run")
+    smaller = {**recipe, "resume": "auto", "train": {**recipe["train"], "micro_batch_size": 1}}
+    error = user_error_line(ds_launch(tmp_path, "zero3", zero3, smaller), launched=True)
+    assert "global batch of 8 sequences and this launch makes 4" in error, error
+    assert snapshot(tmp_path / "run") == before
+    # The same global batch continues under ZeRO-3 from the portable state, DeepSpeed's own optimizer
+    # and WarmupDecayLR included (the run had finished: it loads, checks and saves final/ again).
+    proc = ds_launch(tmp_path, "zero3", zero3, {**recipe, "resume": "auto"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(written by 2 process(es) under DeepSpeed ZeRO-2: its portable state)" in proc.stdout + proc.stderr
+    assert "loaded and read back as saved" in proc.stderr

@@ -1,5 +1,6 @@
 """`toolkit eval`: the loss a run logged at its last step, reproduced from its final/ (a full model
-and a LoRA adapter); answers scored by exact match and containment; user errors as one line; two
+and a LoRA adapter); answers scored by exact match and containment, and references that are not
+JSON strings (an integer, any CSV cell) scored as references; user errors as one line; two
 gloo processes give what one gives."""
 
 import json
@@ -145,3 +146,14 @@ def test_two_processes_give_what_one_gives(answers_run, tmp_path, capsys):
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert two["target_tokens"] == one["target_tokens"]
     assert two["answers"] == one["answers"] and one["answers"]["correct"] > 0
+
+
+def test_eval_scores_integer_and_csv_references(quickstart_run, tmp_path):
+    """References that are not JSON strings (an integer; any CSV cell) are references: before, eval
+    skipped them all and reported that no row had one."""
+    write_jsonl(tmp_path / "numbers.jsonl", [{"instruction": f"{i} plus one", "output": i + 1} for i in range(4)])
+    (tmp_path / "numbers.csv").write_text("instruction,output\n" + "".join(f"{i} plus one,0{i + 1}\n" for i in range(4)))
+    for data in ("numbers.jsonl", "numbers.csv"):
+        proc = run_toolkit("eval", quickstart_run / "final", "--data", tmp_path / data, "--max-new-tokens", "3")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "of 4 correct" in proc.stdout + proc.stderr, (data, proc.stdout[-2000:])

@@ -14,7 +14,8 @@ fault, then the promise checked for that cell:
 
 The signal lands through `TOOLKIT_FAULT_SIGNAL` (toolkit/faults.py), which sends it to the run's
 process group at the named point, as a terminal's Ctrl-C or a scheduler's SIGTERM would. One
-representative cell per fault runs in CI; the whole matrix is `slow`.
+representative cell per fault runs in CI; the whole matrix is `slow`. A SIGTERM that lands while the
+CLI still imports torch, before any phase, is one line and exit 75 too, with no run folder.
 """
 
 import signal
@@ -357,3 +358,20 @@ def test_a_pool_terminates_its_workers_under_the_preemption_handler(tmp_path):
         pytest.fail("Pool.terminate() did not return: its workers ignored SIGTERM")
     assert code == 0, err[-2000:]
     assert float(stdout.strip()) < 5, stdout
+
+
+# ----------------------------------------------------------------------------- a signal before any phase
+
+
+def test_sigterm_before_training_is_one_line_and_exit_75(tmp_path, data_files):
+    """While torch imports (well before the loop): the handler is installed by the CLI first."""
+    path = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, *data_files))
+    proc = start([sys.executable, "-m", "toolkit", "train", str(path)])
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 75, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == ["stopped: preempted: SIGTERM before training started; nothing was trained or saved. "
+                     "Run again to start over"], lines
+    assert not (tmp_path / "run").exists()

@@ -5,7 +5,8 @@ half-precision base.
 The bf16 paths differ by backend: accelerate autocasts matmuls to bf16 over fp32 weights (single,
 DDP), DeepSpeed keeps bf16 weights with fp32 master weights and optimizer states (ZeRO). Both
 round every matmul input to bf16's 8-bit mantissa (relative step 2^-8 = 3.9e-3), so the losses
-of the two runs are compared with a tolerance of that order; see BF16_LOSS_RTOL.
+of the two runs are compared with a tolerance of that order; see BF16_LOSS_RTOL. DeepSpeed's own fp16
+loss scaler, overflowing at its minimum, is a stop (exit 3), not a crash.
 """
 
 import json
@@ -141,9 +142,26 @@ INF, NAN = float("inf"), float("nan")
     (2.0, INF, NAN, True),          # scale unknown
 ])
 def test_which_steps_count_toward_the_nonfinite_stop(loss, grad_norm, scale, counts):
-    from toolkit.training.run import counts_toward_stop
+    from toolkit.training.loop import counts_toward_stop
 
     assert counts_toward_stop(loss, grad_norm, scale) is counts
+
+
+def test_deepspeed_min_loss_scale_is_a_stop_not_a_crash():
+    """DeepSpeed's own loss scaler, at its minimum, overflowing again: the exception it raises is
+    recognised as a stop (exit 3 in the loop; tests/test_gpu.py runs it on CUDA)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from toolkit.backends import Backend, DeepSpeed
+
+    scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False, raise_error_at_min_scale=True)
+    with pytest.raises(Exception) as e:
+        scaler.update_scale(overflow=True)
+    assert DeepSpeed("deepspeed").step_failure(e.value) == (
+        "fp16 gradients still overflow with the loss scale at its minimum (DeepSpeed fp16.min_loss_scale)")
+    assert DeepSpeed("deepspeed").step_failure(RuntimeError("shape mismatch")) is None
+    assert Backend().step_failure(e.value) is None  # only DeepSpeed's scaler says it this way
 
 
 @pytest.mark.launch

@@ -1,7 +1,11 @@
-"""Issue 27's first hour of a new user, one test per class that failed on the old main: each runs
-the real CLI on real files and checks that nothing is lost, nothing is silently changed, and every
-refusal is one line (signals and file systems are in test_faults.py, data values in
-test_data_fidelity.py, odd recipe values in test_recipe_fuzz.py)."""
+"""The run folder as a new user meets it (toolkit/storage/run_folder.py), on real launches of the
+CLI: overwrite=true keeps an earlier run until the new one has started (a bad data file leaves it
+as it was), replaces it then, and never clears a folder that is not a run; a second run into a
+folder in use is refused, and the lock of a run that died is taken over; a refused run leaves no
+folder behind; and resume=auto continues after a kill that cut metrics.jsonl mid-line, and accepts
+changes that learn nothing else. Nothing is lost, nothing silently changed, and every refusal is
+one line. (Checkpoints across launches, resume by path and the resumes refused are in
+test_checkpoints.py; kills and signals in test_resume.py and test_faults.py.)"""
 
 import hashlib
 import json
@@ -12,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (ROOT, alpaca_rows, base_recipe, finish, run_toolkit, start, user_error_line, write_jsonl,
-                      write_recipe)
+from helpers import alpaca_rows, base_recipe, finish, run_toolkit, start, user_error_line, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -25,7 +28,7 @@ def snapshot(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("first_hour")
+    d = tmp_path_factory.mktemp("run_folder")
     write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
     write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
     return d
@@ -132,147 +135,3 @@ def test_resume_allows_changes_that_learn_nothing_else(work, tmp_path, change):
                        "train.max_steps=2", "resume=auto", *change)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
-
-
-# ----------------------------------------------------------------------------- after training
-
-
-@pytest.fixture(scope="module")
-def lora_on_a_folder(work):
-    """A LoRA run over a local base folder named by a relative model.path."""
-    from toolkit.config import ModelConfig
-    from toolkit.model.load import build_byte_tokenizer, build_model
-
-    base = work / "base"
-    build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)
-    build_byte_tokenizer().save_pretrained(base)
-    r = recipe(work, "lora", model={"path": "base"}, lora={"enabled": True})
-    proc = run_toolkit("train", r, cwd=work)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return work / "lora" / "final", base
-
-
-def test_adapter_records_its_base_by_absolute_path(lora_on_a_folder, tmp_path):
-    final, base = lora_on_a_folder
-    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
-    proc = run_toolkit("generate", final, "--prompt", "hi", "--max-new-tokens", "2", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_a_replaced_base_is_refused_by_merge_generate_and_eval(lora_on_a_folder, work, tmp_path):
-    from toolkit.config import ModelConfig
-    from toolkit.model.load import build_model
-
-    final, base = lora_on_a_folder
-    kept = tmp_path / "original"
-    shutil.copytree(base, kept)
-    try:
-        import torch
-
-        torch.manual_seed(123)
-        build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)  # another model, same shapes
-        for args in (["merge", final, "--out", tmp_path / "merged"], ["generate", final, "--prompt", "hi"],
-                     ["eval", final, "--data", work / "eval.jsonl"]):
-            line = user_error_line(run_toolkit(*args))
-            assert f"the base model {base}" in line and "is not the one" in line, line
-        assert not (tmp_path / "merged").exists()
-        proc = run_toolkit("merge", final, "--out", tmp_path / "merged", "--base", kept)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    finally:
-        shutil.rmtree(base)
-        shutil.copytree(kept, base)
-
-
-def test_config_show_refuses_a_negative_process_count(work):
-    proc = run_toolkit("config", "show", recipe(work, "c"), "--accelerate-config",
-                       ROOT / "accelerate_configs" / "ddp.yaml", "--num-processes", "-2")
-    assert "--num-processes: must be positive, got -2" in user_error_line(proc)
-
-
-# ----------------------------------------------------------------------------- data shapes
-
-
-def chat(user="hi", answer="hello") -> dict:
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
-
-
-def trained_first_example(work: Path, rows: list[dict], tmp_path: Path, name: str = "run") -> str:
-    data = write_jsonl(tmp_path / f"{name}.jsonl", rows)
-    proc = run_toolkit("train", recipe(work, "chat"), f"output_dir={tmp_path / name}", f"data.train_files=[{data}]",
-                       "data.format=messages", "data.eval_files=[]", "data.max_seq_len=512")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def test_a_conversation_with_no_messages_is_dropped_by_row(work, tmp_path):
-    proc = trained_first_example(work, [{"messages": []}] + [chat()] * 120, tmp_path)
-    assert "row 1: no target tokens left (messages is null or missing); dropped 1 such row(s) of 121" in proc.stdout
-
-
-def test_an_opening_assistant_turn_is_context_and_tool_calls_are_rendered(work, tmp_path):
-    opening = {"messages": [{"role": "assistant", "content": "Welcome!"}, {"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": "hello"}]}
-    tool = {"messages": [{"role": "user", "content": "weather?"},
-                         {"role": "assistant", "content": None,
-                          "tool_calls": [{"type": "function", "function": {"name": "get_weather",
-                                                                           "arguments": {"city": "Paris"}}}]},
-                         {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]}
-    proc = trained_first_example(work, [opening] * 20, tmp_path)
-    assert "<s><|assistant|>\\nWelcome!</s>\\n<|user|>\\nhi</s>\\n<|assistant|>\\n[[hello</s>\\n]]" in proc.stdout
-    proc = trained_first_example(work, [tool] * 20, tmp_path, "tools")
-    assert ('[[<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call></s>\\n]]'
-            '<|tool|>\\nsunny</s>\\n<|assistant|>\\n[[It is sunny.</s>\\n]]') in proc.stdout
-
-
-def test_save_to_disk_folders_and_sharegpt_rows_train(work, tmp_path):
-    import datasets
-
-    sharegpt = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}] * 20
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(sharegpt),
-                          "test": datasets.Dataset.from_list(sharegpt[:4])}).save_to_disk(str(tmp_path / "saved"))
-    proc = run_toolkit("train", recipe(work, "saved"), f"output_dir={tmp_path / 'run'}",
-                       f"data.train_files=[{tmp_path / 'saved'}]", "data.format=messages", "data.eval_files=[]")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "<s><|user|>\\nhi</s>\\n<|assistant|>\\n[[hello</s>\\n]]" in proc.stdout
-    line = user_error_line(run_toolkit("train", recipe(work, "saved"), f"output_dir={tmp_path / 'run2'}",
-                                       f"data.train_files=[{{path: {tmp_path / 'saved'}, split: validation}}]",
-                                       "data.format=messages", "data.eval_files=[]"))
-    assert "has splits train, test; no split 'validation'" in line
-
-
-# ----------------------------------------------------------------------------- recipe values
-
-
-@pytest.mark.parametrize("override,fragment", [
-    ("seed=-1", "seed: must be in [0, 2**32), got -1"),
-    ("train.learning_rate=.nan", "train.learning_rate: must be a finite number"),
-    ("train.adam_epsilon=inf", "train.adam_epsilon: must be a finite number"),
-    ("model.attn_implementation=flash_attention_2", "flash_attention_2 needs the flash-attn package"),
-])
-def test_recipe_values_that_would_fail_late_are_refused_at_load(work, override, fragment, tmp_path):
-    if "flash" in override:
-        pytest.importorskip("torch")
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is not None:
-            pytest.skip("flash-attn is installed here")
-    line = user_error_line(run_toolkit("train", recipe(work, "v"), f"output_dir={tmp_path / 'run'}", override))
-    assert fragment in line
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path):
-    path = tmp_path / "latin1.yaml"
-    path.write_bytes("output_dir: café\n".encode("latin-1"))
-    assert "not UTF-8 text (byte 0xe9 at offset 15)" in user_error_line(run_toolkit("train", path))
-
-
-def test_eval_scores_integer_and_csv_references(work, finished, tmp_path):
-    """References that are not JSON strings (an integer; any CSV cell) are references: before, eval
-    skipped them all and reported that no row had one."""
-    write_jsonl(tmp_path / "numbers.jsonl", [{"instruction": f"{i} plus one", "output": i + 1} for i in range(4)])
-    (tmp_path / "numbers.csv").write_text("instruction,output\n" + "".join(f"{i} plus one,0{i + 1}\n" for i in range(4)))
-    for data in ("numbers.jsonl", "numbers.csv"):
-        proc = run_toolkit("eval", finished / "final", "--data", tmp_path / data, "--max-new-tokens", "3")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "of 4 correct" in proc.stdout + proc.stderr, (data, proc.stdout[-2000:])

@@ -1,9 +1,21 @@
-"""End-to-end training through the real CLI: exact accumulation, reloadable outputs, safe output folders."""
+"""End-to-end training through the real CLI: exact accumulation; reloadable outputs (a full model with
+transformers, an adapter with peft); safe output folders (a non-empty one refused, overwrite=true
+clearing an earlier run); messages with packing and the text format trained end to end; training
+from model.path; weight decay on matrices only; gradient checkpointing used and learning the same;
+clipping; the quickstart script; objectives that plug into the loop unchanged."""
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, train_losses, write_recipe
+from helpers import (ROOT, alpaca_rows, base_recipe, load_weights, read_metrics, run_toolkit, train_losses, write_jsonl,
+                     write_recipe)
+from toolkit.storage import checkpoint
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -264,3 +276,211 @@ def test_an_objective_that_makes_its_own_batch_plugs_in(tmp_path, data_files):
     a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "remade")
     assert b[1]["tokens"] == 2 * a[1]["tokens"]
     assert b[1]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
+
+
+# ---------------------------------------------------------- overwrite, text format, model.path (own data)
+# These runs use this module's own data (`work`) and `train_in`, which trains a recipe written there.
+# Gradient checkpointing is observed through a `sitecustomize.py` put on the run's PYTHONPATH that
+# wraps torch's `checkpoint` function (still calling it) and counts its calls; nothing is replaced.
+
+TRAIN_ROWS = 44  # global batch 4 x 2 = 8: floor(44 / 8) = 5 steps per epoch, 4 rows left over
+PRESET = json.loads((ROOT / "toolkit" / "model" / "presets" / "tiny-llama-mini.json").read_text())
+
+
+def text_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 10)))
+        rows.append({"text": f"{word} backwards is {word[::-1]}."})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train_options")
+    write_jsonl(d / "train.jsonl", alpaca_rows(TRAIN_ROWS, seed=11))
+    write_jsonl(d / "eval.jsonl", alpaca_rows(8, seed=12))
+    write_jsonl(d / "text_train.jsonl", text_rows(48, seed=13))
+    write_jsonl(d / "text_eval.jsonl", text_rows(8, seed=14))
+    return d
+
+
+def recipe(work: Path, out: str, **overrides) -> dict:
+    """helpers' base recipe (tiny-llama-mini, micro 4 x accumulation 2, fp32) on this module's data."""
+    return base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=out, **overrides)
+
+
+def train_in(work: Path, name: str, sections: dict, *overrides, env=None) -> subprocess.CompletedProcess:
+    proc = run_toolkit("train", write_recipe(work / f"{name}.yaml", **sections), *overrides, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_overwrite_clears_an_earlier_run_and_trains(work):
+    """(Without overwrite=true the folder is refused: test_non_empty_output_dir_is_refused_and_untouched
+    above; a folder that is not a run is never cleared: tests/test_run_folder.py.)"""
+    out = work / "overwritten"
+    (out / "checkpoints" / "step-000099").mkdir(parents=True)
+    (out / "checkpoints" / "step-000099" / checkpoint.MARKER).write_text("step 99\n")
+    (out / "config.yaml").write_text("output_dir: earlier\n")
+    (out / "final").mkdir()
+    (out / "final" / "old.txt").write_text("earlier results")
+    write_jsonl(out / "metrics.jsonl", [{"step": 99, "loss": 1.0}])
+    train_in(work, "overwrite", recipe(work, "overwritten", overwrite=True, train__max_steps=1, train__warmup_steps=0))
+    assert not (out / "final" / "old.txt").exists() and not (out / "checkpoints").exists()
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def text_recipe(work: Path, out: str, train_file: str, eval_file: str, **overrides) -> dict:
+    sections = recipe(work, out, **overrides)
+    sections["data"] = {"train_files": [str(work / train_file)], "eval_files": [str(work / eval_file)],
+                        "format": "text", "max_seq_len": 96}
+    return sections
+
+
+def plain_text_loss(folder: Path, rows: list[dict]) -> float:
+    """Token-weighted loss of a saved folder on text rows, with plain transformers: BOS + text + EOS,
+    every token after the first a target."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    total, count = 0.0, 0
+    for row in rows:
+        ids = torch.tensor([[tok.bos_token_id] + tok(row["text"], add_special_tokens=False)["input_ids"]
+                            + [tok.eos_token_id]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        total += torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
+        count += ids.shape[1] - 1
+    return total / count
+
+
+@pytest.fixture(scope="module")
+def text_run(work):
+    train_in(work, "text", text_recipe(work, "text", "text_train.jsonl", "text_eval.jsonl", train__max_steps=12,
+                                       train__learning_rate=3e-3))
+    return work / "text"
+
+
+def test_text_format_trains_end_to_end(work, text_run):
+    rows = read_metrics(text_run)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 12 and losses[-1] < 0.9 * losses[0], losses
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    eval_rows = [json.loads(line) for line in (work / "text_eval.jsonl").read_text().splitlines()]
+    assert plain_text_loss(text_run / "final", eval_rows) == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
+
+
+def test_training_from_model_path(work, text_run):
+    """model.path = the text run's final/ folder. Its 8 eval rows are exactly one global batch here,
+    so the first training loss and the step-0 eval loss are both the loss of those weights on them."""
+    source = text_run / "final"
+    sections = text_recipe(work, "from_path", "text_eval.jsonl", "text_eval.jsonl", train__max_steps=3,
+                           train__warmup_steps=0, model={"path": str(source)})
+    train_in(work, "from_path", sections)
+    rows = read_metrics(work / "from_path")
+    eval_rows = [json.loads(line) for line in (work / "text_eval.jsonl").read_text().splitlines()]
+    same_weights = plain_text_loss(source, eval_rows)
+    assert rows[0]["eval_loss"] == pytest.approx(same_weights, rel=1e-5)
+    assert rows[1]["loss"] == pytest.approx(same_weights, rel=1e-5)
+    assert rows[0]["eval_loss"] == pytest.approx(read_metrics(text_run)[-1]["eval_loss"], rel=1e-5)
+    assert rows[-1]["loss"] < rows[1]["loss"]  # and it trained from there
+    before, after = load_weights(source), load_weights(work / "from_path" / "final")
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ----------------------------------------------------------------------------- weight decay groups
+
+DECAY_LR, DECAY = 1e-3, 5.0
+
+
+@pytest.fixture(scope="module")
+def decay_runs(work):
+    """One optimizer step (lr = learning_rate, no warmup) with weight_decay 0 and 5; everything else equal."""
+    out = {}
+    for wd in (0.0, DECAY):
+        name = f"decay_{wd:g}"
+        train_in(work, name, recipe(work, name, train__max_steps=1, train__warmup_steps=0,
+                                    train__learning_rate=DECAY_LR, train__weight_decay=wd))
+        out[wd] = load_weights(work / name / "final")
+    return out
+
+
+def test_weight_decay_reaches_matrices_only(decay_runs):
+    """Same first gradient in both runs, so AdamW's decoupled decay is the only difference:
+    norm weights (1-D) identical; every matrix decayed by exactly learning_rate x weight_decay
+    times its initial value p0, i.e. p(wd=0) - p(wd) = lr * wd * p0. With the Adam update of a
+    first step at most lr per element, p0 recovered this way lies within lr of p(wd=0)."""
+    plain, decayed = decay_runs[0.0], decay_runs[DECAY]
+    assert plain.keys() == decayed.keys()
+    vectors = [k for k, v in plain.items() if v.ndim < 2]
+    matrices = [k for k, v in plain.items() if v.ndim >= 2]
+    assert vectors and all("norm" in k for k in vectors) and len(matrices) > len(vectors)
+    for k in vectors:
+        assert torch.equal(plain[k], decayed[k]), f"{k} (1-D) was decayed"
+    for k in matrices:
+        assert not torch.equal(plain[k], decayed[k]), f"{k} (a matrix) was not decayed"
+        initial = (plain[k] - decayed[k]) / (DECAY_LR * DECAY)
+        moved = (plain[k] - initial).abs().max().item()
+        assert moved <= DECAY_LR * 1.05, f"{k}: decay is not lr * weight_decay * p ({moved:.2e} > lr)"
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+# Loaded by every Python started with this folder on PYTHONPATH: wraps (and calls) torch's
+# checkpoint function, which transformers binds when imported, and counts its calls.
+COUNTING_CHECKPOINT = '''
+import atexit, os
+import torch.utils.checkpoint as _cp
+_real, _calls = _cp.checkpoint, [0]
+def checkpoint(*args, **kwargs):
+    _calls[0] += 1
+    return _real(*args, **kwargs)
+_cp.checkpoint = checkpoint
+atexit.register(lambda: open(os.environ["CHECKPOINT_CALLS_FILE"], "w").write(str(_calls[0])))
+'''
+GC_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpointing_runs(work):
+    """LoRA with dropout (so the recomputed forward must redraw the same dropout masks), with and
+    without model.gradient_checkpointing; each counts the layer forwards that went through torch's
+    checkpoint."""
+    spy = work / "spy"
+    spy.mkdir()
+    (spy / "sitecustomize.py").write_text(COUNTING_CHECKPOINT)
+    out = {}
+    for enabled in (False, True):
+        name = f"gc_{str(enabled).lower()}"
+        calls = work / f"{name}.calls"
+        env = {"PYTHONPATH": os.pathsep.join([str(spy)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               "CHECKPOINT_CALLS_FILE": str(calls)}
+        train_in(work, name, recipe(work, name, lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1},
+                                    model={"preset": "tiny-llama-mini", "gradient_checkpointing": enabled},
+                                    train__max_steps=GC_STEPS, train__warmup_steps=1, train__learning_rate=5e-3),
+                 env=env)
+        out[enabled] = {"rows": read_metrics(work / name), "calls": int(calls.read_text()),
+                        "adapter": load_weights(work / name / "final")}
+    return out
+
+
+def test_gradient_checkpointing_is_used_and_learns_the_same(checkpointing_runs):
+    off, on = checkpointing_runs[False], checkpointing_runs[True]
+    # Every decoder layer, every training micro-batch (2 per step), went through checkpoint; eval did not.
+    # So did train.loss=chunked's one chunk per training micro-batch (fewer than 1,024 targets), in both.
+    assert off["calls"] == 2 * GC_STEPS
+    assert on["calls"] == (PRESET["num_hidden_layers"] + 1) * 2 * GC_STEPS
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a = [r[key] for r in off["rows"] if key in r]
+        b = [r[key] for r in on["rows"] if key in r]
+        assert len(a) == len(b) > 1
+        assert b == pytest.approx(a, rel=1e-5), key
+    assert off["rows"][-1]["loss"] < off["rows"][1]["loss"]
+    assert off["adapter"].keys() == on["adapter"].keys() and off["adapter"]
+    for k, v in off["adapter"].items():
+        torch.testing.assert_close(on["adapter"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in on["adapter"].items())  # it trained

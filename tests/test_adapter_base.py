@@ -1,0 +1,74 @@
+"""An adapter knows its base (toolkit/model/base_identity.py), on real launches of the CLI: a LoRA run
+over a local base folder named by a relative model.path records that base by its absolute path (so
+generate works from any folder), and merge, generate and eval refuse a base folder that now holds
+another model of the same shapes, in one line; `merge --base` names the original again."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
+
+pytestmark = pytest.mark.launch  # every test here starts processes
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("adapter_base")
+    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
+    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
+    return d
+
+
+def recipe(work: Path, name: str, **overrides) -> Path:
+    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
+                    train__warmup_steps=1, **overrides)
+    return write_recipe(work / f"{name}.yaml", **r)
+
+
+@pytest.fixture(scope="module")
+def lora_on_a_folder(work):
+    """A LoRA run over a local base folder named by a relative model.path."""
+    from toolkit.config import ModelConfig
+    from toolkit.model.load import build_byte_tokenizer, build_model
+
+    base = work / "base"
+    build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)
+    build_byte_tokenizer().save_pretrained(base)
+    r = recipe(work, "lora", model={"path": "base"}, lora={"enabled": True})
+    proc = run_toolkit("train", r, cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work / "lora" / "final", base
+
+
+def test_adapter_records_its_base_by_absolute_path(lora_on_a_folder, tmp_path):
+    final, base = lora_on_a_folder
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    proc = run_toolkit("generate", final, "--prompt", "hi", "--max-new-tokens", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_replaced_base_is_refused_by_merge_generate_and_eval(lora_on_a_folder, work, tmp_path):
+    from toolkit.config import ModelConfig
+    from toolkit.model.load import build_model
+
+    final, base = lora_on_a_folder
+    kept = tmp_path / "original"
+    shutil.copytree(base, kept)
+    try:
+        import torch
+
+        torch.manual_seed(123)
+        build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)  # another model, same shapes
+        for args in (["merge", final, "--out", tmp_path / "merged"], ["generate", final, "--prompt", "hi"],
+                     ["eval", final, "--data", work / "eval.jsonl"]):
+            line = user_error_line(run_toolkit(*args))
+            assert f"the base model {base}" in line and "is not the one" in line, line
+        assert not (tmp_path / "merged").exists()
+        proc = run_toolkit("merge", final, "--out", tmp_path / "merged", "--base", kept)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    finally:
+        shutil.rmtree(base)
+        shutil.copytree(kept, base)
