@@ -575,7 +575,8 @@ def measure_large(a, n: int, all_procs: int, base: Path) -> dict:
             "prepared_disk_mb": round(disk_mb), "fill": prep["fill"], "packed_rows": prep["packed_rows"],
             "rank_uss_added_mb": rank["uss_added_mb"], "rank_anon_added_mb": rank["anon_added_mb"],
             "rank_private_file_added_mb": rank["private_file_added_mb"],
-            "rank_read_anon_added_mb": rank["read_anon_added_mb"], "rank_read_file_added_mb": rank["read_file_added_mb"],
+            "rank_read_anon_added_mb": rank["read_anon_added_mb"],
+            "rank_read_file_added_mb": rank["read_file_added_mb"],
             "data_lines": prep["data_lines"]}
 
 
@@ -655,7 +656,8 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         print(f"| {result['date']} | {result['host']} | {result['rows']:,} | {result['tokens']:,} | "
               f"{result['seconds_pall']} s ({result['tokens_per_second_pall']:,} tok/s, P={all_procs}) | "
-              f"main +{result['main_peak_added_mb_pall']} MB, largest worker {result['children_peak_rss_mb_pall']} MB | "
+              f"main +{result['main_peak_added_mb_pall']} MB, "
+              f"largest worker {result['children_peak_rss_mb_pall']} MB | "
               f"lowest MemAvailable {result['mem_available_low_mb']} of {result['mem_total_mb']} MB | "
               f"{result['prepared_disk_mb']:,} MB on disk | non-main USS +{result['rank_uss_added_mb']} MB | "
               f"{result['fill']}% |")

@@ -41,7 +41,8 @@ PIECES = [
     ("gpu-bf16", [PY, "-m", "pytest", "-s", "-q", "-m", "gpu", "tests/test_gpu.py", "-k", "bf16"], 590,
      "bf16 learns what fp32 learns: one process and ZeRO-1/2/3 (+ CPU offload); full, LoRA, LoRA over a bf16 base"),
     ("gpu-other", [PY, "-m", "pytest", "-s", "-q", "-m", "gpu", "tests/test_gpu.py", "-k", "not bf16"], 590,
-     "fp16 with loss scaling, overflow skips, DeepSpeed's minimum scale, QLoRA, the varlen flash kernel, fused AdamW and compile"),
+     "fp16 with loss scaling, overflow skips, DeepSpeed's minimum scale, QLoRA, the varlen flash kernel, "
+     "fused AdamW and compile"),
     ("loop-1b", [PY, *LOOP, *ONE_B, "--only", "toolkit", "plain_pytorch", "trl",
                  "--toolkit", "data.padding_free=true"], 590,
      "useful tokens/s and peak memory against a hand-written loop and TRL, ~1B model, bf16, padding-free"),
@@ -99,8 +100,8 @@ def install_wheels(env: dict) -> str:
     if not wheels:
         return "no wheels needed from .whl/ (none there, or the installed versions match them)"
     site = tempfile.mkdtemp(prefix="gpu_check_site_")
-    proc = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-                           "--target", site, *map(str, wheels)], capture_output=True, text=True)
+    proc = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--target", site, *map(str, wheels)], capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return f"installing {len(wheels)} wheels from .whl/ failed ({last}): the image's own packages"
@@ -111,7 +112,8 @@ def install_wheels(env: dict) -> str:
 def versions(env: dict) -> str:
     code = ("import importlib.metadata as m, torch\n"
             "names = ['torch', 'accelerate', 'transformers', 'peft', 'datasets', 'deepspeed', 'trl']\n"
-            "def v(n):\n    try:\n        return m.version(n)\n    except m.PackageNotFoundError:\n        return 'missing'\n"
+            "def v(n):\n    try:\n        return m.version(n)\n"
+            "    except m.PackageNotFoundError:\n        return 'missing'\n"
             "gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA GPU'\n"
             "print(gpu + '; ' + ', '.join(f'{n} {v(n)}' for n in names) + f'; CUDA {torch.version.cuda}')")
     proc = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True)
@@ -175,13 +177,15 @@ def main() -> int:
     p.add_argument("--plan", action="store_true", help="print the pieces and check them; run nothing")
     p.add_argument("--json", action="store_true", help="with --plan: as JSON")
     p.add_argument("--only", nargs="+", choices=[n for n, *_ in PIECES], help="these pieces only")
-    p.add_argument("--log-dir", default=os.environ.get("OUT"), help="where the full logs go (default $OUT or a temp folder)")
+    p.add_argument("--log-dir", default=os.environ.get("OUT"),
+                   help="where the full logs go (default $OUT or a temp folder)")
     p.add_argument("--workers", type=int, default=1,
                    help="pytest pieces: run their tests in N processes on the one GPU (pytest-xdist, --dist load)")
     p.add_argument("--timeout", type=int, help="cap every piece's time limit at this many seconds")
     p.add_argument("--loop-steps", type=int, help="benchmark pieces: this many steps (the first third left out)")
     p.add_argument("--allow-cpu", action="store_true", help="run on a host without CUDA too (the script's own check)")
-    p.add_argument("--notes", default=str(ROOT / "benchmarks" / "NOTES.md"), help="the notes file the section is appended to")
+    p.add_argument("--notes", default=str(ROOT / "benchmarks" / "NOTES.md"),
+                   help="the notes file the section is appended to")
     a = p.parse_args()
     problems = check_plan()
     if a.plan:

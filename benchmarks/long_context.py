@@ -101,7 +101,8 @@ def launcher(work: Path, sp: int) -> list[str]:
 
     launch = yaml.safe_load((ROOT / "accelerate_configs" / "zero2_sp.yaml").read_text())
     launch["parallelism_config"]["parallelism_config_sp_size"] = sp
-    launch["deepspeed_config"]["deepspeed_config_file"] = str(ROOT / launch["deepspeed_config"]["deepspeed_config_file"])
+    launch["deepspeed_config"]["deepspeed_config_file"] = str(ROOT
+                                                              / launch["deepspeed_config"]["deepspeed_config_file"])
     path = work / f"sp{sp}.yaml"
     path.write_text(yaml.safe_dump(launch))
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), "--num_processes", str(sp),
@@ -146,10 +147,11 @@ def table(results: list[dict], a, device: str) -> str:
             continue
         above = f"{r['above_baseline_gib']:.3f}" if r.get("above_baseline_gib") is not None else "-"
         mem = f"{r['peak_gib'] / ref['peak_gib']:.3f}" if ref else "-"
-        speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref and r["tokens_per_s"] and ref["tokens_per_s"] else "-"
+        speed = (f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref and r["tokens_per_s"] and ref["tokens_per_s"]
+                 else "-")
         diff = f"{r['loss_rel_diff']:.1e}" if r.get("loss_rel_diff") is not None else "-"
-        lines.append(f"| {r['variant']} | {r['peak_gib']:.3f} | {above} | {mem} | {r['step_s']} | {r['tokens_per_s']} | "
-                     f"{speed} | {diff} |")
+        lines.append(f"| {r['variant']} | {r['peak_gib']:.3f} | {above} | {mem} | {r['step_s']} | "
+                     f"{r['tokens_per_s']} | {speed} | {diff} |")
     head = (f"{device}; hidden {a.hidden} x {a.layers} layers, {a.seq} tokens per step (micro-batch 1), "
             f"{a.precision}, attention {a.attn}, {a.steps} steps")
     return head + "\n\n" + "\n".join(lines)

@@ -465,7 +465,8 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
-        "precision": a.precision, "attn": a.attn, "toolkit_overrides": a.toolkit, "model": f"llama hidden {a.hidden} x {a.layers} layers",
+        "precision": a.precision, "attn": a.attn, "toolkit_overrides": a.toolkit,
+        "model": f"llama hidden {a.hidden} x {a.layers} layers",
         "seq": a.seq, "micro": a.micro, "accumulation": a.accumulation, "rows_per_step": a.micro * a.accumulation,
         "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
         "same_tokens": {"check": "passed", "documents": plan["documents"], "target_tokens": plan["targets"],
@@ -547,7 +548,8 @@ def main() -> None:
     print(json.dumps(result))
     tps, mem = result["target_tokens_per_second"], result["peak_memory_mib"]
     print(f"| {result['date']} | {result['device']} | {result['model']}, seq {a.seq}, {a.micro} x {a.accumulation} "
-          f"rows, {a.precision}, {a.attn}{''.join(' ' + o for o in a.toolkit)} | " + " | ".join(f"{tps.get(w, '-')}" for w in CONTENDERS) + " | "
+          f"rows, {a.precision}, {a.attn}{''.join(' ' + o for o in a.toolkit)} | "
+          + " | ".join(f"{tps.get(w, '-')}" for w in CONTENDERS) + " | "
           + " | ".join(f"{result.get(f'speed_vs_{w}', '-')} ({result.get(f'speed_vs_{w}_best', '-')})"
                        for w in CONTENDERS[1:]) + " | "
           + " | ".join(f"{mem.get(w, '-')}" for w in CONTENDERS) + f" | {result.get('memory_vs_trl', '-')} |")

@@ -12,9 +12,9 @@
 """
 
 import contextlib
+import importlib.util
 import io
 import json
-import importlib.util
 import sys
 import tempfile
 from collections import Counter

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run(recipe, args.recipe, preemption)
         else:
-            from .config import dump_recipe
             from .backends.launch_config import show
+            from .config import dump_recipe
 
             if args.accelerate_config:
                 report = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)

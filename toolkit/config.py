@@ -427,7 +427,8 @@ def _suggest(key: str, names: set[str]) -> str:
     if close:
         return f"; did you mean {close[0]}?"
     sections = {name: hint for name, hint in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(hint)}
-    elsewhere = [f"{name}.{key}" for name, hint in sections.items() if key in {f.name for f in dataclasses.fields(hint)}]
+    elsewhere = [f"{name}.{key}" for name, hint in sections.items()
+                 if key in {f.name for f in dataclasses.fields(hint)}]
     return f"; did you mean {elsewhere[0]}?" if elsewhere and key not in names else ""
 
 
@@ -559,7 +560,8 @@ def validate(r: Recipe, source: str) -> None:
         need(r.train.precision == r.model.dtype, "model.dtype",
              f"{r.model.dtype} base weights need train.precision={r.model.dtype}, got {r.train.precision}")
     if r.model.load_in_4bit:
-        need(r.lora.enabled, "model.load_in_4bit", "a 4-bit base cannot be trained itself: QLoRA needs lora.enabled=true")
+        need(r.lora.enabled, "model.load_in_4bit",
+             "a 4-bit base cannot be trained itself: QLoRA needs lora.enabled=true")
         need(r.model.path is not None, "model.load_in_4bit",
              "QLoRA quantizes a model.path base while loading it; a preset is built in full precision")
         need(r.train.precision in ("bf16", "fp16"), "model.load_in_4bit",
@@ -613,7 +615,8 @@ def validate(r: Recipe, source: str) -> None:
          f"must be positive, got {t.watchdog_seconds}")
     for tracker, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         need(tracker not in t.report_to or importlib.util.find_spec(module) is not None, "train.report_to",
-             f"{tracker} is not installed: pip install " + ("'toolkit[tensorboard]'" if tracker == "tensorboard" else "wandb"))
+             f"{tracker} is not installed: pip install "
+             + ("'toolkit[tensorboard]'" if tracker == "tensorboard" else "wandb"))
     need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
     need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
          f"must be non-negative, got {r.checkpoint.every_steps}")
@@ -680,7 +683,8 @@ def key_reference() -> str:
     def docs(cls_name: str) -> dict[str, str]:
         body, found = nodes[cls_name].body, {}
         for node, after in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant)):
                 found[node.target.id] = " ".join(after.value.value.split())
         return found
 
@@ -720,7 +724,8 @@ def key_reference() -> str:
         meaning = docs(cls.__name__)
         for f in dataclasses.fields(cls):
             text = meaning.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{prefix}{f.name}` | {shown(typing.get_type_hints(cls)[f.name])} | {default(f)} | {text} |")
+            lines.append(f"| `{prefix}{f.name}` | {shown(typing.get_type_hints(cls)[f.name])} | "
+                         f"{default(f)} | {text} |")
         lines.append("")
     return "\n".join(lines[:-1]) + "\n"
 

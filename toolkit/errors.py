@@ -18,7 +18,8 @@ EXIT_CODES = {
     EXIT_OK: "trained (or the verb did what it was asked)",
     EXIT_CHECK_FAILED: "toolkit doctor: a check failed",
     EXIT_USER_ERROR: "a mistake you can fix: one line naming the file, key or row; nothing on disk changed",
-    EXIT_NONFINITE: "loss or gradient not finite for train.max_nonfinite_steps steps in a row; last good checkpoint named",
+    EXIT_NONFINITE: "loss or gradient not finite for train.max_nonfinite_steps steps in a row; "
+                    "last good checkpoint named",
     EXIT_SAVE_MISMATCH: "a save did not read back as written; it is not marked complete, earlier ones are intact",
     EXIT_DISK: "the file system refused a write (full, read-only); earlier checkpoints are intact",
     EXIT_PREEMPTED: "stopped by a signal: the step finished, a checkpoint was saved; resume=auto continues",

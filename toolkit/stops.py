@@ -12,7 +12,6 @@ import time
 
 from .errors import EXIT_PREEMPTED, EXIT_SIGNAL_BASE
 
-
 _ABRUPT = False  # inside Preemption.abrupt(): a process forked now dies with its parent
 
 
@@ -126,7 +125,8 @@ class Preemption:
     expects (see `_in_forked_child`). While such workers run, the parent is inside `abrupt()` and
     exits without tearing their pool down. An abort ends this process's descendants with it."""
 
-    def __init__(self, stop_text: str = "before training started; nothing was trained or saved. Run again to start over"):
+    def __init__(self,
+                 stop_text: str = "before training started; nothing was trained or saved. Run again to start over"):
         self.stop_text = stop_text  # what a signal before `arm` means, for its one line
         self.requested_at: float | None = None
         self.signal_name = ""

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 
-from .launch_config import launch_kind
 from .base import Backend, end_process_group, launched_world_size
 from .ddp import DDP
 from .deepspeed import DeepSpeed
 from .fsdp import FSDP
+from .launch_config import launch_kind
 
 BY_KIND = {"single": Backend, "ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
 

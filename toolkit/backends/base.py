@@ -15,14 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..storage import disk
 from .. import faults
-from . import launch_config
 from ..config import Recipe
-from ..errors import ToolkitError
+from ..errors import EXIT_SAVE_MISMATCH, ToolkitError
 from ..stops import TrainingStopped
-from ..errors import EXIT_SAVE_MISMATCH
+from ..storage import disk
 from ..storage.verify import first_mismatch, inject_corruption, read_back, tree_mismatch
+from . import launch_config
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, by the names torch and DeepSpeed both use
@@ -293,7 +292,8 @@ class Backend:
                 faults.at("final")
                 problem = first_mismatch(tmp, expected)
                 if problem is None:
-                    disk.replace_dir(tmp, path)  # may exist: a resumed run that had already saved it before being killed
+                    # may exist: a resumed run that had already saved it before being killed
+                    disk.replace_dir(tmp, path)
         verdict = [problem]
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
@@ -363,8 +363,12 @@ class Backend:
     def set_portable_state(self, model, optimizer, weights: dict, moments: dict, step: int, by_name: dict) -> None:
         """Set the prepared model and optimizer from a portable state (`by_name`: each parameter's
         saved group)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         # Copies: the state-dict API renames keys of the dicts it is given in place (DDP's `module.`).
         set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True, strict=False))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from . import deepspeed_config, launch_config, sequence
 from ..errors import ToolkitError
 from ..storage.verify import read_back, tree_mismatch
+from . import deepspeed_config, launch_config, sequence
 from .base import MOMENTS, Backend, adam_step, launched_world_size
 
 MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
@@ -73,11 +73,12 @@ class DeepSpeed(Backend):
         if self.sequence_parallel == 1:
             return
         sp, config = self.sequence_parallel, model.config.get_text_config()
-        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads, kv = (config.num_attention_heads,
+                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         if heads % sp or not (kv % sp == 0 or sp % kv == 0):
-            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp} but the model has {heads} "
-                               f"attention heads and {kv} key/value heads; sp_size must divide the heads (and divide "
-                               "or be a multiple of the key/value heads)")
+            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp} but the model has "
+                               f"{heads} attention heads and {kv} key/value heads; sp_size must divide the heads "
+                               "(and divide or be a multiple of the key/value heads)")
 
     def check_objective(self, objective) -> None:
         """A loss taken on rows split across a sequence group must be a sum over positions."""
@@ -315,7 +316,8 @@ class DeepSpeed(Backend):
 
         zero = model.optimizer
         # Before its first step ZeRO holds no optimizer state: make it, zeros, for the load to fill.
-        flats = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", ())
+        flats = (getattr(zero, "single_partition_of_fp32_groups", None)
+                 or getattr(zero, "fp32_partitioned_groups_flat", ()))
         for i, flat in enumerate(flats):
             state = zero.optimizer.state[flat]
             if "exp_avg" not in state:

@@ -144,12 +144,12 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
 def _resolve_optimizer(opt: dict, t, source: str, settle, notes: list[str]) -> None:
     """The JSON's optimizer type is kept (DeepSpeed builds it); its hyper-parameters are the recipe's."""
     import torch
-
     from deepspeed.runtime import config as ds_config
 
     kind = str(opt.get("type", ""))
     known = set(ds_config.DEEPSPEED_OPTIMIZERS) | {getattr(ds_config, n) for n in dir(ds_config)
-                                                   if n.endswith("_OPTIMIZER") and isinstance(getattr(ds_config, n), str)}
+                                                   if n.endswith("_OPTIMIZER")
+                                                   and isinstance(getattr(ds_config, n), str)}
     if kind.lower() not in known and not hasattr(torch.optim, kind):
         raise ToolkitError(f"{source}: optimizer.type {kind!r} is neither a DeepSpeed optimizer "
                            f"({', '.join(sorted(ds_config.DEEPSPEED_OPTIMIZERS))}) nor one of torch.optim")
@@ -322,7 +322,8 @@ def validate(cfg: dict, source: str) -> None:
         raise ToolkitError(f"{source}: {_explain(e)}") from None
 
 
-SCHEMA_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "CompileConfig": "compile", "DeepSpeedFP16Config": "fp16",
+SCHEMA_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "CompileConfig": "compile",
+                   "DeepSpeedFP16Config": "fp16",
                    "DeepSpeedBF16Config": "bf16", "CommsLoggerConfig": "comms_logger",
                    "DeepSpeedMonitorConfig": "", "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
                    "DeepSpeedFlopsProfilerConfig": "flops_profiler", "DeepSpeedAIOConfig": "aio",

@@ -80,7 +80,8 @@ class FSDP(Backend):
         shards, a full one compared on the main process."""
         import torch.distributed.checkpoint as dcp
         from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options  # what save_state uses
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        from torch.distributed.fsdp import StateDictType
 
         plugin = self.plugin
         options = _prepare_sd_options(plugin)

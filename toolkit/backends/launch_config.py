@@ -45,13 +45,13 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     _check_parallelism(recipe, env, kind, source, notes)
     if env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() not in ("NO", ""):
         raise ToolkitError(f"{source}: dynamo_config.dynamo_backend is {env['ACCELERATE_DYNAMO_BACKEND']!r}: "
-                           "compile in the recipe instead (train.compile: true compiles each decoder layer, dynamic shapes); "
-                           "set dynamo_backend: 'NO'")
+                           "compile in the recipe instead (train.compile: true compiles each decoder layer, dynamic "
+                           "shapes); set dynamo_backend: 'NO'")
     if kind == "fsdp" and not cuda and env.get("FSDP_VERSION", "1") != "2":
-        raise ToolkitError(f"{source}: fsdp_config.fsdp_version is {env.get('FSDP_VERSION', '1')} (FSDP1, also when the "
-                           "key is absent): it trains on GPUs as it is, but accelerate's FSDP1 cannot run on a CPU-only "
-                           "host; to rehearse here, convert it with `accelerate to-fsdp2 --config_file THIS.yaml "
-                           "--output_file THIS-fsdp2.yaml`")
+        raise ToolkitError(f"{source}: fsdp_config.fsdp_version is {env.get('FSDP_VERSION', '1')} (FSDP1, also when "
+                           "the key is absent): it trains on GPUs as it is, but accelerate's FSDP1 cannot run on a "
+                           "CPU-only host; to rehearse here, convert it with `accelerate to-fsdp2 --config_file "
+                           "THIS.yaml --output_file THIS-fsdp2.yaml`")
     if kind == "fsdp" and not cuda:
         for name, key in (("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states"),
                           ("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading")):
@@ -107,7 +107,8 @@ def _check_parallelism(recipe: Recipe, env, kind: str, source: str, notes: list[
     if recipe.model.attn_implementation == "eager":
         raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism needs attention without a dense "
                            "mask; set model.attn_implementation=sdpa (or flash_attention_2, varlen)")
-    dp = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")) * int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+    dp = (int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
+          * int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")))
     if dp not in (1, world // sp):
         notes.append(f"{source}: parallelism_config dp_shard_size x dp_replicate_size is {dp}; {world} processes in "
                      f"groups of {sp} make {world // sp} data-parallel ranks, trained as such")
@@ -152,8 +153,11 @@ def worker_env(yaml_path: str, num_processes: int | None = None, extra_args: lis
     argv = ["--config_file", str(yaml_path)] + (["--num_processes", str(num_processes)] if num_processes else [])
     argv += list(extra_args)
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import (prepare_deepspeed_cmd_env, prepare_multi_gpu_env,
-                                         prepare_simple_launcher_cmd_env)
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     saved = dict(os.environ)
     try:  # the launcher helpers start from os.environ; keep this process's untouched

@@ -542,8 +542,8 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     g = row.gpu
     name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name
     line = (f"estimate per process ({name}, toolkit estimate): params {size_text(g['params'])}, gradients "
-            f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, activations "
-            f"{size_text(g['activations'] + g['logits'])} ({setup.batch_text()}) = {size_text(g['total'])}")
+            f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, "
+            f"activations {size_text(g['activations'] + g['logits'])} ({setup.batch_text()}) = {size_text(g['total'])}")
     if row.host_per_node:
         line += f"; host RAM {size_text(row.host_per_node)} per node"
     if memory is None:

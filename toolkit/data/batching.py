@@ -156,7 +156,8 @@ class Collator:
             def row(parts):
                 return torch.as_tensor(np.concatenate(parts), dtype=torch.long)[None]
 
-            batch = {"input_ids": row([e["input_ids"] for e in examples]), "labels": row([e["labels"] for e in examples]),
+            batch = {"input_ids": row([e["input_ids"] for e in examples]),
+                     "labels": row([e["labels"] for e in examples]),
                      "position_ids": row([e["position_ids"] if packed else np.arange(len(e["input_ids"]))
                                           for e in examples])}
             return self.with_bounds(batch)

@@ -24,9 +24,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..storage import disk
 from ..config import DataConfig
 from ..errors import ToolkitError
+from ..storage import disk
 from .batching import Examples, bins_dataset
 from .formats import IGNORE
 from .packing import best_fit_decreasing, pack_stats
@@ -139,7 +139,8 @@ def _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, 
             eval_files, eval_rows, _ = tokenized(eval_sources, "eval")
             parts["eval"] = (eval_files, eval_rows)
         elif cfg.eval_fraction > 0:
-            held = np.random.default_rng(seed).permutation(len(train_rows))[: math.ceil(cfg.eval_fraction * len(train_rows))]
+            held = np.random.default_rng(seed).permutation(len(train_rows))[
+                : math.ceil(cfg.eval_fraction * len(train_rows))]
             out = np.zeros(len(train_rows), dtype=bool)
             out[held] = True
             parts["eval"] = (train_files, train_rows[out])

@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage import disk
 from ..config import DataConfig, DataSource
 from ..errors import ToolkitError
+from ..storage import disk
 from .formats import COLUMNS
 
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}

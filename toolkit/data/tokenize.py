@@ -69,10 +69,10 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     all_targets = (n_targets == cols["length"] - 1) & (n_targets > 0)
     if source.format != "text" and not cfg.train_on_prompt and all_targets.mean() > 0.5:
         # A prompt format whose prompts carry no tokens: the chat template dropped them (or a field is empty).
-        raise ToolkitError(f"{source.name}: row {int(row_of[np.flatnonzero(all_targets)[0]])}: every token is a target in "
-                           f"{int(all_targets.sum())} of {len(tokenized)} rows, although data.format={source.format} "
-                           "trains on responses only; the tokenizer's chat template probably renders no prompt "
-                           "(or data.train_on_prompt=true was meant)")
+        raise ToolkitError(f"{source.name}: row {int(row_of[np.flatnonzero(all_targets)[0]])}: every token is a target "
+                           f"in {int(all_targets.sum())} of {len(tokenized)} rows, although "
+                           f"data.format={source.format} trains on responses only; the tokenizer's chat template "
+                           "probably renders no prompt (or data.train_on_prompt=true was meant)")
     overlong = full_length > cfg.max_seq_len
     keep = np.ones(len(tokenized), dtype=bool)
     if cfg.overlong == "drop":
@@ -138,7 +138,8 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
         except ToolkitError as e:
             raise ToolkitError(f"row {indices[k] + 1}: {e}") from None
         except (KeyError, TypeError, AttributeError, TemplateError) as e:  # e.g. a message without `content`
-            raise ToolkitError(f"row {indices[k] + 1} does not fit data.format={fmt} ({type(e).__name__}: {e})") from None
+            raise ToolkitError(f"row {indices[k] + 1} does not fit data.format={fmt} "
+                               f"({type(e).__name__}: {e})") from None
 
     placeholder_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     for start in range(0, len(rows), ENCODE_ROWS):  # the offsets come back as Python tuples: few rows at a time

@@ -6,8 +6,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from ..config import LoraConfig, ModelConfig
 from ..errors import ToolkitError
@@ -157,7 +163,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
         try:
             if config_overrides(cfg):
-                config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+                config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                                    trust_remote_code=cfg.trust_remote_code)
                 apply_config_overrides(config, config_overrides(cfg))
                 quantized["config"] = config
             model = AutoModelForCausalLM.from_pretrained(
@@ -204,9 +211,10 @@ def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> Toolk
 def isolation_probe(model: torch.nn.Module, partitioned: bool = False) -> torch.nn.Module:
     """A model to run the packing and chunked-loss checks on: `model` itself, or, when its weights
     are `partitioned` before prepare() (ZeRO-3's zero.Init leaves every parameter an empty
-    placeholder: the backend's `partitioned_before_prepare`), a randomly initialised copy of its architecture cut to one layer and a small
-    vocabulary. Whether packed documents stay apart depends on how the architecture builds its
-    attention mask, and what follows the output layer on the architecture too, not on weights."""
+    placeholder: the backend's `partitioned_before_prepare`), a randomly initialised copy of its
+    architecture cut to one layer and a small vocabulary. Whether packed documents stay apart
+    depends on how the architecture builds its attention mask, and what follows the output layer
+    on the architecture too, not on weights."""
     if not partitioned:
         return model
     import copy
@@ -319,7 +327,8 @@ def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tu
             total += full_numel(p)
             if len(full_shape(p)) == 3:
                 experts[id(p)] = full_numel(p)
-            elif "router" in type(module).__name__.lower() or (experts and name.rsplit(".", 1)[-1] in ("gate", "router")):
+            elif ("router" in type(module).__name__.lower()
+                  or (experts and name.rsplit(".", 1)[-1] in ("gate", "router"))):
                 routers[id(p)] = full_numel(p)
     share = sum(full_numel(p) for p in model.parameters() if id(p) in adapted) / max(total, 1)
     line = f"adapter on {100 * share:.1f}% of the base model's parameters"

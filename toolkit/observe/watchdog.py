@@ -161,7 +161,8 @@ def position(where: tuple) -> tuple:
 
 def describe(where: tuple) -> str:
     phase, step, detail, micro = where
-    what = {"forward": f"the forward of micro-batch {micro + 1}", "backward": f"the backward of micro-batch {micro + 1}",
+    what = {"forward": f"the forward of micro-batch {micro + 1}",
+            "backward": f"the backward of micro-batch {micro + 1}",
             "data": "waiting for data", "counts": "the reduction of token counts", "optimizer": "the optimizer step",
             "sync": "the reduction of the loss"}.get(phase, phase)
     return f"{what} of step {step}" + (f" ({detail})" if detail else "")

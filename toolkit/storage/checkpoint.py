@@ -24,13 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import disk
 from .. import faults
-from ..errors import ToolkitError
-from .verify import corrupt_checkpoint
-from . import portable
+from ..errors import EXIT_SAVE_MISMATCH, ToolkitError
 from ..stops import TrainingStopped
-from ..errors import EXIT_SAVE_MISMATCH
+from . import disk, portable
+from .verify import corrupt_checkpoint
 
 MARKER = "COMPLETE"
 STATE = "trainer_state.json"

@@ -121,8 +121,8 @@ def writing(what: str, partial: Path, needed: int | None = None, error=None, rem
                 message += f" ({free})"
         if error is None:
             raise TrainingStopped(message + ("; the partial write was removed" if remove else "")
-                                  + ", earlier checkpoints are intact; free space (or fix the permissions) and run again with "
-                                  "resume=auto",
+                                  + ", earlier checkpoints are intact; free space (or fix the permissions) and run "
+                                  "again with resume=auto",
                                   EXIT_DISK) from None
         raise error(message) from None
 

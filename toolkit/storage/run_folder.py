@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import checkpoint
 from ..config import Recipe, dump_recipe, load_recipe
 from ..errors import ToolkitError
+from . import checkpoint
 
 RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model", "tensorboard", "profile",
              "profile.json", "hang", "plot.png"}
@@ -34,7 +34,8 @@ RUN_RESULTS = {"final", "final.tmp", ".del-final", "base-model.tmp", ".del-base-
 # Recipe fields that may change between a run and its resumption (they do not change what is learned;
 # train.loss and its chunk size change only the order of a sum's additions). The global batch is
 # compared on its own: micro_batch_size x gradient_accumulation_steps x processes may be split differently.
-RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "overwrite", "checkpoint", "train.log_every_steps", "train.sample_prompts",
+RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "overwrite", "checkpoint",
+                     "train.log_every_steps", "train.sample_prompts",
                      "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
                      "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size",
                      "train.report_to", "train.peak_tflops", "train.profile_steps", "train.watchdog",
@@ -200,7 +201,8 @@ def check_free_space(out: Path, recipe: Recipe, trainable: int, total: int) -> s
     from . import disk
 
     weights = (trainable if recipe.lora.enabled else total) * 4  # fp32 trainable weights (bf16 bases are not saved)
-    states = weights + 8 * trainable + (12 * trainable if recipe.checkpoint.portable else 0)  # + AdamW moments, portable
+    # + AdamW moments, portable
+    states = weights + 8 * trainable + (12 * trainable if recipe.checkpoint.portable else 0)
     need = weights + (states if recipe.checkpoint.every_steps else 0)
     free = disk.free_bytes(out)
     if free < need:

@@ -20,15 +20,25 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import backends, faults
+from ..backends.sizing import count_model
 from ..config import ModelConfig, Recipe
 from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
-from ..backends.sizing import count_model
 from ..errors import ToolkitError
 from ..model import activations
 from ..model.hub import is_hub_id
-from ..model.load import (DTYPES, adapter_coverage, apply_lora, build_model, build_tokenizer, compile_layers,
-                          count_parameters, fit_vocabulary, isolation_probe, token_rows)
+from ..model.load import (
+    DTYPES,
+    adapter_coverage,
+    apply_lora,
+    build_model,
+    build_tokenizer,
+    compile_layers,
+    count_parameters,
+    fit_vocabulary,
+    isolation_probe,
+    token_rows,
+)
 from ..observe import measure
 from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
@@ -116,7 +126,8 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
                if recipe.lora.enabled else ""))
     flops = measure.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
                              extra_forwards=int(recipe.preference.reference == "adapter"))
-    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))  # in the forward, where every backend has whole weights
+    # in the forward, where every backend has whole weights
+    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(
             isolation_probe(model, backend.partitioned_before_prepare(model))):
@@ -228,8 +239,9 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
                              generator=torch.Generator().manual_seed(recipe.seed))
     total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch
     if t.warmup_steps > total_steps:  # max_steps was checked at load; epochs give their steps only now
-        raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer steps "
-                           f"that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch {global_batch})")
+        raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer "
+                           f"steps that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch "
+                           f"{global_batch})")
     return Loaders(train_loader, eval_loader, sampler, collate, eval_batch, global_batch, total_steps)
 
 
@@ -240,7 +252,8 @@ def setup_state(backend: backends.Backend, recipe: Recipe, data: Datasets, loade
                                     launch=backend.kind, data_fingerprint=data.train_fingerprint,
                                     recipe=run_folder.learning_relevant(recipe), layout=backend.layout())
     if resume_from is not None:
-        run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from, recipe.resume_new_global_batch)
+        run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from,
+                                   recipe.resume_new_global_batch)
     return state
 
 

@@ -80,8 +80,8 @@ def fit(run: Run) -> dict:
                 monitor.metrics.write(row)
                 raise TrainingStopped(
                     f"train: loss or gradient not finite for {state.nonfinite_in_a_row} optimizer steps in a row "
-                    f"(steps {step - state.nonfinite_in_a_row + 1}-{step}, none applied); stopped. Last good checkpoint: "
-                    f"{last_checkpoint(run.out)}", EXIT_NONFINITE)
+                    f"(steps {step - state.nonfinite_in_a_row + 1}-{step}, none applied); stopped. Last good "
+                    f"checkpoint: {last_checkpoint(run.out)}", EXIT_NONFINITE)
             if (t.eval_every_steps and step % t.eval_every_steps == 0) or step == run.total_steps:
                 row.update(evaluation(run, step))
             monitor.metrics.write(row)
@@ -212,7 +212,8 @@ def last_checkpoint(out: Path) -> str:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, eval_loader, objective: Objective, monitor: Monitor | None = None, step: int = 0) -> dict:
+def evaluate(accelerator, model, eval_loader, objective: Objective, monitor: Monitor | None = None,
+             step: int = 0) -> dict:
     """`eval_loss`: the unit-weighted mean loss over the whole eval set (each rank holds a disjoint
     share), None without eval data; and the objective's own metrics over it (`eval_reward_accuracy`...)."""
     if len(eval_loader.dataset) == 0:
@@ -280,7 +281,8 @@ def save_final(run: Run, tokenizer) -> None:
         run.monitor.watchdog.begin("save", run.total_steps)
         base = None
         if recipe.lora.enabled and accelerator.is_main_process:  # which base the adapter belongs to
-            folder = out / "base-model" if recipe.model.preset else resolve_model(recipe.model.path, recipe.model.revision)
+            folder = (out / "base-model" if recipe.model.preset
+                      else resolve_model(recipe.model.path, recipe.model.revision))
             base = {base_identity.RECORD: base_identity.record(folder, config_overrides(recipe.model))}
         run.backend.save_model(run.model, tokenizer, out / "final", extra_files=base)
         run.monitor.watchdog.done()

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ToolkitError
 from ..data.formats import IGNORE
+from ..errors import ToolkitError
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False):

@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import torch
 
-from ..observe import measure
 from ..data.formats import IGNORE
 from ..errors import ToolkitError
+from ..observe import measure
 from .loss import has_router, sequence_index, token_logps, token_loss_sum
 
 

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..model import base_identity
-from ..storage import disk
 from ..data.batching import Collator, EvalShardSampler, Examples
 from ..errors import ToolkitError
+from ..model import base_identity
 from ..model.hub import resolve_model
+from ..storage import disk
 from .loss import token_logps
 
 

@@ -6,8 +6,8 @@ manifest; a line starting with `warning: ` (the estimate does not fit the GPU) i
 from __future__ import annotations
 
 from ..backends import deepspeed_config
-from ..config import Recipe
 from ..backends.sizing import estimate_for_run
+from ..config import Recipe
 
 
 def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, eval_rows: int,
@@ -31,7 +31,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
     unit = "preference pairs" if recipe.preference.method else "sequences"
     split = backend.sequence_parallel
     by = (f"{world} process{'es' if world > 1 else ''}" if split == 1 else
-          f"{ranks} data-parallel rank{'s' if ranks > 1 else ''} ({world} processes, each sequence split across {split})")
+          f"{ranks} data-parallel rank{'s' if ranks > 1 else ''} ({world} processes, each sequence split across "
+          f"{split})")
     lines.append(f"batch {global_batch} {unit} per optimizer step = micro_batch_size {t.micro_batch_size} x "
                  f"gradient_accumulation_steps {t.gradient_accumulation_steps} x {by}; {rows:,} rows give "
                  f"{steps_per_epoch} steps per epoch; {total_steps} steps ({length}); {eval_rows:,} eval rows")
@@ -45,8 +46,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
         lines.append(f"schedule {ds['scheduler'].get('type')} from {json_name}: {_params(ds['scheduler'])}; "
                      "the recipe's warmup-cosine and min_lr_ratio are not used")
     else:
-        lines.append(f"schedule linear warmup over {t.warmup_steps} step{'s' if t.warmup_steps != 1 else ''}, then cosine decay to "
-                     f"{t.min_lr_ratio:g} x learning_rate at step {total_steps} (recipe)")
+        lines.append(f"schedule linear warmup over {t.warmup_steps} step{'s' if t.warmup_steps != 1 else ''}, "
+                     f"then cosine decay to {t.min_lr_ratio:g} x learning_rate at step {total_steps} (recipe)")
     lines.append(f"gradient clipping at global norm {t.max_grad_norm:g} (train.max_grad_norm)" if t.max_grad_norm > 0
                  else "gradient clipping off (train.max_grad_norm 0); the norm is still logged")
     memory = [what for on, what in ((recipe.model.gradient_checkpointing, "gradient checkpointing"),

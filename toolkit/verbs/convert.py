@@ -17,8 +17,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from ..storage import disk
 from ..errors import ToolkitError
+from ..storage import disk
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -34,8 +34,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..storage import checkpoint
     from ..config import load_recipe
+    from ..storage import checkpoint
 
     source, out = Path(args.checkpoint), Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -82,8 +82,8 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
 
     from ..model import base_identity
     from ..model.hub import resolve_model
-    from ..model.load import (DTYPES as TORCH_DTYPES, apply_lora, build_model, build_tokenizer, config_overrides,
-                              fit_vocabulary, token_rows)
+    from ..model.load import DTYPES as TORCH_DTYPES
+    from ..model.load import apply_lora, build_model, build_tokenizer, config_overrides, fit_vocabulary, token_rows
     from ..storage.portable import read_tensors
     from ..storage.verify import first_mismatch
 

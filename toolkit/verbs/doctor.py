@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..backends import deepspeed_config, launch_config
-from ..backends import end_process_group
+from ..backends import deepspeed_config, end_process_group, launch_config
 from ..errors import EXIT_CHECK_FAILED, EXIT_OK, ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")
@@ -129,7 +128,8 @@ def launch() -> tuple[str, dict]:
                if (zero.get(f"offload_{part}") or {}).get("device", "none") != "none"]
     sp = launch_config.sequence_parallel_size(env)
     return (f"DeepSpeed ZeRO-{zero.get('stage', 0)}" + (f" (offload {', '.join(offload)})" if offload else "")
-            + f" from {where}" + (f", each sequence split across {sp} ranks (all-to-all below)" if sp > 1 else "")), zero
+            + f" from {where}"
+            + (f", each sequence split across {sp} ranks (all-to-all below)" if sp > 1 else "")), zero
 
 
 def needed_ops(zero: dict) -> list[str]:

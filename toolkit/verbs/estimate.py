@@ -7,9 +7,21 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from ..backends.sizing import (
+    BYTES,
+    GIB,
+    USABLE_FRACTION,
+    Row,
+    Setup,
+    Strategy,
+    count_model,
+    estimate_all,
+    launched_strategy,
+    read_config,
+    recommend,
+    setup_from_recipe,
+)
 from ..errors import ToolkitError
-from ..backends.sizing import (BYTES, GIB, USABLE_FRACTION, Row, Setup, Strategy, count_model, estimate_all,
-                               launched_strategy, read_config, recommend, setup_from_recipe)
 
 
 def add_arguments(p) -> None:
@@ -155,7 +167,8 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
              f"node{'s' if setup.nodes > 1 else ''}) of {setup.gpu_memory_gib:g} GiB; {setup.precision}; "
              f"{setup.batch_text()}; gradient checkpointing "
              f"{'on' if setup.gradient_checkpointing else 'off'}"
-             f"{'; tiled MLP' if setup.tiled_mlp else ''}{'; activations offloaded' if setup.activation_offload else ''}"
+             f"{'; tiled MLP' if setup.tiled_mlp else ''}"
+             f"{'; activations offloaded' if setup.activation_offload else ''}"
              f"{f'; sequence parallel {setup.sequence_parallel} (Ulysses)' if setup.sequence_parallel > 1 else ''}"
              f"; attention {setup.attention}; loss {setup.loss}"
              + (f" ({setup.loss_chunk_tokens} tokens a chunk)" if setup.loss == "chunked" else ""),
@@ -176,8 +189,8 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     if launched is not None:
         lines.append(f"* your launch config: {launched.name}")
     if setup.sequence_parallel > 1:
-        lines.append(f"sequence parallel {setup.sequence_parallel}: DeepSpeed only (Ulysses); DDP and FSDP cannot split "
-                     f"a sequence and are not listed; comm/step includes the all-to-alls of one micro-batch")
+        lines.append(f"sequence parallel {setup.sequence_parallel}: DeepSpeed only (Ulysses); DDP and FSDP cannot "
+                     f"split a sequence and are not listed; comm/step includes the all-to-alls of one micro-batch")
     lines.append("host/node: host RAM per node for offload (NVMe: RAM + 'n' NVMe space); comm/step: what each GPU "
                  "sends per optimizer step")
     lines.append(f"fits: total <= {USABLE_FRACTION:.0%} of the GPU's memory; totals are upper bounds (see "

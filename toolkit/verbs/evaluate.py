@@ -232,7 +232,8 @@ def infer_format(source) -> str:
     if {"chosen", "rejected"} <= keys:
         return "preference"
     raise ToolkitError(f"{source.name}: cannot tell the format from the first row's keys "
-                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages, text or preference")
+                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages, text or "
+                       "preference")
 
 
 def read_rows(source, cache: Path, limit: int | None):

@@ -17,11 +17,9 @@ import sys
 from pathlib import Path
 
 from ..errors import ToolkitError
+from ..model.inference import generate_with_counts, load_for_inference, locate_model
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
-
-
-from ..model.inference import generate_with_counts, load_for_inference, locate_model
 
 
 def add_arguments(p) -> None:

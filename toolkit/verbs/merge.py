@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ToolkitError
 from ..model import base_identity
 from ..storage import disk
-from ..errors import ToolkitError
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # The check fails above this max |logit difference|, relative to max(1, the largest |logit|): fp32
@@ -128,9 +128,9 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
     if token_lists:  # rows beyond the base's: grown to the adapter's tokenizer, which must be there
         top = max(max(v) for v in token_lists)
         if top >= vocab_size(config) and not has_tokenizer(adapter):
-            raise ToolkitError(f"merge: {adapter} trains token rows up to {top}, beyond the {vocab_size(config)} rows of "
-                               f"the base {base}, and has no tokenizer to grow the base to; put the run's tokenizer "
-                               "files beside the adapter")
+            raise ToolkitError(f"merge: {adapter} trains token rows up to {top}, beyond the {vocab_size(config)} rows "
+                               f"of the base {base}, and has no tokenizer to grow the base to; put the run's "
+                               "tokenizer files beside the adapter")
     whole = bool(adapter_config.get("target_parameters") or token_lists)
     if whole:  # checked by peft when it loads them (write_whole)
         modules, bias_deltas, replaced = {}, {}, {}
@@ -475,7 +475,8 @@ def with_overrides(config: dict, overrides: dict) -> dict:
     if "rope_parameters" in overrides:
         old = config.get("rope_parameters") or config.pop("rope_scaling", None) or {}
         theta = old.get("rope_theta", config.get("rope_theta")) if isinstance(old, dict) else config.get("rope_theta")
-        config["rope_parameters"] = {**({"rope_theta": theta} if theta is not None else {}), **overrides["rope_parameters"]}
+        config["rope_parameters"] = {**({"rope_theta": theta} if theta is not None else {}),
+                                     **overrides["rope_parameters"]}
     if "max_position_embeddings" in overrides:
         config["max_position_embeddings"] = overrides["max_position_embeddings"]
     return config
