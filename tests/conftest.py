@@ -9,11 +9,26 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 import helpers
-from filelock import FileLock
-from helpers import (References, ROOT, alpaca_rows, finish, kill_started, layout_command, layout_recipe, once, op_results,
-                     session_op_builds, shared_base, start, stop_op_builds, write_jsonl, write_layout_data)
+from helpers import (
+    ROOT,
+    References,
+    alpaca_rows,
+    finish,
+    kill_started,
+    layout_command,
+    layout_recipe,
+    once,
+    op_results,
+    session_op_builds,
+    shared_base,
+    start,
+    stop_op_builds,
+    write_jsonl,
+    write_layout_data,
+)
 
 OP_BUILDS: list = []  # the background build of DeepSpeed's ops, when this session needs them
 
@@ -110,14 +125,15 @@ def layout_runs(layout_dir):
     """`get(layout, lora)`: the run folder of helpers.layout_recipe trained without interruption under
     `layout` (single, ddp, fsdp, zero2, zero3), each trained once per session (by one xdist worker): the reference of the
     kill-and-resume cases (test_resume.py) and the source and reference of every move to another layout
-    (test_portable_resume.py). Its output is in `train.log`."""
+    (test_portable_resume.py). Its output is in `train.log`."""  # noqa: E501
     done = {}
 
     def get(layout: str, lora: bool = False) -> Path:
         name = f"ref_{layout}_{'lora' if lora else 'full'}"
 
         def train():
-            rc, out, err = finish(start(layout_command(layout_dir, layout, layout_recipe(layout_dir, name, layout, lora))))
+            rc, out, err = finish(start(layout_command(layout_dir, layout,
+                                                       layout_recipe(layout_dir, name, layout, lora))))
             assert rc == 0, err[-3000:]
             (layout_dir / name / "train.log").write_text(out + err)
 

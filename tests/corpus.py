@@ -108,10 +108,11 @@ def resolve_outcome(entry: dict, tmp: Path) -> str:
     """"trains" or "refused: <the error line>", from the same code a launch and `config show` run."""
     import torch
 
-    from helpers import write_recipe
+    from toolkit.backends.launch_config import plan, worker_env
     from toolkit.config import load_recipe
     from toolkit.errors import ToolkitError
-    from toolkit.backends.launch_config import plan, worker_env
+
+    from helpers import write_recipe
 
     recipe = load_recipe(write_recipe(tmp / "recipe.yaml", **agreeing_recipe(entry, tmp)))
     try:

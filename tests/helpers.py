@@ -417,9 +417,9 @@ def launch_config_for(backend, workdir):
 
 # ----------------------------------------------------------------------------- runs of one recipe under each layout
 # The recipe of the resume tests (tests/test_resume.py, tests/test_portable_resume.py): 8 steps of global
-# batch 8 (micro 4 on one process or on one sequence-parallel pair, micro 2 x 2 processes; accumulation 2), 48 rows, so 6 steps per epoch and a
-# resumed run crosses an epoch; checkpoints every 2 steps, all kept. Its uninterrupted runs are shared by both
-# modules (conftest's `layout_runs`).
+# batch 8 (micro 4 on one process or on one sequence-parallel pair, micro 2 x 2 processes; accumulation 2), 48 rows,
+# so 6 steps per epoch and a resumed run crosses an epoch; checkpoints every 2 steps, all kept. Its uninterrupted runs
+# are shared by both modules (conftest's `layout_runs`).
 RESUME_STEPS = 8
 LAYOUTS = {"single": None, "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3",
            "sp": "zero2_sp"}  # sp: ZeRO-2, each sequence split across the 2 processes (one data-parallel rank)

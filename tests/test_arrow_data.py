@@ -9,14 +9,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import DataConfig, DataSource
-from toolkit.errors import ToolkitError
 from toolkit.data.batching import Collator, EpochSampler
 from toolkit.data.prepare import build_datasets
 from toolkit.data.sources import cache_root
 from toolkit.data.tokenize import tokenize_example
+from toolkit.errors import ToolkitError
 from toolkit.model.load import build_byte_tokenizer
+
+from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,8 @@ def test_preparing_again_only_when_what_shapes_examples_changes(tmp_path, tok):
     a, b = build_datasets(cfg, tok, 0, False), build_datasets(cfg, tok, 0, False)
     assert a.fingerprint == b.fingerprint and (cache_root() / a.fingerprint / "report.json").is_file()
     changed = [build_datasets(DataConfig(train_files=[str(train)], max_seq_len=97), tok, 0, False),
-               build_datasets(DataConfig(train_files=[str(train)], max_seq_len=96, train_on_prompt=True), tok, 0, False),
+               build_datasets(DataConfig(train_files=[str(train)], max_seq_len=96, train_on_prompt=True),
+                              tok, 0, False),
                build_datasets(cfg, tok, 0, True)]
     write_jsonl(train, alpaca_rows(30, seed=5))
     changed.append(build_datasets(cfg, tok, 0, False))

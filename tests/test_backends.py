@@ -14,14 +14,31 @@ import sys
 import pytest
 import torch
 
-from helpers import (LAYOUTS, MODES, RESUME_STEPS, ROOT, STEPS, accelerate_launch, finish, launch_config_for,
-                     layout_recipe, load_weights, read_metrics, recipe_for, require_op, run_command, run_toolkit, start,
-                     train_losses, write_recipe)
+from helpers import (
+    LAYOUTS,
+    MODES,
+    RESUME_STEPS,
+    ROOT,
+    STEPS,
+    accelerate_launch,
+    finish,
+    launch_config_for,
+    layout_recipe,
+    load_weights,
+    read_metrics,
+    recipe_for,
+    require_op,
+    run_command,
+    run_toolkit,
+    start,
+    train_losses,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
-BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
-            "zero3_nvme"]
+BACKENDS = ["ddp", "fsdp", "fsdp_shard_grad_op", "fsdp_offload", "zero1", "zero2", "zero3", "zero2_offload",
+            "zero3_offload", "zero3_nvme"]
 
 
 @pytest.fixture
@@ -59,7 +76,8 @@ def test_backend_matches_single_process(backend, mode, layout_dir, layout_runs, 
         shutil.rmtree(run, ignore_errors=True)
         path = layout_recipe(layout_dir, run.name, backend, lora, train__loss_chunk_tokens=5,
                              checkpoint__every_steps=0)
-        proc = run_toolkit("train", path, timeout=600, launcher=accelerate_launch(launch_config_for(backend, layout_dir)))
+        proc = run_toolkit("train", path, timeout=600,
+                           launcher=accelerate_launch(launch_config_for(backend, layout_dir)))
         assert proc.returncode == 0, proc.stderr[-4000:]
         stderr = proc.stderr
     if backend == "fsdp_offload" and not torch.cuda.is_available():  # said, not silently dropped
@@ -67,7 +85,8 @@ def test_backend_matches_single_process(backend, mode, layout_dir, layout_runs, 
     # The layout a checkpoint of this run records; resume refuses any other (tests/test_deepspeed_config.py).
     layout = json.loads((run / "manifest.json").read_text())["launches"][-1]["layout"]
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(backend[:5])
-    assert layout == {"ddp": "DDP", "fsdp": "FSDP2 SHARDED_STATE_DICT"}.get(backend[:4], f"DeepSpeed ZeRO-{stage}"), layout
+    assert layout == {"ddp": "DDP",
+                      "fsdp": "FSDP2 SHARDED_STATE_DICT"}.get(backend[:4], f"DeepSpeed ZeRO-{stage}"), layout
     reference = layout_runs("single", lora)
     ref, got = train_losses(reference), train_losses(run)
     assert len(got) == len(ref) == RESUME_STEPS
@@ -197,7 +216,8 @@ def test_slurm_launch_script_on_two_loopback_nodes(workdir, reference):
     recipe = write_recipe(workdir / "slurm_zero2.yaml", **recipe_for(workdir, "full", out.name, micro=2))
     common = {"SLURM_NNODES": "2", "MAIN_ADDR": "127.0.0.1", "MAIN_PORT": str(free_port()), "GPUS_PER_NODE": "1",
               "LAUNCH": str(workdir / "slurm_launch.yaml"), "RECIPE": str(recipe), "PYTHON": sys.executable}
-    procs = [start(["bash", str(ROOT / "examples" / "slurm" / "launch_node.sh")], env={**common, "SLURM_NODEID": str(n)})
+    procs = [start(["bash", str(ROOT / "examples" / "slurm" / "launch_node.sh")],
+                   env={**common, "SLURM_NODEID": str(n)})
              for n in (0, 1)]
     for proc in procs:
         rc, _, err = finish(proc, timeout=600)

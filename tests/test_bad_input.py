@@ -4,7 +4,7 @@ no traceback, and nothing on disk changed (an earlier run folder, the data, the 
 Each case writes its recipe and files in a folder of its own, snapshots it (contents and mtimes),
 runs `python -m toolkit train` for real and compares; the cases run two at a time. DeepSpeed cases set the environment that
 `accelerate launch --config_file zeroN.yaml` gives its workers.
-"""
+"""  # noqa: E501
 
 import hashlib
 import json
@@ -122,20 +122,23 @@ CASES = {
     "unknown preset": (lambda t, r, e: ({**r, "model": {"preset": "gpt-9"}}, [], {}), "unknown preset 'gpt-9'"),
     "missing dataset file": (lambda t, r, e: (r, [f"data.train_files={t / 'missing.jsonl'}"], {}),
                              "data.train_files: file not found"),
-    "malformed JSON line": (lambda t, r, e: (r, [f"data.train_files={malformed(t)}"], {}), "bad.jsonl: line 3: malformed JSON"),
+    "malformed JSON line": (lambda t, r, e: (r, [f"data.train_files={malformed(t)}"], {}),
+                            "bad.jsonl: line 3: malformed JSON"),
     "message without content": (lambda t, r, e: (r, [f"data.train_files={message_without_content(t)}",
                                                       "data.format=messages"], {}),
                                 "chat.jsonl: row 3: no target tokens left (messages[0].content is null or missing)"),
     "empty dataset": (lambda t, r, e: (r, [f"data.train_files={empty_file(t)}"], {}), "empty.jsonl: file is empty"),
     "missing column": (lambda t, r, e: (r, [f"data.train_files={missing_column(t)}"], {}), "needs column(s) output"),
-    "unsupported file type": (lambda t, r, e: (r, [f"data.train_files={t / 'run.yaml'}"], {}), "unsupported file type '.yaml'"),
+    "unsupported file type": (lambda t, r, e: (r, [f"data.train_files={t / 'run.yaml'}"], {}),
+                              "unsupported file type '.yaml'"),
     "prompt fills the length": (lambda t, r, e: (r, [f"data.train_files={long_prompts(t)}"], {}),
                                 "long.jsonl: row 1: no target tokens left"),
     "too few rows for a batch": (lambda t, r, e: (r, ["train.micro_batch_size=64"], {}),
                                  "do not fill one global batch"),
     "eval files and fraction": (lambda t, r, e: (r, ["data.eval_fraction=0.1"], {}), "give either data.eval_files"),
     "lora target not in model": (lambda t, r, e: (r, ["lora.enabled=true", "lora.target_modules=[c_attn]"], {}),
-                                 "c_attn not found in the model (linear modules available: down_proj, gate_proj, k_proj"),
+                                 "c_attn not found in the model (linear modules available: down_proj, gate_proj, "
+                                 "k_proj"),
     "lora rank zero": (lambda t, r, e: (r, ["lora.enabled=true", "lora.r=0"], {}), "lora.r: must be positive"),
     "fp16 on a CPU-only host": (lambda t, r, e: (r, ["train.precision=fp16"], {}), "use train.precision=bf16"),
     "half base for full fine-tuning": (lambda t, r, e: (r, ["model.dtype=bf16", "train.precision=bf16"], {}),
@@ -143,8 +146,10 @@ CASES = {
     "half base, fp32 compute": (lambda t, r, e: (r, ["model.dtype=bf16", "lora.enabled=true"], {}),
                                 "model.dtype: bf16 base weights need train.precision=bf16, got fp32"),
     "DeepSpeed JSON contradicts recipe": (lambda t, r, e: (r, [], ds_env(t, gradient_accumulation_steps=1)),
-                                          "ds.json: gradient_accumulation_steps is 1 but the recipe's train.gradient_accumulation_steps gives 2"),
-    "DeepSpeed fp16 against bf16 recipe": (lambda t, r, e: (r, ["train.precision=bf16"], ds_env(t, **{"fp16.enabled": True})),
+                                          "ds.json: gradient_accumulation_steps is 1 but the recipe's "
+                                          "train.gradient_accumulation_steps gives 2"),
+    "DeepSpeed fp16 against bf16 recipe": (lambda t, r, e: (r, ["train.precision=bf16"],
+                                                            ds_env(t, **{"fp16.enabled": True})),
                                            "fp16.enabled"),
     "NVMe path does not exist": (lambda t, r, e: (r, [], nvme_env(t)), "nvme_path: folder does not exist"),
     "non-empty output folder": (lambda t, r, e: ({**r, "output_dir": str(e[0])}, [], {}), "is not empty"),
@@ -161,7 +166,8 @@ CASES = {
                                                   ["lora.enabled=true", "train.precision=bf16"], {}),
                                  "model.load_in_4bit: QLoRA's 4-bit layers (bitsandbytes) need a CUDA GPU"),
     "accelerate compiles the model": (lambda t, r, e: (r, [], {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}),
-                                      "dynamo_config.dynamo_backend is 'INDUCTOR': compile in the recipe instead (train.compile: true"),
+                                      "dynamo_config.dynamo_backend is 'INDUCTOR': compile in the recipe instead "
+                                      "(train.compile: true"),
     "keep_last zero": (lambda t, r, e: (r, ["checkpoint.keep_last=0"], {}), "checkpoint.keep_last: must be positive"),
 }
 

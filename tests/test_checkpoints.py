@@ -30,9 +30,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ROOT, alpaca_rows, base_recipe, finish, load_weights, read_metrics, read_output, run_toolkit,
-                      start, user_error_line, write_jsonl, write_recipe)
 from toolkit.storage import checkpoint
+
+from helpers import (
+    ROOT,
+    alpaca_rows,
+    base_recipe,
+    finish,
+    load_weights,
+    read_metrics,
+    read_output,
+    run_toolkit,
+    start,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -168,7 +181,8 @@ def test_resume_by_path_never_writes_into_another_run(finished_run):
     shutil.copytree(d / "a", other)  # someone's earlier results
     before_a, before_b = snapshot(d / "a"), snapshot(other)
 
-    error = user_error_line(run_toolkit("train", write_recipe(d / "into_b.yaml", **{**recipe, "output_dir": str(other)}),
+    error = user_error_line(run_toolkit("train", write_recipe(d / "into_b.yaml",
+                                                              **{**recipe, "output_dir": str(other)}),
                                        f"resume={step2}"))
     assert "b is not empty and resume=" in error and "is a checkpoint of another run" in error, error
     error = user_error_line(run_toolkit("train", d / "a.yaml", f"resume={step2}"))

@@ -9,13 +9,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import ROOT
 from toolkit.config import ConfigError, LoraConfig, ModelConfig, load_recipe
-from toolkit.errors import ToolkitError
 from toolkit.data.formats import IGNORE
-from toolkit.training.loss import token_loss_sum, use_token_loss
+from toolkit.errors import ToolkitError
 from toolkit.model.load import PRESETS, apply_lora, build_model
 from toolkit.storage.run_folder import learning_relevant
+from toolkit.training.loss import token_loss_sum, use_token_loss
+
+from helpers import ROOT
 
 TOL = 1e-5
 

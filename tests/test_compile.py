@@ -3,12 +3,11 @@ and a batch of a new length (packed, padding-free: every step) does not compile 
 
 import re
 
-import torch
-
 import pytest
+import torch
+from test_padding_free import messages_recipe
 
 from helpers import base_recipe, read_metrics, run_toolkit, user_error_line, write_recipe
-from test_padding_free import messages_recipe
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -45,8 +44,7 @@ def test_compiled_layers_train_as_eager_without_recompiling(tmp_path):
 
 
 def test_compile_is_refused_under_zero3(tmp_path, data_files):
-    from helpers import accelerate_launch
-    from helpers import ROOT
+    from helpers import ROOT, accelerate_launch
 
     train_f, eval_f = data_files
     recipe = base_recipe(tmp_path, train_f, eval_f, train__compile=True)

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import ConfigError, Recipe, load_recipe
+
+from helpers import ROOT, alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 SHIPPED = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
 
@@ -77,7 +78,8 @@ def test_overrides_are_typed(tmp_path):
     ("train: 3", "train", "expected a section"),
 ])
 def test_bad_values_name_file_and_key(tmp_path, extra, key, words):
-    text = GOOD + extra + "\n" if not extra.startswith("data:") else GOOD.replace("data: {train_files: [a.jsonl]}", extra)
+    text = (GOOD + extra + "\n" if not extra.startswith("data:")
+            else GOOD.replace("data: {train_files: [a.jsonl]}", extra))
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
         load_recipe(path)

@@ -14,15 +14,16 @@ import sys
 
 import pytest
 
-from helpers import read_metrics, run_toolkit, write_recipe
 from corpus import CORPUS, STEPS, agreeing_recipe, entries, launch_args, launch_yaml, resolve_outcome
+from helpers import read_metrics, run_toolkit, write_recipe
 
 ENTRIES = entries()
 IDS = [e["file"].split("/", 1)[1] for e in ENTRIES]
 # One file of each class the configs issue listed, launched in every CI run.
 REPRESENTATIVE = {
     "glm__config_blocklm_10B.json",                  # 1: optimizer without scheduler (fp16: refused on CPU)
-    "accelerate__ds_config_zero2_model_only.json",   # 1: no optimizer, offload: the recipe's AdamW on DeepSpeed's CPU Adam
+    "accelerate__ds_config_zero2_model_only.json",   # 1: no optimizer, offload: the recipe's AdamW on DeepSpeed's
+                                                     # CPU Adam
     "qwen__ds_config_zero2.json",                    # 2: WarmupLR with "auto" values
     "stanford_alpaca__default_offload_opt_param.json",  # 2: WarmupDecayLR, ZeRO-3 full offload
     "llama_factory__ds_z0_config.json",              # 3: ZeRO stage 0
@@ -68,14 +69,15 @@ def launch(entry, tmp_path):
 
 
 def check_launch(entry, tmp_path, proc):
-    rank_lines = [l for l in proc.stderr.splitlines() if l.startswith("[rank")]
-    assert not any("Traceback" in l for l in rank_lines), proc.stderr[-3000:]
+    rank_lines = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    assert not any("Traceback" in line for line in rank_lines), proc.stderr[-3000:]
     expected = entry["expected"]
     if expected.startswith("launcher: "):  # accelerate's own launcher stops before any worker exists
-        assert proc.returncode != 0 and not rank_lines and expected.split(": ", 1)[1] in proc.stderr, proc.stderr[-2000:]
+        assert (proc.returncode != 0 and not rank_lines
+                and expected.split(": ", 1)[1] in proc.stderr), proc.stderr[-2000:]
         return
     if expected.startswith("refused: "):
-        errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
         assert expected.split(": ", 1)[1] in errors[0], errors[0]
         assert "Traceback" not in proc.stderr.split("error: ", 1)[0], proc.stderr[-3000:]

@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.config import DataConfig, ModelConfig
-from toolkit.errors import ToolkitError
 from toolkit.data.batching import Collator, EvalShardSampler, Examples, bins_dataset, packing_is_isolated
 from toolkit.data.formats import IGNORE
 from toolkit.data.prepare import build_datasets
 from toolkit.data.tokenize import tokenize_example
+from toolkit.errors import ToolkitError
 from toolkit.model.load import build_byte_tokenizer, build_model
+
+from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,8 @@ def test_messages_labels_cover_every_assistant_turn(tok):
     ex = tokenize_example({"messages": msgs}, "messages", tok, 512, False)
     assert tok.decode(ex["input_ids"]) == tok.apply_chat_template(msgs, tokenize=False)
     kept = [t for t in ex["labels"] if t != IGNORE]
-    assert kept == ids(tok, "yo") + [tok.eos_token_id] + ids(tok, "\n") + ids(tok, "ok") + [tok.eos_token_id] + ids(tok, "\n")
+    assert kept == (ids(tok, "yo") + [tok.eos_token_id] + ids(tok, "\n")
+                    + ids(tok, "ok") + [tok.eos_token_id] + ids(tok, "\n"))
     # token by token: each target sits exactly where the assistant text sits
     for i, (t, lab) in enumerate(zip(ex["input_ids"], ex["labels"])):
         assert lab in (IGNORE, t)

@@ -16,8 +16,8 @@ Hypothesis draws the rows (derandomized: the same cases on every run).
 """
 
 import csv
-import os
 import json
+import os
 from pathlib import Path
 
 import datasets
@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from toolkit.config import DataConfig
-from toolkit.errors import ToolkitError
 from toolkit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT
 from toolkit.data.prepare import build_datasets
+from toolkit.errors import ToolkitError
 from toolkit.model.load import build_byte_tokenizer
 
 TOKENIZER = build_byte_tokenizer()
@@ -175,7 +175,8 @@ def check(rows, kind, fmt, fields, render, tmp_path_factory, monkeypatch):
         assert path.name in message, message
         if "needs column(s)" in message:  # a required field absent (or null) in every row: the file is refused
             columns = message.split("needs column(s) ")[1].split(";")[0].split(", ")
-            assert any(all(r.get(c, MISSING) in (None, MISSING) for r in as_written(rows, kind)) for c in columns), message
+            assert any(all(r.get(c, MISSING) in (None, MISSING) for r in as_written(rows, kind))
+                       for c in columns), message
             return
         assert outcome != "ok", f"refused although every row is trainable as written: {message}"
         assert f"row {row + 1}" in message, (outcome, row, message)

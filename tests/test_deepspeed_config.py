@@ -9,13 +9,22 @@ import sys
 
 import pytest
 import yaml
-
-from helpers import (ROOT, alpaca_rows, base_recipe, read_metrics, run_toolkit, user_error_line, write_jsonl,
-                     write_recipe)
 from test_bad_input import snapshot
+
+from toolkit.backends.deepspeed_config import load_json, resolve
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
-from toolkit.backends.deepspeed_config import load_json, resolve
+
+from helpers import (
+    ROOT,
+    alpaca_rows,
+    base_recipe,
+    read_metrics,
+    run_toolkit,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
 
 DS_JSONS = sorted((ROOT / "deepspeed_configs").glob("*.json"))
 ACCEL_YAMLS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -149,9 +158,10 @@ def test_contradicting_json_stops_before_training_with_one_line(tmp_path, data_f
     ds = dict(TRAINER_STYLE, gradient_accumulation_steps=1)
     proc = launch(tmp_path, ds, base_recipe(tmp_path, train_f, eval_f))
     assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun's code for any failed worker
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, proc.stderr[-2000:]
-    assert str(tmp_path / "ds.json") in errors[0] and "gradient_accumulation_steps is 1" in errors[0] and "gives 2" in errors[0]
+    assert (str(tmp_path / "ds.json") in errors[0] and "gradient_accumulation_steps is 1" in errors[0]
+            and "gives 2" in errors[0])
     # The first worker to exit is the root cause; torchrun may SIGTERM (-15) the other before it exits 2 too.
     codes = re.findall(r"exitcode\s*: (-?\d+)", proc.stderr)
     root_cause = re.search(r"Root Cause.*?exitcode\s*: (-?\d+)", proc.stderr, re.S)
@@ -186,8 +196,9 @@ def zero(stage=2, **extra):
 
 
 def test_warmup_lr_gets_only_the_parameters_it_takes():
-    ds = dict(zero(), scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                                 "warmup_num_steps": "auto", "total_num_steps": "auto"}})
+    ds = dict(zero(), scheduler={"type": "WarmupLR",
+                                 "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}})
     notes = []
     cfg = resolve(ds, recipe(learning_rate=3e-4, warmup_steps=5), 2, "ds.json", total_steps=50, notes=notes)
     assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 5}
@@ -255,7 +266,8 @@ def test_legacy_switches_and_sections_are_mapped():
     cfg = resolve(dict(zero(2, cpu_offload=True), bfloat16={"enabled": True, "loss_scale": 0},
                        compile={"disable": False, "backend": "inductor"}),
                   recipe(precision="bf16"), 1, "ds.json", notes=notes)
-    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"} and "cpu_offload" not in cfg["zero_optimization"]
+    assert (cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+            and "cpu_offload" not in cfg["zero_optimization"])
     assert cfg["bf16"] == {"enabled": True} and "bfloat16" not in cfg and "compile" not in cfg
     assert len(notes) == 4, notes
 
@@ -313,7 +325,8 @@ def test_zero0_trains_with_finite_grad_norms_and_skips_what_is_not_finite(tmp_pa
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     ref = [r for r in read_metrics(tmp_path / "ddp") if "loss" in r]
     for a, b in zip(ref, rows):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert (a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+                and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))
 
     (tmp_path / "nan").mkdir()
     with pytest.MonkeyPatch.context() as mp:
@@ -350,7 +363,8 @@ def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(
     run_lines = [line[len("run: "):] for line in proc.stderr.splitlines() if line.startswith("run: ")]
     schedule = [line for line in run_lines if line.startswith("schedule ")]
     assert schedule and schedule[0].startswith(f"schedule WarmupDecayLR from {tmp_path / 'zero2.json'}: "), run_lines
-    assert "total_num_steps 2" in schedule[0] and "the recipe's warmup-cosine and min_lr_ratio are not used" in schedule[0]
+    assert ("total_num_steps 2" in schedule[0]
+            and "the recipe's warmup-cosine and min_lr_ratio are not used" in schedule[0])
     assert any(line.startswith("optimizer AdamW from ") for line in run_lines), run_lines
     assert any(line.startswith("backend DeepSpeed ZeRO-2, 2 processes") for line in run_lines), run_lines
     assert any("batch 8 sequences per optimizer step = micro_batch_size 2 x gradient_accumulation_steps 2 x 2 "

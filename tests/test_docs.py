@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from helpers import ROOT
 
 README = ROOT / "README.md"

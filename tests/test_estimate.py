@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, run_command, run_toolkit, write_recipe
-from helpers import accelerate_launch, launch_config_for
+from helpers import ROOT, accelerate_launch, launch_config_for, run_command, run_toolkit, write_recipe
 
 LLAMA_7B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "intermediate_size": 11008,
             "vocab_size": 32000}
@@ -50,8 +49,8 @@ def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
 
 def test_lora_trainable_parameters_match_peft():
     """The adapters are counted by arithmetic on the meta model; peft on the real preset agrees."""
-    from toolkit.config import LoraConfig, ModelConfig
     from toolkit.backends.sizing import count_model, read_config
+    from toolkit.config import LoraConfig, ModelConfig
     from toolkit.model.load import apply_lora, build_model, count_parameters
 
     for lora in (LoraConfig(enabled=True, r=4), LoraConfig(enabled=True, r=8, target_modules=["q_proj", "v_proj"]),
@@ -108,8 +107,8 @@ def test_a_run_estimates_with_its_launch_sequence_parallelism(monkeypatch, tmp_p
 
     import torch
 
-    from toolkit.config import load_recipe
     from toolkit.backends.sizing import estimate_for_run
+    from toolkit.config import load_recipe
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"),
                                       model={"preset": "tiny-llama"},
@@ -337,8 +336,9 @@ def test_a_run_logs_its_estimate(tmp_path, data_files):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"hidden_size": 100, "num_attention_heads": 3}, "is not a model config: The hidden size (100) is not a multiple of the number of "
-                                 "attention heads (3)."),
+    ({"hidden_size": 100, "num_attention_heads": 3},
+     "is not a model config: The hidden size (100) is not a multiple of the number of "
+     "attention heads (3)."),
     ({"hidden_size": -100, "num_attention_heads": 4}, ": hidden_size is -100; it must be a positive whole number"),
     ({"num_hidden_layers": 0}, ": num_hidden_layers is 0; it must be a positive whole number"),
     ({"hidden_size": "100"}, "is not a model config: Field 'hidden_size' expected int, got str"),

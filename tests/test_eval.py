@@ -8,11 +8,22 @@ import math
 import sys
 
 import pytest
+from test_generate import (  # noqa: F401  (fixtures, shared)
+    EVAL_FILE,
+    QUICKSTART_STEPS,
+    alpaca_prompts,
+    answers_eval_file,
+    answers_model,
+    answers_run,
+    cli,
+    quickstart_run,
+    refused,
+    trained_run,
+)
+
+from toolkit.model.inference import generate_answers, load_for_inference
 
 from helpers import ROOT, read_metrics, run_toolkit, write_jsonl
-from test_generate import (EVAL_FILE, QUICKSTART_STEPS, alpaca_prompts, answers_eval_file, answers_model,  # noqa: F401
-                           answers_run, cli, quickstart_run, refused, trained_run)  # (fixtures, shared)
-from toolkit.model.inference import generate_answers, load_for_inference
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -152,7 +163,8 @@ def test_eval_scores_integer_and_csv_references(quickstart_run, tmp_path):
     """References that are not JSON strings (an integer; any CSV cell) are references: before, eval
     skipped them all and reported that no row had one."""
     write_jsonl(tmp_path / "numbers.jsonl", [{"instruction": f"{i} plus one", "output": i + 1} for i in range(4)])
-    (tmp_path / "numbers.csv").write_text("instruction,output\n" + "".join(f"{i} plus one,0{i + 1}\n" for i in range(4)))
+    (tmp_path / "numbers.csv").write_text("instruction,output\n"
+                                          + "".join(f"{i} plus one,0{i + 1}\n" for i in range(4)))
     for data in ("numbers.jsonl", "numbers.csv"):
         proc = run_toolkit("eval", quickstart_run / "final", "--data", tmp_path / data, "--max-new-tokens", "3")
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,11 +5,12 @@ render is refused in one line naming the row."""
 
 import pytest
 
-from families import FAMILIES, build_family, family_tokenizer
-from helpers import run_toolkit, write_jsonl, write_recipe
 from toolkit.data.formats import IGNORE
 from toolkit.data.tokenize import tokenize_examples
 from toolkit.errors import ToolkitError
+
+from families import FAMILIES, build_family, family_tokenizer
+from helpers import run_toolkit, write_jsonl, write_recipe
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris is the capital."},
@@ -67,7 +68,8 @@ def assert_labels_on_turns(family, messages, tools=None, expect=None):
     for run, turn, want in zip(runs, turns, expect or [m["content"] for m in turns]):
         assert want in run, (family, run, want)
         assert end in run and run.rstrip("\n").endswith((end, tokenizer.eos_token)), (family, run)
-        assert not any(m["content"] in run for m in messages if m["role"] != "assistant" and m["content"]), (family, run)
+        assert not any(m["content"] in run for m in messages
+                       if m["role"] != "assistant" and m["content"]), (family, run)
     return examples, runs
 
 
@@ -98,7 +100,8 @@ def test_each_reasoning_turn_trains_as_rendered_at_its_point(family):
     tokenizer = family_tokenizer(family)
     examples, runs = assert_labels_on_turns(family, THINK, expect=["add two and two", "four times three"])
     assert len(examples) == 2
-    assert "<think>\nadd two and two\n</think>\n\n4" in runs[0] and "<think>\nfour times three\n</think>\n\n12" in runs[1]
+    assert ("<think>\nadd two and two\n</think>\n\n4" in runs[0]
+            and "<think>\nfour times three\n</think>\n\n12" in runs[1])
     assert "add two and two" not in tokenizer.decode(examples[1]["input_ids"])  # the template's own rendering
 
 
@@ -298,7 +301,8 @@ def test_family_evaluates_merges_generates_and_trains_padding_free(family_dir, m
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
     varlen = FAMILIES[family].get("attn", "sdpa") == "sdpa"  # eager (Gemma 2) keeps eager with its packed mask
-    assert ("attention: varlen" in proc.stdout + proc.stderr) == varlen and "padding instead" not in proc.stdout + proc.stderr
+    assert (("attention: varlen" in proc.stdout + proc.stderr) == varlen
+            and "padding instead" not in proc.stdout + proc.stderr)
     free, packed = train_losses(workdir / "lora_padding_free"), train_losses(run)
     torch.testing.assert_close(torch.tensor(free), torch.tensor(packed), rtol=1e-5, atol=0)
     want, have = load_weights(run / "final"), load_weights(workdir / "lora_padding_free" / "final")
@@ -339,11 +343,13 @@ def test_an_adapter_that_misses_the_experts_is_said_at_start():
 
     from toolkit.config import LoraConfig
     from toolkit.model.load import adapter_coverage, apply_lora
+
     from families import family_config
 
     tokenizer = family_tokenizer("qwen3-moe")
     model = AutoModelForCausalLM.from_config(family_config("qwen3-moe", len(tokenizer), tokenizer))
-    line, warning = adapter_coverage(apply_lora(model, LoraConfig(enabled=True, r=4, target_modules=["q_proj", "v_proj"])))
+    line, warning = adapter_coverage(apply_lora(model,
+                                                LoraConfig(enabled=True, r=4, target_modules=["q_proj", "v_proj"])))
     assert "experts: none" in line and "router: no" in line, line
     assert warning.startswith("lora.target_modules leaves the experts of this mixture-of-experts model untouched")
 
@@ -484,7 +490,8 @@ def test_model_recipe_trains_at_toy_size(name, family_dir, tmp_path):
     recipe["train"].update(max_steps=2, warmup_steps=1, eval_every_steps=2, log_every_steps=1,
                            micro_batch_size=min(recipe["train"]["micro_batch_size"], 2))
     recipe["checkpoint"] = {"every_steps": 2, "keep_last": 1}
-    launch = re.search(r"^# launch: accelerate launch --config_file accelerate_configs/(\S+)\.yaml", text, re.M).group(1)
+    launch = re.search(r"^# launch: accelerate launch --config_file accelerate_configs/(\S+)\.yaml", text,
+                       re.M).group(1)
     launcher = None if launch == "single" else accelerate_launch(launch_config_for(launch, tmp_path))
     proc = run_toolkit("train", write_recipe(tmp_path / f"{name}.yaml", **recipe), launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-4000:]

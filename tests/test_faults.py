@@ -289,7 +289,8 @@ def test_sigterm_under_accelerate_launch_on_two_processes(work, tmp_path, phase)
     assert no_process_left(proc) == []
     if phase == "step":
         assert (work / out / "checkpoints" / "step-000002" / "COMPLETE").is_file()
-    proc = start(launcher + ["toolkit", "train", str(recipe(work, out)), "resume=auto"], env={"HF_DATASETS_CACHE": cache})
+    proc = start(launcher + ["toolkit", "train", str(recipe(work, out)), "resume=auto"],
+                 env={"HF_DATASETS_CACHE": cache})
     code, _, err = finish(proc, timeout=600)
     assert code == 0, err[-3000:]
     assert (work / out / "final").is_dir()

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 from toolkit.cli import main
 from toolkit.data.formats import ALPACA_PROMPT_WITH_INPUT
 from toolkit.model.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
+
+from helpers import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -51,7 +52,8 @@ def quickstart_run(tmp_path_factory) -> Path:
     """The quickstart recipe on the alpaca copy of its data (the recipe itself trains on `messages`;
     the LoRA fixture covers that format)."""
     return trained_run(tmp_path_factory, "quickstart-full", ROOT / "examples/recipes/quickstart_full.yaml",
-                       QUICKSTART_STEPS, "data.format=alpaca", f"data.train_files=[{ROOT / 'examples/data/tasks_train.jsonl'}]",
+                       QUICKSTART_STEPS, "data.format=alpaca",
+                       f"data.train_files=[{ROOT / 'examples/data/tasks_train.jsonl'}]",
                        f"data.eval_files=[{EVAL_FILE}]")
 
 
@@ -71,7 +73,8 @@ def answers_run(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp()
     train_file = write_jsonl(base / "answers-data" / "train.jsonl", answer_rows(400, seed=0))
     eval_file = write_jsonl(base / "answers-data" / "eval.jsonl", answer_rows(12, seed=1))
-    recipe = write_recipe(base / "answers-data" / "recipe.yaml", output_dir="unset", model={"preset": "tiny-llama-mini"},
+    recipe = write_recipe(base / "answers-data" / "recipe.yaml", output_dir="unset",
+                          model={"preset": "tiny-llama-mini"},
                           data={"train_files": [str(train_file)], "eval_files": [str(eval_file)], "format": "alpaca",
                                 "max_seq_len": 64},
                           train={"micro_batch_size": 16, "learning_rate": 5e-3})
@@ -252,7 +255,8 @@ def test_errors_are_one_line(answers_run, tmp_path, capsys):
     cases = [((not_a_model, "--prompt", "hi"), "neither a Hugging Face model folder"),
              ((answers_run / "final", "--prompts", tmp_path / "missing.txt"), "--prompts: file not found"),
              ((answers_run / "final", "--prompts", bad), f"{bad}: line 3: malformed JSON"),
-             ((answers_run / "final", "--prompts", no_prompt), f"{no_prompt}: line 2: expected an object with a `prompt`"),
+             ((answers_run / "final", "--prompts", no_prompt),
+              f"{no_prompt}: line 2: expected an object with a `prompt`"),
              ((answers_run / "final", "--prompt", "hi", "--max-new-tokens", 0), "--max-new-tokens: must be positive")]
     for args, expected in cases:
         assert expected in refused(capsys, "generate", *args)

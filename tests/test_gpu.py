@@ -21,11 +21,21 @@ import shutil
 
 import pytest
 import torch
-
-from helpers import load_weights, once, read_metrics, require_op, run_toolkit, train_losses, write_recipe
-from helpers import accelerate_launch, launch_config_for, recipe_for
 from test_backends import workdir  # noqa: F401
 from test_precision import BF16_LOSS_RTOL
+
+from helpers import (
+    accelerate_launch,
+    launch_config_for,
+    load_weights,
+    once,
+    read_metrics,
+    recipe_for,
+    require_op,
+    run_toolkit,
+    train_losses,
+    write_recipe,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.launch]  # every test here starts processes
 
@@ -122,7 +132,8 @@ def test_deepspeed_fp16_at_its_minimum_loss_scale_stops_with_exit_3(workdir):  #
                        env={"TOOLKIT_FAULT_NONFINITE_STEPS": "2,3,4,5"})
     record(case="DeepSpeed fp16 at minimum loss scale", returncode=proc.returncode, tail=proc.stderr[-300:])
     ours = proc.stderr[:proc.stderr.find("Traceback (most recent call last)")]  # the launcher's report follows
-    assert "stopped: train: fp16 gradients still overflow with the loss scale at its minimum" in ours, proc.stderr[-3000:]
+    assert ("stopped: train: fp16 gradients still overflow with the loss scale at its minimum"
+            in ours), proc.stderr[-3000:]
     assert "Traceback" not in ours and "exitcode  : 3 " in proc.stderr, proc.stderr[-3000:]
 
 
@@ -153,6 +164,7 @@ def test_varlen_flash_kernel_matches_masked_sdpa_on_cuda():
 
     from test_chunked_loss import batch
     from test_padding_free import flattened, pair
+
     from toolkit.training.loss import token_loss_sum, use_token_loss
 
     reference, model = (m.cuda() for m in pair())
@@ -175,9 +187,10 @@ def test_varlen_flash_kernel_matches_masked_sdpa_on_cuda():
 def test_fused_adamw_and_compile_on_cuda(workdir):  # noqa: F811
     """On CUDA the optimizer is torch's fused AdamW; train.compile with padding-free bf16 batches
     learns what the eager run learns and builds no new graphs after the first steps."""
+    from accelerate import Accelerator
+
     from toolkit.backends import Backend
     from toolkit.config import Recipe
-    from accelerate import Accelerator
 
     backend = Backend()
     backend.accelerator = Accelerator()
@@ -201,10 +214,10 @@ def test_lora_token_rows_under_zero3_on_cuda(tmp_path):
     shape and backward failed: the first GPU check, 2026-11-26). Reproduced and fixed on CPU with
     peft's CUDA-only row collection patched by hand: losses equal, adapter within 2e-6."""
     from safetensors.torch import load_file
+    from test_vocabulary import NEW, calc_rows
 
     from families import build_family
     from helpers import write_jsonl
-    from test_vocabulary import NEW, calc_rows
 
     base = build_family("llama3", tmp_path / "llama3")
     train_file = write_jsonl(tmp_path / "train.jsonl", calc_rows(32, 1))
@@ -264,8 +277,8 @@ def test_preference_dpo_under_zero3_on_cuda(mode, tmp_path):
         proc = run_toolkit("train", path, launcher=launcher)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[name] = read_metrics(tmp_path / name)[1:]
-    record(case=f"dpo_{mode}_bf16", single=[r["loss"] for r in runs["single"]], zero3=[r["loss"] for r in runs["zero3"]],
-           margin=[r["reward_margin"] for r in runs["single"]])
+    record(case=f"dpo_{mode}_bf16", single=[r["loss"] for r in runs["single"]],
+           zero3=[r["loss"] for r in runs["zero3"]], margin=[r["reward_margin"] for r in runs["single"]])
     assert runs["single"][0]["loss"] == pytest.approx(math.log(2), abs=2e-2)
     for a, b in zip(runs["single"], runs["zero3"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), (a, b)

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from test_installs import normalized, pins
 
 from helpers import ROOT
-from test_installs import normalized, pins
 
 
 def the_plan() -> dict:
@@ -65,7 +65,8 @@ def test_a_piece_runs_and_its_section_is_appended(tmp_path):
     script = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only", "gpu-other",
               "--log-dir", str(tmp_path / "logs"), "--notes", str(tmp_path / "NOTES.md")]
     refused = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: gpu_check: no CUDA GPU"), refused.stderr
+    assert (refused.returncode == 2
+            and refused.stderr.strip().startswith("error: gpu_check: no CUDA GPU")), refused.stderr
     assert not (tmp_path / "NOTES.md").exists()
     proc = subprocess.run(script + ["--allow-cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -11,10 +11,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (alpaca_rows, base_recipe, read_metrics, run_command, run_toolkit, train_losses,
-                      user_error_line, write_jsonl, write_recipe)
 from toolkit.errors import ToolkitError
 from toolkit.model.hub import is_hub_id, load_hub_dataset, resolve_model
+
+from helpers import (
+    alpaca_rows,
+    base_recipe,
+    read_metrics,
+    run_command,
+    run_toolkit,
+    train_losses,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
 
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes
 SEED = 7  # base_recipe's seed: the cached model holds the weights a preset run of this seed starts from

@@ -2,8 +2,9 @@
 last passed with, so a fresh machine does not pick up a release nobody ran the suite on."""
 
 import re
-import tomllib
 from importlib import metadata
+
+import tomllib
 
 from helpers import ROOT
 

@@ -190,7 +190,8 @@ def test_the_order_check_finds_an_upward_import():
 def test_every_module_lives_in_a_part():
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert top == GROUND | (ENTRY - {""})
-    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()} == set(LAYERS) - {"ground", "entry"}
+    assert {p.name for p in PACKAGE.iterdir()
+            if p.is_dir() and (p / "__init__.py").is_file()} == set(LAYERS) - {"ground", "entry"}
 
 
 def test_exit_codes_are_declared_in_one_table():

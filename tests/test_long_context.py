@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
+from toolkit.config import ConfigError, load_recipe
+
 from families import build_family
 from helpers import ROOT, read_metrics, run_toolkit, write_jsonl, write_recipe
-from toolkit.config import ConfigError, load_recipe
 
 
 def recipe_file(tmp_path, **model):
@@ -81,7 +82,8 @@ def test_lora_with_rope_scaling_merges_and_loads_with_it(tmp_path):
     from toolkit.model.inference import load_for_inference
 
     folder = build_family("llama3", tmp_path / "llama3")
-    pairs = [json.loads(x) for x in (ROOT / "examples" / "data" / "tasks_messages_train.jsonl").read_text().splitlines()[:16]]
+    pairs = [json.loads(x)
+             for x in (ROOT / "examples" / "data" / "tasks_messages_train.jsonl").read_text().splitlines()[:16]]
     data = write_jsonl(tmp_path / "train.jsonl", pairs)
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
     for name, lora in (("lora", True), ("full", False)):
@@ -220,10 +222,10 @@ def test_activation_offload_keeps_the_checkpointed_inputs_in_host_copies_and_lea
 
 
 def test_activation_offload_needs_checkpointing_and_tiling_needs_a_dense_model(tmp_path):
+    import yaml
+
     from toolkit.errors import ToolkitError
     from toolkit.model.load import build_model
-
-    import yaml
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "run"), "model": {"preset": "tiny-llama",
@@ -280,9 +282,9 @@ def test_activation_offload_never_hands_one_tensor_the_copy_of_another_at_the_sa
     an offload index by address then returned the earlier tensor's copy for the later one (losses
     off by 16% at step 2 on an H100, 2026-11-26). Here the same memory holds two tensors in turn,
     each new to torch (version 0), as the allocator would hand it out: each gets its own copy."""
-    from toolkit.model.activations import Offload
-
     import array
+
+    from toolkit.model.activations import Offload
 
     memory = bytearray(array.array("f", [1.0] * 1024).tobytes())
     offload = Offload(min_bytes=0)

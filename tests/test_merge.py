@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import alpaca_rows, load_weights, run_toolkit, write_jsonl, write_recipe
 from toolkit.cli import main
 from toolkit.config import load_recipe
 from toolkit.errors import ToolkitError
 from toolkit.model.load import CHAT_TEMPLATE, apply_lora, build_byte_tokenizer, build_model
+
+from helpers import alpaca_rows, load_weights, run_toolkit, write_jsonl, write_recipe
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse abc"},
         {"role": "assistant", "content": "cba"}]
@@ -216,7 +217,8 @@ def test_non_empty_out_is_refused_and_untouched(small_adapter, tmp_path, capsys)
     code, _, err = merge(small_adapter, "--out", out, capsys=capsys)
     assert code == 2
     assert "not empty" in one_error_line(err) and str(out) in err
-    assert [p.name for p in out.iterdir()] == ["precious.txt"] and (out / "precious.txt").read_text() == "earlier results"
+    assert ([p.name for p in out.iterdir()] == ["precious.txt"]
+            and (out / "precious.txt").read_text() == "earlier results")
     assert not (tmp_path / "merged.tmp").exists()
 
 

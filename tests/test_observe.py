@@ -8,12 +8,13 @@ import time
 import pytest
 import torch
 
-from helpers import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
 from toolkit.observe import measure as observe
 from toolkit.observe.watchdog import who_is_behind
 
-DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
-       "--num_processes", "2", "--main_process_port", "0", "-m"]
+from helpers import ROOT, base_recipe, read_metrics, run_toolkit, write_recipe
+
+DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+       str(ROOT / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m"]
 
 
 def train(tmp_path, data_files, *overrides, launcher=None, env=None, out="run", **sections):
@@ -57,8 +58,8 @@ def test_the_watchdog_names_the_rank_behind_the_others():
     # Same position: the rank not inside a collective is the one the others wait for.
     line = who_is_behind({0: at("forward", 3, frame="parallel/distributed.py:9 in _sync_buffers", collective=True),
                           1: at("forward", 3, frame="toolkit/data/prepare.py:5 in read")}, 2)
-    assert line.startswith("rank 1 is in the forward of micro-batch 1 of step 3 at toolkit/data/prepare.py:5 in read while 0 "
-                           "is waiting in a collective (parallel/distributed.py:9 in _sync_buffers)")
+    assert line.startswith("rank 1 is in the forward of micro-batch 1 of step 3 at toolkit/data/prepare.py:5 in read "
+                           "while 0 is waiting in a collective (parallel/distributed.py:9 in _sync_buffers)")
     same = who_is_behind({0: at("backward", 3), 1: at("backward", 3)}, 2)
     assert same.startswith("all 2 ranks are in the backward")
     assert "rank(s) 1 did not report" in who_is_behind({0: at("backward", 3)}, 2)
@@ -71,8 +72,8 @@ def test_the_watchdog_names_the_rank_behind_the_others():
 def test_metrics_carry_throughput_mfu_and_peak_memory(tmp_path, data_files):
     """With a stated peak (a CPU has none), MFU = achieved TFLOP/s / peak; the achieved figure is
     the dense term for the tokens counted plus an attention term no longer than max_seq_len allows."""
-    from toolkit.config import ModelConfig, LoraConfig
     from toolkit.backends.sizing import count_model
+    from toolkit.config import LoraConfig, ModelConfig
     from toolkit.model.load import build_model
 
     run, proc = train(tmp_path, data_files, "train.peak_tflops=0.5", "train.profile_steps=[3,4]")
@@ -172,9 +173,10 @@ def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_fi
 @pytest.mark.launch
 def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
     """Every token a target in a prompt format: the audit refuses it in one line naming the file and row."""
-    from helpers import user_error_line, write_jsonl
     from test_bad_input import tiny_model_folder
     from transformers import AutoTokenizer
+
+    from helpers import user_error_line, write_jsonl
 
     folder = tiny_model_folder(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -89,7 +89,8 @@ def test_matches_one_document_at_a_time(capacity):
     rng = np.random.RandomState(capacity)
     for seed in range(5):
         lengths = rng.randint(1, capacity + 1, size=rng.randint(1, 300))
-        lengths = np.where(rng.rand(len(lengths)) < 0.5, lengths, rng.choice([1, 2, 3, capacity // 3 or 1], len(lengths)))
+        lengths = np.where(rng.rand(len(lengths)) < 0.5, lengths,
+                           rng.choice([1, 2, 3, capacity // 3 or 1], len(lengths)))
         bins = best_fit_decreasing(lengths, capacity, seed)
         assert_valid(bins, lengths, capacity)
         assert [b.tolist() for b in bins] == reference_bfd(lengths, capacity, seed)

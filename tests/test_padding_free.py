@@ -7,17 +7,27 @@ import copy
 import numpy as np
 import pytest
 import torch
+from test_chunked_loss import batch, lora
 from transformers import MistralConfig, MistralForCausalLM
 
-from helpers import ROOT, base_recipe, load_weights, read_metrics, run_toolkit, user_error_line, write_recipe
-from helpers import accelerate_launch, launch_config_for
-from test_chunked_loss import batch, lora
-from toolkit.model import varlen
 from toolkit.config import ModelConfig
 from toolkit.data.batching import Collator
 from toolkit.data.formats import IGNORE
-from toolkit.training.loss import token_loss_sum, use_token_loss
+from toolkit.model import varlen
 from toolkit.model.load import build_byte_tokenizer, build_model
+from toolkit.training.loss import token_loss_sum, use_token_loss
+
+from helpers import (
+    ROOT,
+    accelerate_launch,
+    base_recipe,
+    launch_config_for,
+    load_weights,
+    read_metrics,
+    run_toolkit,
+    user_error_line,
+    write_recipe,
+)
 
 TOL = 1e-5
 

@@ -15,10 +15,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from helpers import (RESUME_STEPS, finish, layout_command, layout_recipe, load_weights, read_metrics, run_command,
-                     start)
 from test_bad_input import snapshot
+
+from helpers import RESUME_STEPS, finish, layout_command, layout_recipe, load_weights, read_metrics, run_command, start
 
 STEPS, RESUME_AT = RESUME_STEPS, 4
 MOVES = [("ddp", "single", False), ("single", "ddp", False), ("single", "ddp", True), ("zero2", "zero3", False),
@@ -122,11 +121,13 @@ def test_convert_a_zero3_checkpoint_to_a_plain_folder(workdir, uninterrupted):
     assert want.keys() == have.keys() and want
     assert all(torch.equal(want[k], have[k]) for k in want), [k for k in want if not torch.equal(want[k], have[k])]
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(run / "final").chat_template
+    assert (AutoTokenizer.from_pretrained(out).chat_template
+            == AutoTokenizer.from_pretrained(run / "final").chat_template)
     assert torch.equal(model.state_dict()["model.norm.weight"], want["model.norm.weight"])
 
     again = convert(run / "checkpoints" / f"step-{STEPS:06d}", "--out", out)  # never over earlier results
-    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith("error: checkpoint convert: --out")
+    assert (again.returncode == 2
+            and again.stderr.strip().splitlines()[-1].startswith("error: checkpoint convert: --out"))
     assert load_weights(out).keys() == want.keys()
 
 

@@ -15,11 +15,19 @@ import shutil
 
 import pytest
 import torch
-
-from helpers import load_weights, read_metrics, run_toolkit, train_losses, write_recipe
-from helpers import accelerate_launch, launch_config_for, recipe_for
 from test_backends import workdir  # noqa: F401  (the same data files as the backend matrix)
 from test_train import eval_loss_with_plain_libraries, initial_weights
+
+from helpers import (
+    accelerate_launch,
+    launch_config_for,
+    load_weights,
+    read_metrics,
+    recipe_for,
+    run_toolkit,
+    train_losses,
+    write_recipe,
+)
 
 # Largest relative difference of any step's loss, bf16 vs fp32, 8 steps of the tiny model.
 # Measured on 2026-11-22 (this file, `pytest -s tests/test_precision.py`): single 8.2e-05,

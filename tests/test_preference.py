@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from families import family_tokenizer
 from toolkit.config import ConfigError, DataConfig, load_recipe
 from toolkit.data.batching import Collator
 from toolkit.data.formats import IGNORE
@@ -18,6 +17,8 @@ from toolkit.data.prepare import build_datasets
 from toolkit.data.tokenize import MissingField, tokenize_examples
 from toolkit.errors import ToolkitError
 from toolkit.training.objectives import preference_losses
+
+from families import family_tokenizer
 
 
 def log_sigmoid(x: float) -> float:
@@ -252,8 +253,10 @@ def test_the_rule_for_empty_rows_drops_a_few_bad_pairs_and_refuses_many(tmp_path
     path.write_text("".join(json.dumps(r) + "\n" for r in good + [{"prompt": "q", "chosen": "x", "rejected": "x"}]))
     data = build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32), tok, 0, False)
     assert len(data.train) == 199 and data.train.pairs
-    assert any("row 200: no target tokens left (chosen is identical to rejected); dropped 1" in w for w in data.warnings)
-    path.write_text("".join(json.dumps(r) + "\n" for r in good[:50] + [{"prompt": "q", "chosen": "", "rejected": "x"}] * 2))
+    assert any("row 200: no target tokens left (chosen is identical to rejected); dropped 1" in w
+               for w in data.warnings)
+    path.write_text("".join(json.dumps(r) + "\n"
+                            for r in good[:50] + [{"prompt": "q", "chosen": "", "rejected": "x"}] * 2))
     with pytest.raises(ToolkitError, match="row 51: no target tokens left \\(chosen is empty\\); 2 of 52 rows"):
         build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32), tok, 0, False)
 
@@ -335,8 +338,8 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
 def test_the_estimate_counts_both_sequences_of_a_pair_and_the_reference_forward(tmp_path):
     """Memory: a micro-batch of pairs is twice as many sequences in one forward. FLOPs: DPO's
     reference through the disabled adapter is one more forward (2 per weight) per token."""
+    from toolkit.backends.sizing import BY_NAME, count_model, estimate, read_config, setup_from_recipe
     from toolkit.observe.measure import Flops
-    from toolkit.backends.sizing import count_model, estimate, read_config, setup_from_recipe, BY_NAME
 
     recipe = load_recipe(recipe_file(tmp_path, lora__enabled=True, train__micro_batch_size=4))
     pairs = setup_from_recipe(recipe)

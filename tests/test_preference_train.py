@@ -15,8 +15,20 @@ import pytest
 import torch
 
 from families import build_family
-from helpers import (ROOT, accelerate_launch, descendants, finish, launch_config_for, load_weights, read_metrics,
-                     run_toolkit, start, user_error_line, write_jsonl, write_recipe)
+from helpers import (
+    ROOT,
+    accelerate_launch,
+    descendants,
+    finish,
+    launch_config_for,
+    load_weights,
+    read_metrics,
+    run_toolkit,
+    start,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 

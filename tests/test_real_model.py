@@ -177,13 +177,14 @@ def eval_loss_unpacked(model, tokenizer, eval_file) -> float:
 def test_lora_learns_and_reloads_with_peft(tmp_path, real_model_dir, capital_data, tokenizer):
     """16 steps of LoRA (r 8, all-linear; one packed row of 128 tokens, ~3 examples, per step): the held-out eval loss falls far
     below the pretrained model's, and final/ is an adapter that peft loads onto the base folder,
-    giving the logged eval loss again."""
+    giving the logged eval loss again."""  # noqa: E501
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     train, evaluation = capital_data
     out = tmp_path / "run"
-    proc = run_toolkit("train", write_recipe(tmp_path / "lora.yaml", **real_recipe(real_model_dir, train, evaluation, out)))
+    proc = run_toolkit("train",
+                       write_recipe(tmp_path / "lora.yaml", **real_recipe(real_model_dir, train, evaluation, out)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "padding instead of packing" not in proc.stdout + proc.stderr
     rows = read_metrics(out)
@@ -290,10 +291,12 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path, real_model_dir):
     eval_reward_accuracy 0 -> 0.73 after 16 steps (0.487 and 0.74 after 32); the chosen answer more
     likely than the rejected one in 67% of pairs for the base model, 71% after 32 steps."""
     pairs = ROOT / "examples" / "data"
-    train = write_jsonl(tmp_path / "train.jsonl", [json.loads(x) for x in
-                                                   (pairs / "tasks_preference_train.jsonl").read_text().splitlines()[:512]])
-    evaluation = write_jsonl(tmp_path / "eval.jsonl", [json.loads(x) for x in
-                                                       (pairs / "tasks_preference_eval.jsonl").read_text().splitlines()[:100]])
+    train = write_jsonl(tmp_path / "train.jsonl",
+                        [json.loads(x) for x in
+                         (pairs / "tasks_preference_train.jsonl").read_text().splitlines()[:512]])
+    evaluation = write_jsonl(tmp_path / "eval.jsonl",
+                             [json.loads(x) for x in
+                              (pairs / "tasks_preference_eval.jsonl").read_text().splitlines()[:100]])
     out = tmp_path / "run"
     path = write_recipe(tmp_path / "dpo.yaml", output_dir=str(out), seed=42, model={"path": str(real_model_dir)},
                         lora={"enabled": True, "r": 8, "alpha": 16},

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
 from toolkit.config import ConfigError, Recipe, load_recipe
+
+from helpers import alpaca_rows, base_recipe, run_toolkit, write_jsonl, write_recipe
 
 VALUES = ["0", "-1", "inf", "-inf", ".nan", "1e30", "1000000000000"]
 
@@ -147,7 +148,8 @@ CI_PATH_CASES = {0, 2, 4, 8}  # spaces, a file where a folder belongs, a missing
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("case", [pytest.param(i, marks=() if i in CI_PATH_CASES else pytest.mark.slow) for i in range(11)])
+@pytest.mark.parametrize("case", [pytest.param(i, marks=() if i in CI_PATH_CASES else pytest.mark.slow)
+                                  for i in range(11)])
 def test_path_keys_are_one_line_or_a_run(work, case, tmp_path):
     d, path = work
     override, want = list(path_cases(d).items())[case]

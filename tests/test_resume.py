@@ -18,9 +18,19 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (RESUME_STEPS, descendants, finish, layout_command, layout_recipe, load_weights, read_metrics,
-                     read_output, start)
 from toolkit.storage import checkpoint
+
+from helpers import (
+    RESUME_STEPS,
+    descendants,
+    finish,
+    layout_command,
+    layout_recipe,
+    load_weights,
+    read_metrics,
+    read_output,
+    start,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 

@@ -128,7 +128,8 @@ def test_resume_after_a_kill_that_cut_metrics_mid_line(work, tmp_path):
                                     pytest.param(["train.eval_every_steps=2"], marks=pytest.mark.slow)])
 def test_resume_allows_changes_that_learn_nothing_else(work, tmp_path, change):
     out = tmp_path / "r"
-    first = run_toolkit("train", recipe(work, "r"), f"output_dir={out}", "checkpoint.every_steps=1", "train.max_steps=2")
+    first = run_toolkit("train", recipe(work, "r"), f"output_dir={out}", "checkpoint.every_steps=1",
+                        "train.max_steps=2")
     assert first.returncode == 0
     shutil.rmtree(out / "final")
     proc = run_toolkit("train", recipe(work, "r"), f"output_dir={out}", "checkpoint.every_steps=1",

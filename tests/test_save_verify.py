@@ -11,9 +11,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
 from toolkit.storage import checkpoint
 from toolkit.storage.verify import first_mismatch, tree_mismatch
+
+from helpers import ROOT, alpaca_rows, base_recipe, load_weights, run_toolkit, write_jsonl, write_recipe
 
 CORRUPT = {"TOOLKIT_FAULT_CORRUPT_SAVE": "1"}
 
@@ -154,7 +155,8 @@ def test_the_read_back_names_the_first_state_that_differs():
             "param_groups": [{"lr": 5.0, "params": [0]}]}  # only tensors are compared
     assert tree_mismatch(same, live, "optimizer.bin") is None
     changed = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.5, float("nan")])}}}
-    assert tree_mismatch(changed, live, "f") == "f.state.0.exp_avg: differs from the trained state (max abs difference 0.5)"
+    assert (tree_mismatch(changed, live, "f")
+            == "f.state.0.exp_avg: differs from the trained state (max abs difference 0.5)")
     assert "f.state.0.exp_avg: saved as (1,)" in tree_mismatch({"state": {0: {"step": torch.tensor(3.0),
                                                                              "exp_avg": torch.ones(1)}}}, live, "f")
     assert tree_mismatch({"state": {}}, live, "f") == "f.state.0: missing from the saved file"

@@ -9,14 +9,24 @@ between it and one process). Refusals are one line naming the key."""
 import pytest
 import torch
 
-from helpers import (ROOT, finish, layout_command, layout_recipe, load_weights, read_metrics, run_toolkit, start,
-                     write_recipe)
 from toolkit.backends import sequence
+from toolkit.backends.launch_config import check, sequence_parallel_size, worker_env
 from toolkit.config import Recipe
 from toolkit.data.batching import Collator
 from toolkit.data.formats import IGNORE
 from toolkit.errors import ToolkitError
-from toolkit.backends.launch_config import check, sequence_parallel_size, worker_env
+
+from helpers import (
+    ROOT,
+    finish,
+    layout_command,
+    layout_recipe,
+    load_weights,
+    read_metrics,
+    run_toolkit,
+    start,
+    write_recipe,
+)
 
 SP_YAML = ROOT / "accelerate_configs" / "zero2_sp.yaml"
 TOL = 1e-5

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
-from toolkit.config import Recipe, load_recipe
 from toolkit.backends.launch_config import plan, worker_env
+from toolkit.config import Recipe, load_recipe
+
+from helpers import ROOT
 
 RECIPES = sorted((ROOT / "examples" / "recipes").rglob("*.yaml"))
 LAUNCHES = sorted((ROOT / "accelerate_configs").glob("*.yaml"))

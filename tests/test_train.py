@@ -13,9 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ROOT, alpaca_rows, base_recipe, load_weights, read_metrics, run_toolkit, train_losses, write_jsonl,
-                     write_recipe)
 from toolkit.storage import checkpoint
+
+from helpers import (
+    ROOT,
+    alpaca_rows,
+    base_recipe,
+    load_weights,
+    read_metrics,
+    run_toolkit,
+    train_losses,
+    write_jsonl,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -47,7 +57,8 @@ def test_accumulation_is_exact(tmp_path, data_files):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len: int = 96, fmt: str = "alpaca") -> float:
+def eval_loss_with_plain_libraries(model, eval_file, tokenizer_dir, max_seq_len: int = 96,
+                                   fmt: str = "alpaca") -> float:
     """Recompute the eval loss from the saved folder, outside the toolkit's training code."""
     from transformers import AutoTokenizer
 

@@ -12,8 +12,18 @@ import pytest
 import torch
 
 from families import FAMILIES, build_family
-from helpers import (accelerate_launch, launch_config_for, load_weights, read_metrics, run_command, run_toolkit,
-                     train_losses, user_error_line, write_jsonl, write_recipe)
+from helpers import (
+    accelerate_launch,
+    launch_config_for,
+    load_weights,
+    read_metrics,
+    run_command,
+    run_toolkit,
+    train_losses,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
 
 NEW = ["<|calc|>", "<|endcalc|>"]
 
@@ -36,7 +46,8 @@ def test_new_tokens_are_single_and_grow_the_embeddings(family, folders):
     plain = build_tokenizer(ModelConfig(path=str(folders[family])))
     assert len(tokenizer) == len(plain) + 2  # the family's eos is there already
     ids = tokenizer("x <|calc|>1+2<|endcalc|>", add_special_tokens=False)["input_ids"]
-    assert [tokenizer.convert_ids_to_tokens(i) for i in ids].count("<|calc|>") == 1 and len(ids) == 7, ids  # x, space, <|calc|>, 1, +, 2, <|endcalc|>
+    # x, space, <|calc|>, 1, +, 2, <|endcalc|>
+    assert [tokenizer.convert_ids_to_tokens(i) for i in ids].count("<|calc|>") == 1 and len(ids) == 7, ids
     model = build_model(cfg)
     before = model.get_input_embeddings().weight.detach().clone()
     assert fit_vocabulary(model, tokenizer) == 2
@@ -162,7 +173,7 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     cannot build the rows); `toolkit eval` of the adapter gives the run's last eval loss; `toolkit merge` (its logits check against base + adapter over the grown
     base) writes a model whose vocabulary is the tokenizer's and whose new rows are the trained ones;
     `generate` loads the adapter over the original base; `checkpoint convert` merges the step-2 adapter
-    into the grown base the same way."""
+    into the grown base the same way."""  # noqa: E501
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,7 +242,8 @@ def test_lora_token_rows_resume_on_another_layout_merge_generate_and_convert(tmp
     assert not torch.equal(at_two[new_ids], embed_rows)  # the rows kept training after step 2
 
     if not torch.cuda.is_available():
-        proc = run_toolkit("train", recipe("on_zero3", 2), launcher=accelerate_launch(launch_config_for("zero3", tmp_path)))
+        proc = run_toolkit("train", recipe("on_zero3", 2),
+                           launcher=accelerate_launch(launch_config_for("zero3", tmp_path)))
         assert user_error_line(proc, launched=True) == (
             "error: model.add_special_tokens: with LoRA under ZeRO-3 it needs CUDA (peft builds the trained token "
             "rows on a CUDA device); on this host use DDP, FSDP or ZeRO-1/2")
