@@ -193,6 +193,21 @@ def alpaca_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def alpaca_folder(d: Path) -> Path:
+    """`d` with a small Alpaca train (32 rows) and eval (4 rows) file, as the short runs of the
+    run-folder, config, data and adapter-base tests train on."""
+    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
+    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
+    return d
+
+
+def short_recipe(work: Path, name: str, **overrides) -> Path:
+    """A 3-step recipe over `alpaca_folder(work)`'s files, training into `work/name`."""
+    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
+                    train__warmup_steps=1, **overrides)
+    return write_recipe(work / f"{name}.yaml", **r)
+
+
 def write_recipe(path: Path, **sections) -> Path:
     import yaml
 

@@ -5,27 +5,25 @@ another model of the same shapes, in one line; `merge --base` names the original
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import (
+    alpaca_folder,
+    run_toolkit,
+    short_recipe,
+    user_error_line,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("adapter_base")
-    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
-    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
-    return d
+    return alpaca_folder(tmp_path_factory.mktemp("adapter_base"))
 
 
-def recipe(work: Path, name: str, **overrides) -> Path:
-    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
-                    train__warmup_steps=1, **overrides)
-    return write_recipe(work / f"{name}.yaml", **r)
+recipe = short_recipe
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import alpaca_rows, base_recipe, finish, run_toolkit, start, user_error_line, write_jsonl, write_recipe
+from helpers import (
+    alpaca_folder,
+    finish,
+    run_toolkit,
+    short_recipe,
+    start,
+    user_error_line,
+)
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -28,16 +35,10 @@ def snapshot(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("run_folder")
-    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
-    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
-    return d
+    return alpaca_folder(tmp_path_factory.mktemp("run_folder"))
 
 
-def recipe(work: Path, name: str, **overrides) -> Path:
-    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
-                    train__warmup_steps=1, **overrides)
-    return write_recipe(work / f"{name}.yaml", **r)
+recipe = short_recipe
 
 
 @pytest.fixture(scope="module")
