@@ -1,6 +1,6 @@
 """The quickstart: held-out accuracy of the built-in tiny model before and after fine-tuning.
 
-    python examples/quickstart.py [RECIPE.yaml] [key=value ...]    (what `make train` runs)
+    .venv/bin/python examples/quickstart.py [RECIPE.yaml] [key=value ...]    (what `make train` runs)
 
 1. `toolkit eval` scores the untrained model (the preset's initial weights, built with the
    recipe's seed exactly as training builds them) on the recipe's eval file, which training
@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import shlex
 import sys
 import tempfile
 from collections import Counter
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from toolkit.cli import main as toolkit_main
 from toolkit.config import load_recipe
+from toolkit.errors import command
 
 
 def initial_model(recipe, folder: Path) -> None:
@@ -54,6 +56,14 @@ def per_task(result: dict) -> tuple[Counter, Counter]:
     return right, total
 
 
+def ask_yourself(out: Path, prompt: str, chat: bool) -> str:
+    """The `toolkit generate` command the quickstart ends with, as it runs from here: `make setup` does
+    not activate .venv, so it names .venv/bin/toolkit (`python -m toolkit` failed with the system
+    python; tests/test_docs.py's test_the_quickstart_hint_names_the_venv)."""
+    return command(f"toolkit generate {shlex.quote(str(out / 'final'))} --prompt {shlex.quote(prompt)}"
+                   + ("" if chat else " --no-chat-template"))
+
+
 def main() -> int:
     args = sys.argv[1:] or ["examples/recipes/quickstart_full.yaml"]
     recipe_path, overrides = args[0], args[1:] + ["overwrite=true"]
@@ -83,8 +93,8 @@ def main() -> int:
     if importlib.util.find_spec("matplotlib") is not None:  # `make setup` installs it; a bare install may not
         toolkit_main(["plot", str(out)])
     example = a["records"][0]["prompt"] if a["records"] else "..."
-    print(f"\nall answers: {out / 'eval.json'}; ask it yourself:\n  {Path(sys.executable).name} -m toolkit generate "
-          f"{out / 'final'} --prompt '{example}'" + ("" if recipe.data.format == "messages" else " --no-chat-template"))
+    print(f"\nall answers: {out / 'eval.json'}; ask it yourself:\n  "
+          + ask_yourself(out, example, chat=recipe.data.format == "messages"))
     return 0
 
 

@@ -125,7 +125,7 @@ CASES = {
     "malformed JSON line": (lambda t, r, e: (r, [f"data.train_files={malformed(t)}"], {}),
                             "bad.jsonl: line 3: malformed JSON"),
     "message without content": (lambda t, r, e: (r, [f"data.train_files={message_without_content(t)}",
-                                                      "data.format=messages"], {}),
+                                                      "data.format=messages", "data.eval_files=[]"], {}),
                                 "chat.jsonl: row 3: no target tokens left (messages[0].content is null or missing)"),
     "empty dataset": (lambda t, r, e: (r, [f"data.train_files={empty_file(t)}"], {}), "empty.jsonl: file is empty"),
     "missing column": (lambda t, r, e: (r, [f"data.train_files={missing_column(t)}"], {}), "needs column(s) output"),
@@ -242,3 +242,43 @@ def test_a_mistake_only_another_rank_sees_is_still_one_line(monkeypatch, capsys)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert capsys.readouterr().err.splitlines() == ["error: (rank 1) data.train_files: file not found"]
+
+
+def model_without_weights(tmp):
+    """A model folder whose config and tokenizer load and whose weights are missing: a run that
+    got as far as building the model would stop there."""
+    from pathlib import Path
+
+    folder = Path(tiny_model_folder(tmp))
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    return str(folder)
+
+
+def chat_file(tmp):
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 8
+    return write_jsonl(tmp / "chat.jsonl", rows)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("mistake, overrides, expected", [
+    ("data.format left at alpaca on a chat file", lambda t: [f"data.train_files=[{chat_file(t)}]"],
+     "chat.jsonl: data.format=alpaca needs column(s) instruction, output; found messages, which "
+     "data.format=messages reads"),
+    ("a missing eval file", lambda t: [f"data.eval_files=[{t / 'gone.jsonl'}]"], "data.eval_files: file not found"),
+])
+def test_data_mistakes_are_refused_before_the_model_loads(tmp_path, mistake, overrides, expected):
+    """The data files and their first rows are checked right after the run folder is opened: with a
+    model whose weights are missing, the data's mistake is the one line, and no model start line
+    (`parameters:`) came before it."""
+    train = write_jsonl(tmp_path / "train.jsonl", alpaca_rows(32, seed=1))
+    recipe = base_recipe(tmp_path, train, write_jsonl(tmp_path / "eval.jsonl", alpaca_rows(4, seed=2)), out="new_run")
+    path = write_recipe(tmp_path / "run.yaml", **{**recipe, "model": {"path": model_without_weights(tmp_path)}})
+    args = overrides(tmp_path)
+    before = snapshot(tmp_path)
+    proc = run_toolkit("train", path, *args, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and expected in lines[-1], lines[-1]
+    assert "parameters:" not in proc.stdout + proc.stderr
+    assert snapshot(tmp_path) == before and not (tmp_path / "new_run").exists()

@@ -8,7 +8,14 @@ import pytest
 
 from toolkit.config import ConfigError, Recipe, load_recipe
 
-from helpers import ROOT, alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import (
+    ROOT,
+    alpaca_folder,
+    run_toolkit,
+    short_recipe,
+    user_error_line,
+    write_recipe,
+)
 
 SHIPPED = sorted((ROOT / "examples" / "recipes").glob("*.yaml"))
 
@@ -161,16 +168,10 @@ def test_unknown_keys_suggest_the_near_miss(tmp_path, override, words):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("config")
-    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
-    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
-    return d
+    return alpaca_folder(tmp_path_factory.mktemp("config"))
 
 
-def recipe(work: Path, name: str, **overrides) -> Path:
-    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
-                    train__warmup_steps=1, **overrides)
-    return write_recipe(work / f"{name}.yaml", **r)
+recipe = short_recipe
 
 
 @pytest.mark.launch
@@ -204,3 +205,32 @@ def test_config_show_refuses_a_negative_process_count(work):
     proc = run_toolkit("config", "show", recipe(work, "c"), "--accelerate-config",
                        ROOT / "accelerate_configs" / "ddp.yaml", "--num-processes", "-2")
     assert "--num-processes: must be positive, got -2" in user_error_line(proc)
+
+
+def test_model_chat_template_is_a_builtin_a_template_or_a_file_checked_at_load(tmp_path, monkeypatch):
+    """model.chat_template: `chatml`, the template itself, or a readable Jinja file (kept as its
+    path, `~` expanded); anything else is refused at load, one line naming the key, not after the
+    tokenizer and model have loaded."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "turns.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'café' }}".encode("latin-1"))
+    (tmp_path / "empty.jinja").write_text(" \n")
+
+    def load(value):
+        return load_recipe(write_recipe(tmp_path / "r.yaml", output_dir="o", data={"train_files": ["a.jsonl"]},
+                                        model={"preset": "tiny-llama", "chat_template": value}))
+
+    inline = "{{ messages[0]['content'] }}"
+    for value, kept in (("chatml", "chatml"), (inline, inline), (str(tmp_path / "turns.jinja"), None),
+                        ("~/turns.jinja", str(tmp_path / "turns.jinja"))):
+        assert load(value).model.chat_template == (kept or value)
+    for value, words in ((str(tmp_path / "nope.jinja"), f"file not found: {tmp_path / 'nope.jinja'} (give a Jinja "
+                                                         "file, the template itself, or chatml)"),
+                         (str(tmp_path), f"is a folder: {tmp_path}"),
+                         (str(tmp_path / "empty.jinja"), "empty.jinja: the file is empty"),
+                         (str(tmp_path / "latin1.jinja"), "latin1.jinja: not UTF-8 text (byte 0xe9 at offset 7)"),
+                         ("", "empty: give a Jinja file")):
+        with pytest.raises(ConfigError) as e:
+            load(value)
+        assert e.value.key == "model.chat_template" and words in str(e.value), str(e.value)
+        assert str(e.value).startswith(f"{tmp_path / 'r.yaml'}: model.chat_template: ")

@@ -16,7 +16,13 @@ from toolkit.data.tokenize import tokenize_example
 from toolkit.errors import ToolkitError
 from toolkit.model.load import build_byte_tokenizer, build_model
 
-from helpers import alpaca_rows, base_recipe, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import (
+    alpaca_folder,
+    run_toolkit,
+    short_recipe,
+    user_error_line,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -212,21 +218,78 @@ def torch_loader(dataset, sampler, collate):
     return DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate)
 
 
+def test_a_system_turn_after_the_last_answer_is_warned_by_file_and_row(tmp_path, tok):
+    """A conversation that ends with a system turn trains as written (the turn carries no loss) and
+    the preparation report says which row, in a warning the run prints at its start."""
+    answered = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}]
+    late = {"messages": answered + [{"role": "system", "content": "be brief"}]}
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": answered}, late, {"messages": answered}, late])
+    data = build_datasets(DataConfig(train_files=[str(f)], format="messages"), tok, 0, False)
+    assert data.warnings == [f"{f}: row 2: messages[3] is a system turn after the last assistant turn: no answer "
+                             "sees it and it trains nothing (a system prompt opens a conversation); 2 of 4 rows "
+                             "end so"]
+    targets = [[t for t in data.train[i]["labels"] if t != IGNORE] for i in range(4)]
+    assert targets[1] == targets[0] == ids(tok, "yo") + [tok.eos_token_id] + ids(tok, "\n")
+    ordinary = write_jsonl(tmp_path / "ok.jsonl", [{"messages": answered + [{"role": "user", "content": "x"}]}] * 4)
+    assert build_datasets(DataConfig(train_files=[str(ordinary)], format="messages"), tok, 0, False).warnings == []
+
+
+TURN_TEMPLATE = ("{% for m in messages %}{{ '## ' + m['role'] + ': ' + m['content'] + ' ;;\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '## assistant: ' }}{% endif %}")
+
+
+@pytest.mark.parametrize("given", ["file", "text", "chatml"])
+def test_model_chat_template_renders_and_labels_the_assistant_turns(tmp_path, given):
+    """model.chat_template replaces the tokenizer's template: rows render through it, the targets are
+    the assistant turns as it renders them, it changes the prepared data's fingerprint (a recipe
+    without it keeps its fingerprint), and the tokenizer saved (as in final/) holds it."""
+    from transformers import AutoTokenizer
+
+    from toolkit.config import CHAT_TEMPLATES
+    from toolkit.data.prepare import fingerprint
+    from toolkit.data.sources import resolve_sources
+    from toolkit.model.load import build_tokenizer
+
+    (tmp_path / "turns.jinja").write_text(TURN_TEMPLATE)
+    value = {"file": str(tmp_path / "turns.jinja"), "text": TURN_TEMPLATE, "chatml": "chatml"}[given]
+    template = CHAT_TEMPLATES["chatml"] if given == "chatml" else TURN_TEMPLATE
+    tok = build_tokenizer(ModelConfig(preset="tiny-llama-mini", chat_template=value))
+    assert tok.chat_template == template
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]
+    ex = tokenize_example({"messages": msgs}, "messages", tok, 512, False)
+    end = "<|im_end|>\n" if given == "chatml" else " ;;\n"
+    prompt = ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" if given == "chatml"
+              else "## user: hi ;;\n## assistant: ")
+    assert tok.decode(ex["input_ids"]) == tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode(ex["input_ids"]).startswith(prompt + "yo" + end)
+    assert [t for t in ex["labels"] if t != IGNORE] == ids(tok, "yo" + end) + ids(tok, "ok" + end)
+    cfg = DataConfig(train_files=[str(write_jsonl(tmp_path / "c.jsonl", [{"messages": msgs}]))], format="messages")
+    sources = resolve_sources(cfg.train_files, cfg, "data.train_files")
+    plain = build_tokenizer(ModelConfig(preset="tiny-llama-mini"))
+    assert fingerprint(sources, cfg, plain) == fingerprint(sources, cfg, build_byte_tokenizer())
+    assert fingerprint(sources, cfg, tok) != fingerprint(sources, cfg, plain)
+    tok.save_pretrained(tmp_path / "final")
+    assert AutoTokenizer.from_pretrained(tmp_path / "final").chat_template == template
+
+
+def test_a_model_chat_template_that_is_not_jinja_is_one_line_naming_the_key():
+    from toolkit.model.load import build_tokenizer
+
+    with pytest.raises(ToolkitError, match=r"^model.chat_template: line 1: not a Jinja template \(unexpected '}'\)"):
+        build_tokenizer(ModelConfig(preset="tiny-llama-mini", chat_template="{% for m in messages %}{{ m }"))
+
+
 # ----------------------------------------------------------------------------- data shapes in a real run
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_jsonl(d / "train.jsonl", alpaca_rows(32, seed=41))
-    write_jsonl(d / "eval.jsonl", alpaca_rows(4, seed=42))
-    return d
+    return alpaca_folder(tmp_path_factory.mktemp("data"))
 
 
-def recipe(work: Path, name: str, **overrides) -> Path:
-    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=name, train__max_steps=3,
-                    train__warmup_steps=1, **overrides)
-    return write_recipe(work / f"{name}.yaml", **r)
+recipe = short_recipe
 
 
 def chat(user="hi", answer="hello") -> dict:

@@ -386,3 +386,151 @@ def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(written by 2 process(es) under DeepSpeed ZeRO-2: its portable state)" in proc.stdout + proc.stderr
     assert "loaded and read back as saved" in proc.stderr
+
+
+# ------------------------------------------------------------- top-level keys: used, passed through or refused
+
+
+@pytest.mark.parametrize("key, meant", [("zero_optimisation", "zero_optimization"),
+                                        ("gradient_clippin", "gradient_clipping"),
+                                        ("comms_config", "comms_logger")])  # LLaMA-Factory's ds_z3_fp8_config.json
+def test_a_typo_in_a_top_level_key_is_refused_with_a_suggestion(key, meant):
+    with pytest.raises(ToolkitError) as e:
+        resolve(dict(zero(), **{key: {}}), recipe(), 1, "ds.json")
+    assert str(e.value) == f"ds.json: {key}: not a key DeepSpeed reads (it would ignore it); did you mean {meant}?"
+
+
+def test_an_unknown_key_is_refused_and_a_comment_is_not():
+    with pytest.raises(ToolkitError) as e:
+        resolve(dict(zero(), cuda_visible_devices="0,1"), recipe(), 1, "ds.json")
+    assert str(e.value) == "ds.json: cuda_visible_devices: not a key DeepSpeed reads (it would ignore it); remove it"
+    assert "_comment" in resolve(dict(zero(), _comment="supported models: ..."), recipe(), 1, "ds.json")
+
+
+# For each key DeepSpeed reads: a value that asks for something and, for a refused key, one that does not.
+RECIPE_KEYS = {  # resolved against recipe(micro_batch_size=3, gradient_accumulation_steps=5, ...) on 2 processes
+    "train_batch_size": ("auto", lambda out: out["train_batch_size"] == 30),
+    "train_micro_batch_size_per_gpu": ("auto", lambda out: out["train_micro_batch_size_per_gpu"] == 3),
+    "gradient_accumulation_steps": ("auto", lambda out: out["gradient_accumulation_steps"] == 5),
+    "gradient_clipping": ("auto", lambda out: out["gradient_clipping"] == 0.7),
+    "fp16": ({"enabled": "auto"}, lambda out: out["fp16"] == {"enabled": False}),
+    "bf16": ({"enabled": "auto"}, lambda out: out["bf16"] == {"enabled": True}),
+    "bfloat16": ({"enabled": "auto"}, lambda out: out["bf16"] == {"enabled": True} and "bfloat16" not in out),
+    "optimizer": ({"type": "AdamW", "params": {"lr": "auto"}}, lambda out: out["optimizer"]["params"]["lr"] == 2e-4),
+    "scheduler": ({"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+                  lambda out: out["scheduler"]["params"]["warmup_max_lr"] == 2e-4),
+    "zero_optimization": ({"stage": 3, "reduce_bucket_size": "auto"},
+                          lambda out: out["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+                          and out["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True),
+    "steps_per_print": (10, lambda out: out["steps_per_print"] == 10**9),  # accelerate turns DeepSpeed's print off
+}
+PASSED_KEYS = {
+    "communication_data_type": "bf16", "seq_parallel_communication_data_type": "bf16", "prescale_gradients": True,
+    "gradient_predivide_factor": 2.0, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+    "wall_clock_breakdown": True, "memory_breakdown": True, "flops_profiler": {"enabled": True, "profile_step": 3},
+    "tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "run"}, "wandb": {"enabled": True,
+                                                                                          "project": "p"},
+    "csv_monitor": {"enabled": True, "output_path": "csv/"}, "comet": {"enabled": True},
+    "timers": {"throughput": {"enabled": False}}, "log_level": "info", "dump_state": True, "disable_python_gc": 10,
+    "disable_allgather": True, "vocabulary_size": 32000, "aio": {"queue_depth": 16},
+    "data_types": {"grad_accum_dtype": "fp32"},
+}
+REFUSED_KEYS = {  # key: (asks for what the toolkit cannot honour, the same key off)
+    "tensor_parallel": ({"autotp_size": 2}, {"autotp_size": 1}),
+    "sequence_parallel_size": (2, 1),
+    "pipeline": ({"activation_checkpoint_interval": 1}, {"stages": 1}),
+    "expert_parallel": ({"enabled": True}, {"enabled": False}),
+    "use_data_before_expert_parallelism": (True, False),
+    "hybrid_engine": ({"enabled": True}, {"enabled": False}),
+    "autotuning": ({"enabled": True}, {"enabled": False}),
+    "data_efficiency": ({"enabled": True}, {"enabled": False}),
+    "dataloader_drop_last": (True, False),
+    "activation_checkpointing": ({"partition_activations": True}, {"partition_activations": False}),
+    "torch_autocast": ({"enabled": True, "dtype": "bfloat16"}, {"enabled": False}),
+    "managed_gradient_accumulation": (False, True),
+    "gradient_allreduce_op": ("sum", "mean"),
+    "weight_quantization": ({"quantized_initialization": {"num_bits": 8}}, {}),
+    "datastates_ckpt": ({}, False),  # DeepSpeed turns it on for any value but false
+    "checkpoint": ({"load_universal": True}, {"tag_validation": "Warn"}),
+    "compile": ({"deepcompile": True}, {"deepcompile": False}),
+    "comms_logger": ({"enabled": True}, {"enabled": True, "verbose": True}),
+}
+
+
+def walk(key, value, notes=None):
+    return resolve(dict(zero(), **{key: value}), recipe(micro_batch_size=3, gradient_accumulation_steps=5,
+                                                        max_grad_norm=0.7, precision="bf16", learning_rate=2e-4),
+                   2, "ds.json", total_steps=10, hidden_size=64, notes=notes)
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED_KEYS))
+def test_what_deepspeed_accepts_and_the_toolkit_cannot_honour_is_refused_in_one_line(key):
+    asks, off = REFUSED_KEYS[key]
+    with pytest.raises(ToolkitError) as e:
+        walk(key, asks)
+    assert str(e.value).startswith(f"ds.json: {key}") and "\n" not in str(e.value), str(e.value)
+    assert walk(key, off)[key] == off  # off, DeepSpeed gets it as written and does nothing with it
+
+
+def test_no_key_deepspeed_reads_is_silently_ignored():
+    """Every key of the table is used (settled from the recipe), passed to DeepSpeed as written (and
+    DeepSpeed acts on it under this loop), refused where it asks for what the loop cannot honour, or
+    refused by DeepSpeed itself (removed in 0.19)."""
+    from toolkit.backends.deepspeed_config import TOP_LEVEL_KEYS
+
+    by_kind = {kind: {k for k, v in TOP_LEVEL_KEYS.items() if v == kind} for kind in set(TOP_LEVEL_KEYS.values())}
+    assert by_kind == {"recipe": set(RECIPE_KEYS), "deepspeed": set(PASSED_KEYS), "refused": set(REFUSED_KEYS),
+                       "removed": by_kind["removed"]}
+    for key, (value, settled) in RECIPE_KEYS.items():
+        notes = []
+        assert settled(walk(key, value, notes)), key
+    assert any(n.startswith("ds.json: steps_per_print 10 not used") for n in notes), notes
+    for key, value in PASSED_KEYS.items():
+        assert walk(key, value)[key] == value, key
+    for key in by_kind["removed"]:
+        with pytest.raises(ToolkitError, match="ds.json: DeepSpeed .* rejects this config") as e:
+            walk(key, {"enabled": False})
+        assert key in str(e.value).lower(), str(e.value)
+
+
+def test_the_table_holds_every_key_deepspeed_reads():
+    """Ask DeepSpeed's own parser which top-level keys it looks up (a dict that records them), so a
+    DeepSpeed that reads a new key fails here until the table says what the toolkit does with it."""
+    from deepspeed.runtime import config as ds_config
+
+    from toolkit.backends.deepspeed_config import TOP_LEVEL_KEYS
+
+    asked = set()
+
+    class Keys:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def __contains__(self, key):
+            asked.add(key)
+            return key in self.keys
+
+        def __iter__(self):
+            return iter(self.keys)
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            asked.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, *default):
+            asked.add(key)
+            return super().get(key, *default)
+
+        def __contains__(self, key):
+            asked.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            return Keys(list(super().keys()))
+
+    ds_config.DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1))
+    # sequence_parallel_size is read in DeepSpeedConfig.__init__ only once torch.distributed is up.
+    assert asked | {"sequence_parallel_size"} == set(TOP_LEVEL_KEYS)
+    removed = {k for k, v in TOP_LEVEL_KEYS.items() if v == "removed"}
+    assert removed == set(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS)

@@ -210,3 +210,111 @@ def test_an_exit_table_row_is_read_as_its_code():
     ("`toolkit estimate`: which strategy fits", "toolkit-estimate-which-strategy-fits")])
 def test_headings_get_github_anchors(heading, anchor):
     assert slug(heading) == anchor
+
+
+# ----------------------------------------------------------------------------- commands as they run after `make setup`
+# `make setup` installs into .venv/ and activates nothing: `toolkit ...` copied from the README, and
+# the quickstart's closing `python -m toolkit generate ...`, failed with "command not found" or the
+# system python. The convention: a command line shown to the user names the program as
+# `.venv/bin/PROGRAM`; the README says once how to activate instead; in prose `toolkit eval` names a
+# verb and `accelerate launch` the launcher.
+
+VENV_PROGRAMS = ("toolkit", "accelerate", "python", "python3", "pytest", "hf", "huggingface-cli", "ruff", "pip")
+RECIPES = sorted((ROOT / "examples" / "recipes").rglob("*.yaml"))
+
+
+def programs_run(line: str) -> list[str]:
+    """The program of each command in a shell line: the first word, after `|` or `&&`, past any
+    leading VAR=value (a comment line, or what follows ` #`, runs nothing)."""
+    code = "" if line.lstrip().startswith("#") else re.split(r"\s#", line)[0]
+    programs = []
+    for part in re.split(r"\s\|\|?\s|\s&&\s", code):
+        words = part.split()
+        while words and re.match(r"[A-Za-z_]\w*=", words[0]):
+            words.pop(0)
+        programs += words[:1]
+    return programs
+
+
+def bare_commands(text: str) -> list[str]:
+    """Command lines of a markdown page that run a program .venv/bin/ holds by its bare name: every
+    line of a shell or plain code block, and the code spans of the prose that are command lines (a
+    span starting with python, pytest, pip, hf)."""
+    bare = []
+    for block in code_blocks(text):
+        if re.match(r"(```|~~~)(python|yaml|json)\b", block):
+            continue
+        bare += [line.strip() for line in block.splitlines()[1:-1]
+                 if any(p in VENV_PROGRAMS for p in programs_run(line))]
+    for span in re.findall(r"`([^`]+)`", prose(text)):
+        if span.split()[:1] and span.split()[0] in ("python", "python3", "pytest", "pip", "hf", "huggingface-cli"):
+            bare.append(span)
+    return bare
+
+
+def bare_commands_in_recipe(text: str) -> list[str]:
+    """The same in a recipe's comments: `# launch: COMMAND`, an indented `#   COMMAND` line, and the
+    code spans of the other comment lines."""
+    bare = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            continue
+        command = re.match(r"#\s*launch:\s(.*)|#\s{3,}(\S.*)", line)
+        if command and any(p in VENV_PROGRAMS for p in programs_run(command.group(1) or command.group(2))):
+            bare.append(line)
+        bare += [f"{line}: `{span}`" for span in re.findall(r"`([^`]+)`", line)
+                 if span.split()[:1] and span.split()[0] in VENV_PROGRAMS and len(span.split()) > 2]
+    return bare
+
+
+def test_every_command_shown_names_the_venv():
+    assert "source .venv/bin/activate" in prose(README.read_text())
+    bare = [f"{page.name}: {c}" for page in PAGES if page.name != "recipe-keys.md"
+            for c in bare_commands(page.read_text())]
+    bare += [f"{path.relative_to(ROOT)}: {c}" for path in RECIPES for c in bare_commands_in_recipe(path.read_text())]
+    assert bare == [], "write these as .venv/bin/PROGRAM ...:\n" + "\n".join(bare)
+
+
+def test_a_bare_command_is_found():
+    text = ("Run `toolkit eval` (a verb named) under `accelerate launch`, or `python -m pytest tests`.\n\n"
+            "```bash\n.venv/bin/toolkit train r.yaml   # fine\ntoolkit train r.yaml\n"
+            "echo hi | toolkit generate m\nX=1 accelerate launch -m toolkit train r.yaml\n"
+            "# toolkit in a comment\n.venv/bin/toolkit eval m --format alpaca|text\n```\n\n"
+            "```python\nimport toolkit\n```\n\n```\nrecommendation: DDP; toolkit estimate says so\n```\n")
+    assert bare_commands(text) == ["toolkit train r.yaml", "echo hi | toolkit generate m",
+                                   "X=1 accelerate launch -m toolkit train r.yaml", "python -m pytest tests"]
+    recipe = ("# launch: accelerate launch --config_file a.yaml -m toolkit train r.yaml\n"
+              "# launch: .venv/bin/accelerate launch --config_file a.yaml -m toolkit train r.yaml\n"
+              "#   toolkit config show r.yaml\n# by `toolkit estimate`; from `hf download org/model --local-dir x`\n"
+              "seed: 1  # `toolkit train r.yaml x=1` is not a comment line\n")
+    assert bare_commands_in_recipe(recipe) == [
+        "# launch: accelerate launch --config_file a.yaml -m toolkit train r.yaml", "#   toolkit config show r.yaml",
+        "# by `toolkit estimate`; from `hf download org/model --local-dir x`: `hf download org/model --local-dir x`"]
+
+
+def test_the_quickstart_hint_names_the_venv(tmp_path, monkeypatch):
+    """`make train` ends with a `toolkit generate` command to try: .venv/bin/toolkit from where it
+    runs (it printed `python -m toolkit generate ...`, which the system python cannot run), or plain
+    `toolkit` where that is the venv's own on PATH (activated)."""
+    import importlib.util
+    import stat
+    import sys
+
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "toolkit"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    out = Path("runs/quickstart-full")
+    assert quickstart.ask_yourself(out, "Last letter. plum", chat=True) == \
+        ".venv/bin/toolkit generate runs/quickstart-full/final --prompt 'Last letter. plum'"
+    assert quickstart.ask_yourself(out, "it's", chat=False) == \
+        ".venv/bin/toolkit generate runs/quickstart-full/final --prompt 'it'\"'\"'s' --no-chat-template"
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert quickstart.ask_yourself(out, "x", chat=True) == "toolkit generate runs/quickstart-full/final --prompt x"

@@ -356,3 +356,93 @@ def test_a_config_transformers_rejects_is_one_line(tmp_path, change, message):
     with pytest.raises(ToolkitError) as e:
         read_config(str(tmp_path))
     assert str(e.value).startswith(f"--model: {path}") and message in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------ LoRA bytes, overrides, the shipped 8B recipes
+
+
+def estimate_json(capsys, *args) -> dict:
+    """`toolkit estimate ... --json` in this process (it starts none)."""
+    from toolkit.cli import main
+
+    code = main(["estimate", *map(str, args), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def held_bytes(precision: str, model_dtype: str) -> int:
+    """The parameter bytes of tiny-llama with LoRA (r 8, every linear layer) as training builds it:
+    the base in model.dtype, the adapters in fp32."""
+    from toolkit.config import LoraConfig, ModelConfig
+    from toolkit.model.load import DTYPES, apply_lora, build_model
+
+    model = apply_lora(build_model(ModelConfig(preset="tiny-llama", dtype=model_dtype), DTYPES[model_dtype],
+                                   DTYPES[precision]), LoraConfig(enabled=True, r=8))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_lora_parameter_bytes_are_those_of_the_built_model(precision, capsys):
+    """`--model ... --lora`: the frozen base stored as the shipped LoRA recipes store it (model.dtype
+    = train.precision), the adapters in fp32, so one GPU holds what training builds. It counted the
+    base in fp32 under bf16: 1.9 MB estimated for 1.1 MB held here, 32 GB for 16 GB at 8B."""
+    report = estimate_json(capsys, "--model", "tiny-llama", "--lora", "--precision", precision)
+    params = next(r for r in report["strategies"] if r["strategy"] == "DDP")["gpu_bytes"]["params"]
+    assert report["setup"]["base_dtype"] == precision
+    assert params == held_bytes(precision, precision)
+
+
+def test_recipe_takes_dotted_overrides(capsys, tmp_path):
+    """`--recipe RECIPE.yaml key=value ...`, as `toolkit train` takes them: a LoRA recipe over an fp32
+    base (quickstart_lora.yaml) turned into a bf16 one, its micro-batch changed; the base bytes
+    follow model.dtype. Overrides without a recipe, or of a key no recipe has, are one line."""
+    from toolkit.cli import main
+
+    recipe = ROOT / "examples" / "recipes" / "quickstart_lora.yaml"
+    as_shipped = estimate_json(capsys, "--recipe", recipe)
+    changed = estimate_json(capsys, "--recipe", recipe, "model.dtype=bf16", "train.precision=bf16",
+                            "train.micro_batch_size=4", "lora.r=8")
+    assert (as_shipped["setup"]["precision"], as_shipped["setup"]["base_dtype"]) == ("fp32", "fp32")
+    assert (changed["setup"]["precision"], changed["setup"]["base_dtype"]) == ("bf16", "bf16")
+    assert (as_shipped["setup"]["micro_batch"], changed["setup"]["micro_batch"]) == (16, 4)
+    params = {r["strategy"]: r["gpu_bytes"]["params"] for r in changed["strategies"]}
+    assert params["DDP"] == held_bytes("bf16", "bf16")
+    for args, message in ((["--model", "tiny-llama", "train.micro_batch_size=4"],
+                           "error: train.micro_batch_size=4: key=value overrides change a recipe's keys"),
+                          (["--recipe", recipe, "train.no_such_key=1"], f"error: {recipe}: train.no_such_key")):
+        assert main(["estimate", *map(str, args)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.strip().splitlines()[-1].startswith(message), err
+
+
+# The real configs' shapes (config.json of meta-llama/Llama-3.1-8B-Instruct and Qwen/Qwen3-8B).
+FULL_8B = {"llama3.1-8b-full": ("llama", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                          "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                                          "max_position_embeddings": 131072, "tie_word_embeddings": False}),
+           "qwen3-8b-full": ("qwen3", {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+                                       "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
+                                       "vocab_size": 151936, "max_position_embeddings": 40960,
+                                       "tie_word_embeddings": False})}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_8B))
+def test_the_full_8b_recipes_launch_what_estimate_recommends(name, capsys, tmp_path):
+    """The shipped full-fine-tuning 8B recipes, as shipped, on the 8 x 80 GiB their header names: the
+    launch config in the header is the recommendation (or fits at the same step of the path, the
+    "also fits"). llama3.1-8b-full launched ZeRO-3 where ZeRO-2 holds 39 of 80 GiB per GPU and sends
+    26 GiB per step to ZeRO-3's 39 (its parameters gathered twice per micro-batch): the recipe moved
+    to ZeRO-2, and qwen3-8b-full from FSDP full-shard to shard-grad-op."""
+    import re
+
+    model_type, config = FULL_8B[name]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **config}))
+    recipe = ROOT / "examples" / "recipes" / "models" / f"{name}.yaml"
+    launch = re.search(r"^# launch: (?:\.venv/bin/)?accelerate launch --config_file (\S+)", recipe.read_text(), re.M)
+    report = estimate_json(capsys, "--recipe", recipe, f"model.path={tmp_path}", "--config_file",
+                           ROOT / launch.group(1))
+    assert report["setup"]["gpus"] == 8 and report["setup"]["gpu_memory_gib"] == 80
+    recommended = report["recommendation"]
+    also = re.search(r"\(also fits: ([^)]*)\)$", recommended)
+    fitting = [recommended.split(" (accelerate_configs/")[0]] + (also.group(1).split(", ") if also else [])
+    assert report["launched"] in fitting, (report["launched"], recommended)

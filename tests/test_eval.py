@@ -5,6 +5,7 @@ gloo processes give what one gives."""
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -22,6 +23,7 @@ from test_generate import (  # noqa: F401  (fixtures, shared)
 )
 
 from toolkit.model.inference import generate_answers, load_for_inference
+from toolkit.verbs.evaluate import summary
 
 from helpers import ROOT, read_metrics, run_toolkit, write_jsonl
 
@@ -169,3 +171,20 @@ def test_eval_scores_integer_and_csv_references(quickstart_run, tmp_path):
         proc = run_toolkit("eval", quickstart_run / "final", "--data", tmp_path / data, "--max-new-tokens", "3")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "of 4 correct" in proc.stdout + proc.stderr, (data, proc.stdout[-2000:])
+
+
+def test_progress_on_stderr_results_alone_on_stdout(answers_run):
+    """The real CLI, stderr a pipe (a log): progress bars over the rows measured and the answers
+    generated on stderr, as training has (a 60-prompt eval used to be silent for minutes); stdout
+    holds the JSON alone with --json, and the summary alone without."""
+    args = (answers_run / "final", "--data", answers_eval_file(answers_run), "--max-new-tokens", 4, "--batch-size", 5)
+    proc = run_toolkit("eval", *args, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for bar in ("eval loss", "eval answers"):
+        assert re.search(rf"{bar}: 100%\|.*\| 12/12 \[", proc.stderr), (bar, proc.stderr[-3000:])
+    result = json.loads(proc.stdout)
+    assert result["rows"] == 12 and result["answers"]["scored"] == 12
+    text = run_toolkit("eval", *args)
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert text.stdout == summary(result, str(answers_run.resolve() / "config.yaml")) + "\n"
+    assert "eval answers: 100%" in text.stderr

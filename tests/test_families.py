@@ -490,8 +490,8 @@ def test_model_recipe_trains_at_toy_size(name, family_dir, tmp_path):
     recipe["train"].update(max_steps=2, warmup_steps=1, eval_every_steps=2, log_every_steps=1,
                            micro_batch_size=min(recipe["train"]["micro_batch_size"], 2))
     recipe["checkpoint"] = {"every_steps": 2, "keep_last": 1}
-    launch = re.search(r"^# launch: accelerate launch --config_file accelerate_configs/(\S+)\.yaml", text,
-                       re.M).group(1)
+    launch = re.search(r"^# launch: (?:\.venv/bin/)?accelerate launch --config_file accelerate_configs/(\S+)\.yaml",
+                       text, re.M).group(1)
     launcher = None if launch == "single" else accelerate_launch(launch_config_for(launch, tmp_path))
     proc = run_toolkit("train", write_recipe(tmp_path / f"{name}.yaml", **recipe), launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-4000:]

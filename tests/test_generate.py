@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,13 @@ import torch
 
 from toolkit.cli import main
 from toolkit.data.formats import ALPACA_PROMPT_WITH_INPUT
-from toolkit.model.inference import end_of_turn_id, generate_answers, load_for_inference, stop_token_ids
+from toolkit.model.inference import (
+    end_of_turn_id,
+    generate_answers,
+    generate_with_counts,
+    load_for_inference,
+    stop_token_ids,
+)
 
 from helpers import ROOT, read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
 
@@ -299,3 +306,19 @@ def test_real_chat_model_stops_at_its_end_of_turn(real_model_dir, tmp_path, caps
     assert gen[-1] == end and got["tokens"] == len(gen) < limit, (gen, got)
     assert got["answer"] == tokenizer.decode(gen[:-1], skip_special_tokens=True) and "Paris" in got["answer"]
     assert eos_only[:len(gen)] == gen and len(eos_only) > len(gen)  # eos alone would not have stopped it
+
+
+def test_progress_on_stderr_answers_alone_on_stdout(answers_run, answers_model):
+    """The real CLI, stderr a pipe (a log): a progress bar over the prompts on stderr, as training
+    has (a 60-prompt eval used to be silent for minutes); stdout holds the JSON lines of the answers
+    alone, what the Python API gives."""
+    prompts = alpaca_prompts(answers_eval_file(answers_run))
+    n = len(prompts)
+    proc = run_toolkit("generate", answers_run / "final", "--no-chat-template", "--json", "--max-new-tokens", 4,
+                       "--batch-size", 5, *[x for p in prompts for x in ("--prompt", p)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(rf"generate: 100%\|.*\| {n}/{n} \[", proc.stderr), proc.stderr[-3000:]
+    model, tokenizer = answers_model
+    expected = generate_with_counts(model, tokenizer, prompts, chat_template=False, max_new_tokens=4)
+    assert proc.stdout == "".join(json.dumps({"prompt": p, "answer": a, "tokens": t}, ensure_ascii=False) + "\n"
+                                  for p, (a, t) in zip(prompts, expected))

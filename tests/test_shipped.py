@@ -17,7 +17,7 @@ LAUNCHES = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
 def launch_named_in(path: Path) -> Path:
-    m = re.search(r"^# launch: accelerate launch --config_file (\S+)", path.read_text(), re.M)
+    m = re.search(r"^# launch: (?:\.venv/bin/)?accelerate launch --config_file (\S+)", path.read_text(), re.M)
     return ROOT / (m.group(1) if m else "accelerate_configs/single.yaml")
 
 

@@ -16,6 +16,7 @@ import time
 
 from .config import load_recipe
 from .errors import EXIT_OK, EXIT_USER_ERROR, ToolkitError
+from .observe import noise
 from .stops import Preemption, TrainingStopped
 
 # Verbs that write results: a signal ends them in one line (their partial output removed), exit 75.
@@ -52,6 +53,7 @@ def report_user_error(e: ToolkitError, wait_for_main_s: float = 30.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    noise.install()  # every rank runs this before a library can speak: their known noise, dropped by message
     # Before anything slow (a verb's module may import torch): a signal while torch imports or data
     # tokenizes still ends in one line.
     command = next((a for a in argv if not a.startswith("-")), None)

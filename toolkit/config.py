@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from .errors import ToolkitError
+from .errors import ToolkitError, command
 
 
 class ConfigError(ToolkitError):
@@ -33,6 +33,22 @@ ROPE_KEYS = {  # rope_type -> (keys it needs, keys it may have), as transformers
     "yarn": ({"factor"}, {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow"}),
     "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, set()),
 }
+
+
+CHAT_TEMPLATES = {  # model.chat_template's built-in names -> the template
+    "chatml": ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+
+
+def chat_template_text(value: str) -> str:
+    """model.chat_template's template: a built-in name's, the value itself where it holds Jinja
+    tags (`{{`, `{%`), else the text of the file it names."""
+    if value in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[value]
+    if "{{" in value or "{%" in value:
+        return value
+    return Path(value).expanduser().read_text(encoding="utf-8")
 
 
 @dataclass
@@ -104,6 +120,13 @@ class ModelConfig:
     tokens' rows (and every added row) of the input embeddings and of an untied output layer train
     whole beside the adapter (peft's trainable tokens, saved in the adapter); `toolkit merge`,
     `generate` and `eval` grow the base to the adapter's tokenizer before loading it."""
+    chat_template: Optional[str] = None
+    """The chat template to render `messages` (and chat preference) rows with, in place of the
+    tokenizer's own: a path to a Jinja file (relative to the working directory), the template itself
+    (any value holding `{{` or `{%`), or `chatml` (each turn `<|im_start|>ROLE` ... `<|im_end|>`;
+    add both markers to add_special_tokens to make each one token, so that `generate` stops at
+    `<|im_end|>`). Read when the run starts (a changed file prepares the data again); the tokenizer
+    saved in final/ holds it, so `generate`, `eval` and `merge` use it. Unset: the tokenizer's."""
     rope_scaling: Optional[RopeScaling] = None
     """Extend the context: RoPE scaling set in the model's config (its rope_theta kept) before it is
     built, so training, final/config.json, checkpoints and `toolkit checkpoint convert` carry it;
@@ -522,12 +545,15 @@ def validate(r: Recipe, source: str) -> None:
     need(0 <= r.seed < 2**32, "seed", f"must be in [0, 2**32), got {r.seed}")
     if r.model.attn_implementation == "flash_attention_2":
         need(importlib.util.find_spec("flash_attn") is not None, "model.attn_implementation",
-             "flash_attention_2 needs the flash-attn package (pip install flash-attn, CUDA only); "
+             f"flash_attention_2 needs the flash-attn package ({command('python -m pip install flash-attn')}, CUDA "
+             "only); "
              "varlen gives the same kernel through PyTorch")
     need((r.model.path is None) != (r.model.preset is None), "model",
          "set exactly one of model.path (a local Hugging Face folder) or model.preset")
     need(all(isinstance(t, str) and t.strip() for t in r.model.add_special_tokens), "model.add_special_tokens",
          f"each token must be non-empty text, got {r.model.add_special_tokens!r}")
+    if r.model.chat_template is not None:
+        validate_chat_template(r.model, need)
     if r.model.rope_scaling is not None:
         rope = r.model.rope_scaling
         needed, allowed = ROPE_KEYS[rope.rope_type]
@@ -615,14 +641,36 @@ def validate(r: Recipe, source: str) -> None:
          f"must be positive, got {t.watchdog_seconds}")
     for tracker, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         need(tracker not in t.report_to or importlib.util.find_spec(module) is not None, "train.report_to",
-             f"{tracker} is not installed: pip install "
-             + ("'toolkit[tensorboard]'" if tracker == "tensorboard" else "wandb"))
+             f"{tracker} is not installed: "
+             + command("python -m pip install " + ("'toolkit[tensorboard]'" if tracker == "tensorboard" else "wandb")))
     need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
     need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
          f"must be non-negative, got {r.checkpoint.every_steps}")
     need(r.checkpoint.keep_last > 0, "checkpoint.keep_last", f"must be positive, got {r.checkpoint.keep_last}")
     need(not (r.resume and r.overwrite), "resume", "resume and overwrite=true contradict each other")
     validate_preference(r, need)
+
+
+def validate_chat_template(m: ModelConfig, need) -> None:
+    """model.chat_template names a built-in, holds the template, or names a readable UTF-8 file (kept
+    as its path, `~` expanded)."""
+    value = m.chat_template
+    need(value.strip() != "", "model.chat_template",
+         f"empty: give a Jinja file, the template itself or {', '.join(CHAT_TEMPLATES)}")
+    if value in CHAT_TEMPLATES or "{{" in value or "{%" in value:
+        return
+    path = Path(value).expanduser()
+    need(path.is_file(), "model.chat_template",
+         f"{'is a folder' if path.is_dir() else 'file not found'}: {value} (give a Jinja file, the template itself, "
+         f"or {', '.join(CHAT_TEMPLATES)})")
+    try:
+        problem = None if path.read_text(encoding="utf-8").strip() else "the file is empty"
+    except UnicodeDecodeError as e:
+        problem = f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+    except OSError as e:
+        problem = f"cannot read: {e.strerror}"
+    need(problem is None, "model.chat_template", f"{value}: {problem}")
+    m.chat_template = str(path)
 
 
 def validate_preference(r: Recipe, need) -> None:

@@ -3,7 +3,13 @@
 A `ToolkitError` is a mistake the user can fix: a recipe, a data file, a path, a launch that does not
 fit. The CLI prints it as one line and exits `EXIT_USER_ERROR`, never with a traceback. Signals,
 non-finite losses, saves that do not read back and refused writes stop a run through
-`stops.TrainingStopped` with the codes below."""
+`stops.TrainingStopped` with the codes below. A message that suggests a command writes it with
+`command`, as it runs from where the user is."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1  # `toolkit doctor`: a check failed (its FAIL lines say which)
@@ -29,3 +35,21 @@ EXIT_CODES = {
 
 class ToolkitError(Exception):
     """A mistake the user can fix: printed as one line, exit code 2, no traceback."""
+
+
+def command(line: str) -> str:
+    """`line` (`toolkit ...`, `python ...`, `accelerate ...`: a program of this Python's environment) as
+    the user can type it here: the program as named when it is this environment's own on PATH, else by
+    its path, relative when under the working directory (`.venv/bin/toolkit ...` after `make setup`,
+    whose venv is not on PATH until activated)."""
+    program, _, rest = line.partition(" ")
+    path = Path(sys.executable).absolute()
+    if program != "python":
+        path = path.parent / program
+        if program == "toolkit" and not path.exists():  # a Python without the console script beside it
+            path, rest = Path(sys.executable).absolute(), f"-m toolkit {rest}"
+    found = shutil.which(path.name)
+    if found is not None and Path(found).absolute() == path:
+        return f"{path.name} {rest}".rstrip()
+    shown = os.path.relpath(path) if Path.cwd() in path.parents else str(path)
+    return f"{shown} {rest}".rstrip()

@@ -1,5 +1,6 @@
 """DeepSpeed configs as users bring them: resolve every "auto" from the recipe, map legacy
-spellings, refuse contradictions and what this toolkit cannot run, each in one line.
+spellings, refuse contradictions, keys DeepSpeed does not read (a typo it would ignore) and what
+this toolkit cannot run, each in one line. TOP_LEVEL_KEYS says what happens to every key it reads.
 
 The recipe is the single source of truth for batch sizes, accumulation, clipping, precision and
 the optimizer's hyper-parameters. A DeepSpeed JSON written for the Hugging Face Trainer ("auto"
@@ -41,6 +42,112 @@ LOSS_SCALING_KEYS = {"loss_scale", "loss_scale_window", "hysteresis", "consecuti
 # Legacy boolean switches that became offload sections.
 ZERO_OFFLOAD_SWITCHES = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
+# Every top-level key DeepSpeed 0.19.8 reads, and what this toolkit does with it. Read from
+# deepspeed/runtime/config.py (DeepSpeedConfig.__init__, _initialize_params, the get_* it calls and
+# _REMOVED_TOP_LEVEL_CONFIG_KEYS) and the section parsers it hands param_dict to: zero/config.py,
+# precision_config.py, activation_checkpointing/config.py, comm/config.py, monitor/config.py,
+# profiling/config.py, autotuning/config.py, datastates/config.py, swap_tensor/aio_config.py,
+# model_checkpointing/config.py, tensor_parallel, data_pipeline/config.py, utils/config.py (timers),
+# module_inject/auto_ep_config.py. tests/test_deepspeed_config.py asks DeepSpeed's parser which keys it
+# looks up and compares, so a DeepSpeed that reads another key fails there. Any other key is refused
+# with a "did you mean" (DeepSpeed would ignore it: a typo trains without what it asked for).
+#   recipe:    settled from the recipe, rewritten or noted by resolve()
+#   deepspeed: passed through; the engine does under this loop what DeepSpeed means by it
+#   refused:   refused where it asks for what this loop cannot honour (REFUSALS says when and why);
+#              off, it is passed through and DeepSpeed does nothing with it
+#   removed:   removed in DeepSpeed 0.19; DeepSpeed refuses it itself (validate())
+TOP_LEVEL_KEYS = {
+    **dict.fromkeys(["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "zero_optimization",
+                     "steps_per_print"], "recipe"),
+    **dict.fromkeys(["communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+                     "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+                     "wall_clock_breakdown", "memory_breakdown", "flops_profiler", "tensorboard", "wandb",
+                     "csv_monitor", "comet", "timers", "log_level", "dump_state", "disable_python_gc",
+                     "disable_allgather", "vocabulary_size", "aio", "data_types"], "deepspeed"),
+    **dict.fromkeys(["tensor_parallel", "sequence_parallel_size", "pipeline", "expert_parallel",
+                     "use_data_before_expert_parallelism", "hybrid_engine", "autotuning", "data_efficiency",
+                     "dataloader_drop_last", "activation_checkpointing", "torch_autocast",
+                     "managed_gradient_accumulation", "gradient_allreduce_op", "weight_quantization",
+                     "datastates_ckpt", "checkpoint", "compile", "comms_logger"], "refused"),
+    **dict.fromkeys(["amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity",
+                     "graph_harvesting", "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention",
+                     "sparse_gradients"], "removed"),
+}
+# Sections other projects name differently (LLaMA-Factory's ds_z3_fp8_config.json, tests/config_corpus).
+PEER_KEYS = {"comms_config": "comms_logger", "monitor_config": "tensorboard, wandb, csv_monitor or comet (each a "
+             "top-level section)"}
+
+
+def _turns_on(*fields: str):
+    """A section that turns on one of `fields` (any of its fields when none are named): `.field is value`."""
+    def asks(node: Any) -> str | None:
+        if isinstance(node, dict):
+            for field in fields or list(node):
+                if node.get(field) not in (None, False, 0, "auto", {}, []):
+                    return f".{field} is {json.dumps(node[field])}"
+        return None
+    return asks
+
+
+def _is(*values: Any):
+    """A value among `values`: ` is value`."""
+    return lambda value: f" is {json.dumps(value)}" if value in values else None
+
+
+def _is_not(off: Any):
+    """Any value but `off`: ` is value`."""
+    return lambda value: f" is {json.dumps(value)}" if value is not off else None
+
+
+def _logs_unseen(node: Any) -> str | None:
+    """comms_logger on without verbose: it records, and only the script's log_summary() would print."""
+    return None if _turns_on("verbose")(node) else _turns_on("enabled")(node)
+
+
+# The "refused" keys: (what of it asks for something, why this toolkit cannot honour it, what to do).
+# tensor_parallel, sequence_parallel_size and pipeline have their own lines in _refuse_unsupported.
+REFUSALS = {
+    "expert_parallel": (_turns_on("enabled"), "DeepSpeed's AutoEP swaps a model's MoE layers for expert-parallel "
+                        "ones, which this toolkit's loading, LoRA and saving do not know; MoE models train data "
+                        "parallel here", "remove the expert_parallel section"),
+    "use_data_before_expert_parallelism": (_is(True), "it lays out expert-parallel groups, which this toolkit does "
+                                           "not run", "remove it"),
+    "hybrid_engine": (_turns_on("enabled"), "DeepSpeed-Chat's hybrid engine (inference kernels for RLHF "
+                      "generation) is not run by this toolkit", "remove the hybrid_engine section"),
+    "autotuning": (_turns_on("enabled"), "DeepSpeed's autotuner runs under `deepspeed --autotuning` and ends the "
+                   "process at its last profiled step", "remove it; `toolkit estimate` says which layout fits"),
+    "data_efficiency": (_turns_on("enabled"), "curriculum learning and random-LTD need DeepSpeed's own data loader "
+                        "and layer hooks; the recipe's data section decides the rows here",
+                        "remove the data_efficiency section"),
+    "dataloader_drop_last": (_is(True), "it applies to DeepSpeed's own data loader, which accelerate does not use "
+                             "here", "remove it"),
+    "activation_checkpointing": (_turns_on(), "DeepSpeed's activation checkpointing acts only on models that call "
+                                 "deepspeed.checkpointing, which Hugging Face models do not",
+                                 "remove the section and set model.gradient_checkpointing=true"),
+    "torch_autocast": (_turns_on("enabled"), "precision is the recipe's train.precision (bf16 and fp16 map to "
+                       "DeepSpeed's own sections)", "remove the torch_autocast section"),
+    "managed_gradient_accumulation": (_is(False), "the loop hands DeepSpeed gradient_accumulation_steps micro-batches "
+                                      "and DeepSpeed steps on the boundary; false would step on every micro-batch",
+                                      "remove it"),
+    "gradient_allreduce_op": (_is("sum"), "the loop scales the loss for DeepSpeed's averaged gradients; summed ones "
+                              "would be larger by the number of processes", "remove it (mean)"),
+    "weight_quantization": (_turns_on("quantized_initialization", "post_init_quant"), "weight quantization is "
+                            "ZeRO-Inference's, not training's", "remove it; for a quantized base train QLoRA "
+                            "(model.load_in_4bit)"),
+    "datastates_ckpt": (_is_not(False), "this toolkit writes each checkpoint, reads it back and renames it "
+                        "into place; an asynchronous checkpoint engine would race that (DeepSpeed turns it on for "
+                        "any value but false)", "remove the datastates_ckpt section"),
+    "checkpoint": (_turns_on("load_universal"), "DeepSpeed would read its universal format, not the checkpoints "
+                   "this toolkit writes; resuming under another layout is the toolkit's own (its portable state)",
+                   "remove checkpoint.load_universal"),
+    "compile": (_turns_on("deepcompile"), "DeepCompile runs only when the script calls engine.compile(), which this "
+                "toolkit does not", "compile in the recipe instead (train.compile: true)"),
+    "comms_logger": (_logs_unseen, "DeepSpeed prints its summary only when the script calls "
+                     "deepspeed.comm.log_summary(), which this toolkit does not", "set comms_logger.verbose true to "
+                     "log each collective as it runs (`toolkit doctor` measures their bandwidth)"),
+}
+
 
 def load_json(path: str) -> dict:
     p = Path(path)
@@ -60,6 +167,7 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
     """Return a copy of `cfg` with "auto" filled from the recipe; raise on contradictions and on
     what DeepSpeed or this toolkit would reject. `total_steps` and `hidden_size` are filled when
     known (after data and model are built). What was changed is appended to `notes`."""
+    _refuse_unknown_keys(cfg, source)
     cfg = copy.deepcopy(cfg)
     notes = [] if notes is None else notes
     t = recipe.train
@@ -134,11 +242,30 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
                            ("stage3_param_persistence_threshold", 10 * hidden_size)):
             if zero.get(key) == "auto":
                 zero[key] = value
-    cfg["steps_per_print"] = cfg.get("steps_per_print", 10**9) if cfg.get("steps_per_print") != "auto" else 10**9
-    _refuse_unsupported(cfg, source)
+    every = cfg.get("steps_per_print", "auto")
+    if isinstance(every, (int, float)) and not isinstance(every, bool) and every < 10**9:
+        notes.append(f"{source}: steps_per_print {every:g} not used: accelerate turns DeepSpeed's progress print "
+                     "off; the toolkit's step lines replace it (train.log_every_steps)")
+    cfg["steps_per_print"] = 10**9
     _map_legacy_compile(cfg, source, notes)
     validate(cfg, source)
+    _refuse_unsupported(cfg, source)
     return cfg
+
+
+def _refuse_unknown_keys(cfg: dict, source: str) -> None:
+    """A top-level key DeepSpeed does not read would be ignored by it, a typo training without what it
+    asked for: refused with the nearest key it does read. `_comment`-style keys (a leading underscore)
+    are comments."""
+    import difflib
+
+    for key in cfg:
+        if key in TOP_LEVEL_KEYS or str(key).startswith("_"):
+            continue
+        close = difflib.get_close_matches(str(key), sorted(TOP_LEVEL_KEYS), n=1, cutoff=0.75)
+        hint = PEER_KEYS.get(key) or (close[0] if close else None)
+        raise ToolkitError(f"{source}: {key}: not a key DeepSpeed reads (it would ignore it)"
+                           + (f"; did you mean {hint}?" if hint else "; remove it"))
 
 
 def _resolve_optimizer(opt: dict, t, source: str, settle, notes: list[str]) -> None:
@@ -257,7 +384,8 @@ def normalize_zero(zero: dict, source: str, notes: list[str]) -> None:
 
 
 def _refuse_unsupported(cfg: dict, source: str) -> None:
-    """Model parallelism changes what each rank holds and sees; the loop is data parallel only."""
+    """What DeepSpeed accepts and this toolkit cannot honour (TOP_LEVEL_KEYS' "refused"). Model
+    parallelism changes what each rank holds and sees; the loop is data parallel only."""
     tp = cfg.get("tensor_parallel") or {}
     size = tp.get("autotp_size", tp.get("tp_size", 1)) if isinstance(tp, dict) else 1
     if size not in (None, "auto", 0, 1):
@@ -268,8 +396,18 @@ def _refuse_unsupported(cfg: dict, source: str) -> None:
     if sp not in (None, "auto", 1):
         raise ToolkitError(f"{source}: sequence_parallel_size is {sp}: sequence parallelism comes from the accelerate "
                            "config here (parallelism_config_sp_size with sp_backend: deepspeed); remove it")
-    if cfg.get("pipeline") and (cfg["pipeline"].get("stages", 1) not in (1, "auto")):
-        raise ToolkitError(f"{source}: pipeline: pipeline parallelism is not supported by this toolkit; remove it")
+    if cfg.get("pipeline"):  # DeepSpeed fills its defaults in; any other value is for its PipelineModule
+        from deepspeed.runtime.config import get_pipeline_config
+
+        default = get_pipeline_config({})
+        for key, value in cfg["pipeline"].items():
+            if value != default.get(key, object()) and not (key == "stages" and value == 1):
+                raise ToolkitError(f"{source}: pipeline.{key} is {value!r}: pipeline parallelism (DeepSpeed's "
+                                   "PipelineModule) is not supported by this toolkit; remove the pipeline section")
+    for key, (asks, why, fix) in REFUSALS.items():
+        what = asks(cfg[key]) if key in cfg else None
+        if what:
+            raise ToolkitError(f"{source}: {key}{what}: {why}; {fix}")
 
 
 def _map_legacy_compile(cfg: dict, source: str, notes: list[str]) -> None:

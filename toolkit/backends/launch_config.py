@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..config import Recipe
-from ..errors import ToolkitError
+from ..errors import ToolkitError, command
 
 ENV_SOURCE = "accelerate config"
 # With a deepspeed_config_file, accelerate refuses these YAML fields outright (a ValueError on
@@ -50,8 +50,8 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     if kind == "fsdp" and not cuda and env.get("FSDP_VERSION", "1") != "2":
         raise ToolkitError(f"{source}: fsdp_config.fsdp_version is {env.get('FSDP_VERSION', '1')} (FSDP1, also when "
                            "the key is absent): it trains on GPUs as it is, but accelerate's FSDP1 cannot run on a "
-                           "CPU-only host; to rehearse here, convert it with `accelerate to-fsdp2 --config_file "
-                           "THIS.yaml --output_file THIS-fsdp2.yaml`")
+                           "CPU-only host; to rehearse here, convert it with "
+                           f"`{command('accelerate to-fsdp2 --config_file THIS.yaml --output_file THIS-fsdp2.yaml')}`")
     if kind == "fsdp" and not cuda:
         for name, key in (("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states"),
                           ("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading")):

@@ -93,7 +93,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, command
 from .launch_config import launch_kind, sequence_parallel_size
 
 GIB = 1024**3
@@ -552,8 +552,6 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     if row.fits:
         return line, None
     return line, (f"the estimate ({size_text(g['total'])} per process) exceeds {USABLE_FRACTION:.0%} of this GPU's "
-                  f"{memory:.1f} GiB: this run will likely run out of memory; `toolkit estimate --recipe ...` lists "
-                  f"what fits: {recommend(setup)}")
+                  f"{memory:.1f} GiB: this run will likely run out of memory; "
+                  f"`{command('toolkit estimate --recipe ...')}` lists what fits: {recommend(setup)}")
 
-
-# ----------------------------------------------------------------------------- the command

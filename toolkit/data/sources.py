@@ -2,7 +2,8 @@
 saved dataset, a Hub dataset id) resolved to a `Source` (`resolve_sources`), and one source's rows
 read as a memory-mapped `datasets.Dataset`, its columns checked (`load_rows`). Malformed JSON and
 fields whose values mix kinds are refused by file and row before anything is tokenized; CSV cells
-are read as the text they are."""
+are read as the text they are. `check_first_rows` finds a missing column from the first rows alone,
+before the run builds its model."""
 
 from __future__ import annotations
 
@@ -98,6 +99,74 @@ def is_saved_dataset(p: Path) -> bool:
     return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
 
 
+def check_first_rows(source: Source) -> None:
+    """The columns source.format needs, looked for in each file's first row (a JSON lines file's
+    first line, the start of a .json array, a CSV header, a Parquet schema, a saved dataset's
+    features): cheap on files of any size, so a run checks this before it builds its model. Only
+    where the first rows lack a column are the JSON files read whole (a column may first appear
+    further down), so this refuses what load_rows would, in its words. A Hub dataset is left to
+    load_rows (reading one may mean a download)."""
+    if source.hub_id:
+        return
+    if is_saved_dataset(Path(source.files[0])):
+        check_columns(source.name, source.format, load_saved_dataset(source).column_names)
+        return
+    firsts = [first_columns(f) for f in source.files]
+    found = [c for columns in firsts for c in columns or []]
+    if not missing_columns(source.format, found):
+        return
+    if LOADERS[Path(source.files[0]).suffix.lower()] == "json":
+        found = list(dict.fromkeys(key for f in source.files for row, _, _ in json_rows(f) for key in row))
+    elif None in firsts:
+        return  # a file this cannot read: load_rows says why
+    check_columns(source.name, source.format, list(dict.fromkeys(found)))
+
+
+def first_columns(file: str) -> list[str] | None:
+    """The columns of a file's first row, read without reading the rest; None where that cannot be
+    told cheaply (a damaged Parquet or CSV file, a .json that does not open with a list of objects:
+    load_rows says why). A malformed first line of JSON lines is refused as load_rows would."""
+    kind = Path(file).suffix.lower()
+    try:
+        if kind == ".jsonl":
+            row = next(iter(json_rows(file)), (None,))[0]
+            return list(row) if row is not None else None
+        if kind == ".json":
+            return first_json_object(file)
+        if kind == ".csv":
+            import csv
+
+            with open(file, newline="", encoding="utf-8") as f:
+                return next(csv.reader(f), [])
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(file).names
+    except ToolkitError:
+        raise
+    except Exception:  # noqa: BLE001 - pyarrow and the csv reader raise several types for a damaged file
+        return None
+
+
+def first_json_object(file: str, chunk: int = 1 << 16) -> list[str] | None:
+    """The keys of the first object of a .json file's top-level list, read from as little of its
+    start as holds that object; None when it is not such a list or not readable so."""
+    decoder = json.JSONDecoder()
+    with open(file, encoding="utf-8") as f:
+        text = f.read(chunk)
+        while True:
+            head = text.lstrip()
+            if not head.startswith("["):
+                return None
+            try:
+                row, _ = decoder.raw_decode(head[1:].lstrip())
+                return list(row) if isinstance(row, dict) else None
+            except json.JSONDecodeError:
+                more = f.read(len(text))  # twice as much each time
+                if not more:
+                    return None
+                text += more
+
+
 def load_rows(source: Source, cache_dir: Path | None = None):
     """One source's rows as a memory-mapped `datasets.Dataset`, its columns checked. `cache_dir`:
     where `datasets` keeps its Arrow copy of local files (a folder the caller removes)."""
@@ -127,14 +196,24 @@ def load_rows(source: Source, cache_dir: Path | None = None):
                                f"({str(e).splitlines()[0][:200]})") from None
     if len(ds) == 0:
         raise ToolkitError(f"{source.name}: no rows")
-    missing = [c for c in COLUMNS[source.format] if c not in ds.column_names
-               and not (c == "messages" and "conversations" in ds.column_names)]
-    if missing:
-        raise ToolkitError(f"{source.name}: data.format={source.format} needs column(s) {', '.join(missing)}; "
-                           f"found {', '.join(ds.column_names)}")
+    check_columns(source.name, source.format, ds.column_names)
     if source.max_rows is not None:
         ds = ds.select(range(min(source.max_rows, len(ds))))
     return ds
+
+
+def check_columns(name: str, fmt: str, columns: list[str]) -> None:
+    """The one line for a source whose columns lack one that data.format needs (formats.COLUMNS),
+    naming the format its columns do fit, if one does (`alpaca`, the default, left on a chat file)."""
+    missing = missing_columns(fmt, columns)
+    if missing:
+        fits = [f for f in COLUMNS if f != fmt and not missing_columns(f, columns)]
+        raise ToolkitError(f"{name}: data.format={fmt} needs column(s) {', '.join(missing)}; found "
+                           f"{', '.join(columns) or 'none'}" + (f", which data.format={fits[0]} reads" if fits else ""))
+
+
+def missing_columns(fmt: str, columns: list[str]) -> list[str]:
+    return [c for c in COLUMNS[fmt] if c not in columns and not (c == "messages" and "conversations" in columns)]
 
 
 def load_saved_dataset(source: "Source"):
@@ -164,10 +243,7 @@ def check_json_lines(files: list[str]) -> set[str]:
     seen = set()
     for f in files:
         kinds = {}  # field -> (kind of its first non-null value, row where it was seen)
-
-        def check_row(row, number: int, where: str) -> None:
-            if not isinstance(row, dict):
-                raise ToolkitError(f"{f}: {where}: expected a JSON object per row")
+        for row, number, where in json_rows(f):
             for key, value in row.items():
                 if value is None:
                     continue
@@ -178,30 +254,42 @@ def check_json_lines(files: list[str]) -> set[str]:
                     raise ToolkitError(f"{f}: {where}: {key} is {kind} ({json.dumps(value)[:40]}) but {first[0]} in "
                                        f"row {first[1]}; a field must hold one kind of value in every row (write "
                                        "numbers as strings in quotes for text), or the reader changes values")
-
-        try:
-            if Path(f).suffix.lower() == ".jsonl":
-                with open(f, encoding="utf-8") as fh:
-                    number = 0
-                    for lineno, line in enumerate(fh, 1):
-                        if line.strip():
-                            number += 1
-                            try:
-                                row = json.loads(line)
-                            except json.JSONDecodeError as e:
-                                raise ToolkitError(f"{f}: line {lineno}: malformed JSON ({e.msg})") from None
-                            check_row(row, number, f"row {number}" + (f" (line {lineno})" if lineno != number else ""))
-            elif Path(f).suffix.lower() == ".json":
-                try:
-                    data = json.loads(Path(f).read_text(encoding="utf-8"))
-                except json.JSONDecodeError as e:
-                    raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
-                for number, row in enumerate(data if isinstance(data, list) else [], 1):
-                    check_row(row, number, f"row {number}")
-        except UnicodeDecodeError as e:
-            raise ToolkitError(f"{f}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
         seen |= set(kinds)
     return seen
+
+
+def json_rows(f: str):
+    """The rows of a .json or .jsonl file in order, as (row, its number, where: `row N`, with its
+    line where that differs); malformed JSON, a row that is not an object and text that is not
+    UTF-8 refused by file and line. A .jsonl file is read one line at a time."""
+    try:
+        if Path(f).suffix.lower() == ".jsonl":
+            with open(f, encoding="utf-8") as fh:
+                number = 0
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        number += 1
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ToolkitError(f"{f}: line {lineno}: malformed JSON ({e.msg})") from None
+                        yield checked_row(f, row, number, f"row {number}" + (f" (line {lineno})" if lineno != number
+                                                                              else ""))
+        elif Path(f).suffix.lower() == ".json":
+            try:
+                data = json.loads(Path(f).read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ToolkitError(f"{f}: line {e.lineno}: malformed JSON ({e.msg})") from None
+            for number, row in enumerate(data if isinstance(data, list) else [], 1):
+                yield checked_row(f, row, number, f"row {number}")
+    except UnicodeDecodeError as e:
+        raise ToolkitError(f"{f}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+
+
+def checked_row(f: str, row, number: int, where: str) -> tuple[dict, int, str]:
+    if not isinstance(row, dict):
+        raise ToolkitError(f"{f}: {where}: expected a JSON object per row")
+    return row, number, where
 
 
 def json_kind(value) -> str:

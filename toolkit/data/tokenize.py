@@ -5,7 +5,8 @@ text, or a preference pair's two completions) with the character spans that carr
 and labelled. Every example has `input_ids` and `labels` of equal length; `labels` is -100
 (`IGNORE`) wherever no loss is taken (the prompt, by default, and always the first token of a
 document, which nothing predicts). Overlong rows are truncated or dropped (data.overlong); rows
-left without a target token are dropped under the EMPTY_ROWS_TOLERATED rule."""
+left without a target token are dropped under the EMPTY_ROWS_TOLERATED rule; rows that train but
+look like a mistake (a system turn after the last answer: `note`) are said in a warning."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         datasets.disable_progress_bars()
         if procs > 1 and threads is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
-    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length", "missing",
+    cols = tokenized.select_columns(["n_targets", "full_targets", "full_length", "length", "missing", "note",
                                      "row"]).with_format("numpy")[:]
     row_of = cols["row"] + 1  # an example's row in the file (a chat may give several examples: render)
     n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
@@ -96,6 +97,10 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
         report.dropped_empty += int(empty.sum())
         keep &= ~empty
     report.rows += len(tokenized)
+    noted = np.unique(row_of[cols["note"] != ""])  # rows in the file (a chat may give several examples)
+    if len(noted):
+        note = cols["note"][np.flatnonzero(row_of == noted[0])[0]]
+        report.warnings.append(f"{source.name}: row {int(noted[0])}: {note}; {len(noted)} of {len(ds)} rows end so")
     if len(tokenized) > len(ds):
         report.warnings.append(f"{source.name}: {len(ds)} rows gave {len(tokenized)} examples: the chat template "
                                "renders earlier assistant turns differently once later turns follow (as Qwen3 drops "
@@ -151,6 +156,7 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
                 i, o = [placeholder_id], [(0, 0)]
             out.append(_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt))
             out[-1]["missing"] = missing.get(k, "")
+            out[-1]["note"] = "" if k in missing or fmt != "messages" else trailing_system_turn(rows[k])
             out[-1]["row"] = indices[k]
             if k in missing:
                 out[-1].update(n_targets=0, full_targets=0, labels=np.full(1, IGNORE, dtype=np.int32))
@@ -170,7 +176,7 @@ def _features(fmt: str = "text"):
                      **(pairs if fmt == "preference" else {}),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
                      "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
-                     "row": Value("int32")})
+                     "note": Value("string"), "row": Value("int32")})
 
 
 class MissingField(ToolkitError):
@@ -248,6 +254,20 @@ def chat_messages(row: dict) -> list[dict]:
     return messages
 
 
+def trailing_system_turn(row: dict) -> str:
+    """What is odd about a conversation that trains as written: a system turn after its last
+    assistant turn, which no answer sees and nothing learns from (a system prompt opens a
+    conversation; one at the end is usually a converter's slip). "" where nothing is. A row left
+    as it is: the warning names it, the labels are what the template renders."""
+    messages = chat_messages(row)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    later = [i for i, m in enumerate(messages[last + 1:], last + 1) if m["role"] == "system"]
+    if not later:
+        return ""
+    return (f"messages[{later[0]}] is a system turn after the last assistant turn: no answer sees it and it "
+            "trains nothing (a system prompt opens a conversation)")
+
+
 def sharegpt_messages(turns) -> list[dict] | None:
     """ShareGPT `conversations` (`from`/`value`) as chat messages (`role`/`content`)."""
     if not turns:
@@ -323,8 +343,8 @@ def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int,
 def need_chat_template(tokenizer, what: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ToolkitError(f"{what} render through the tokenizer's chat template, and this tokenizer has none "
-                           "(no chat_template in its tokenizer_config.json or chat_template.jinja); use a model "
-                           "that has one, or data.format=alpaca or text")
+                           "(no chat_template in its tokenizer_config.json or chat_template.jinja); give one in "
+                           "model.chat_template (a Jinja file, or chatml), or use data.format=alpaca or text")
 
 
 def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:

@@ -5,7 +5,10 @@ turn. Used by `toolkit generate`, `toolkit eval` and the samples a run prints wh
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from ..errors import ToolkitError
 
@@ -204,11 +207,12 @@ def generate_with_counts(model, tokenizer, prompts: list, *, system: str | None 
 
 
 def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[bool] = False, max_new_tokens: int = 128,
-                   temperature: float = 0.0, top_p: float | None = None,
-                   batch_size: int = 8, synced: bool = False) -> list[tuple[str, int]]:
+                   temperature: float = 0.0, top_p: float | None = None, batch_size: int = 8, synced: bool = False,
+                   progress: str | None = None) -> list[tuple[str, int]]:
     """(answer, tokens generated) for each prompt text, rendered already (specials written out).
     `add_bos`: put the tokenizer's BOS before a text that does not start with it. `synced`: every
-    process runs this with the same texts and steps until all are done (sharded weights)."""
+    process runs this with the same texts and steps until all are done (sharded weights).
+    `progress`: the name of a progress bar over the prompts (`progress_bar`), or None for none."""
     import torch
 
     stops = stop_token_ids(model, tokenizer)
@@ -230,6 +234,7 @@ def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[b
     # Longest first, so that prompts of similar length share a batch and little is padded.
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
     results: list = [None] * len(encoded)
+    bar = progress_bar(len(order), progress, "prompt", enabled=progress is not None)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         width = max(len(encoded[i]) for i in chunk)
@@ -248,4 +253,14 @@ def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[b
             answer_ids = new if end is None else new[:end]
             results[i] = (tokenizer.decode(answer_ids, skip_special_tokens=True),
                           len(new) if end is None else end + 1)
+        bar.update(len(chunk))
+    bar.close()
     return results
+
+
+def progress_bar(total: int, name: str | None, unit: str, enabled: bool = True):
+    """A tqdm bar on stderr, set up as training's (`training/loop.py`): a 60-prompt eval was silent
+    for minutes before. stdout stays the answers and results alone (tests/test_generate.py's
+    test_progress_on_stderr_answers_alone_on_stdout); a log that is a file gets a line per 30 s."""
+    return tqdm(total=total, desc=name, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5 if sys.stderr.isatty() else 30)

@@ -15,8 +15,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ..config import LoraConfig, ModelConfig
-from ..errors import ToolkitError
+from ..config import LoraConfig, ModelConfig, chat_template_text
+from ..errors import ToolkitError, command
 from .hub import resolve_model
 
 PRESETS = Path(__file__).parent / "presets"
@@ -60,7 +60,8 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tokenizer(cfg: ModelConfig):
-    """The model's tokenizer (the preset's byte tokenizer), with model.add_special_tokens added."""
+    """The model's tokenizer (the preset's byte tokenizer), with model.add_special_tokens added and
+    model.chat_template in place of its own."""
     if cfg.preset is not None:
         tokenizer = build_byte_tokenizer()
     else:
@@ -75,7 +76,27 @@ def build_tokenizer(cfg: ModelConfig):
     new = [t for t in dict.fromkeys(cfg.add_special_tokens) if t not in tokenizer.get_vocab()]
     if new:
         tokenizer.add_tokens(new, special_tokens=True)
+    if cfg.chat_template is not None:
+        set_chat_template(tokenizer, cfg.chat_template)
     return tokenizer
+
+
+def set_chat_template(tokenizer, value: str) -> None:
+    """model.chat_template as the tokenizer's template (saved with it: final/ carries it), its Jinja
+    compiled now so that a syntax error is one line naming the key, not a failure at the first row."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        tokenizer.chat_template = chat_template_text(value)
+    except OSError as e:  # checked at load; gone since
+        raise ToolkitError(f"model.chat_template: {value}: cannot read: {e.strerror}") from None
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                      tokenize=False)
+    except TemplateSyntaxError as e:
+        raise ToolkitError(f"model.chat_template: line {e.lineno}: not a Jinja template ({e.message})") from None
+    except Exception:  # noqa: BLE001 - the template's own refusal of this conversation: rows will tell
+        pass
 
 
 def fit_vocabulary(model: torch.nn.Module, tokenizer, full_shape=lambda p: p.shape, mean: bool = True) -> int:
@@ -191,7 +212,8 @@ def four_bit(compute_dtype: torch.dtype) -> dict:
         raise ToolkitError("model.load_in_4bit: QLoRA's 4-bit layers (bitsandbytes) need a CUDA GPU and this host "
                            "has none; train the LoRA over a bf16 base instead (model.dtype=bf16)")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ToolkitError("model.load_in_4bit: QLoRA needs bitsandbytes: pip install bitsandbytes")
+        raise ToolkitError("model.load_in_4bit: QLoRA needs bitsandbytes: "
+                           + command("python -m pip install bitsandbytes"))
     from transformers import BitsAndBytesConfig
 
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

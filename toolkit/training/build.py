@@ -24,6 +24,7 @@ from ..backends.sizing import count_model
 from ..config import ModelConfig, Recipe
 from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
+from ..data.sources import check_first_rows, resolve_sources
 from ..errors import ToolkitError
 from ..model import activations
 from ..model.hub import is_hub_id
@@ -59,6 +60,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
 
     accelerator, log = backend.accelerator, backend.accelerator.print
     resume_from = run_folder.open_run(accelerator, recipe, lock)
+    check_data(recipe)
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
@@ -86,6 +88,17 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                state=state, total_steps=loaders.total_steps, out=Path(recipe.output_dir), objective=objective,
                monitor=monitor, preemption=preemption, samples=samples, speed=speed,
                offload=activations.offload(recipe.model.activation_offload)), tokenizer
+
+
+def check_data(recipe: Recipe) -> None:
+    """The data files found and the first rows of each fit for its format, before the tokenizer and
+    the model load (minutes for a large one): a missing file or `data.format` left at alpaca on a
+    chat file is refused now, in the words setup_data would use (sources.check_first_rows: the first
+    rows only, unless they lack a column)."""
+    d = recipe.data
+    for entries, key in ((d.train_files, "data.train_files"), (d.eval_files, "data.eval_files")):
+        for source in resolve_sources(entries, d, key):
+            check_first_rows(source)
 
 
 @dataclass
@@ -312,7 +325,7 @@ def setup_monitor(accelerator, recipe: Recipe, state: checkpoint.TrainerState, f
     """The watchdog behind the monitor, and the throughput and MFU of each step."""
     t, out, world = recipe.train, Path(recipe.output_dir), accelerator.num_processes
     watchdog = Watchdog(out, accelerator.process_index, world, accelerator.is_main_process, t.watchdog_seconds,
-                        t.watchdog)
+                        t.watchdog, cpu=accelerator.device.type == "cpu")
     monitor = Monitor(accelerator, out, watchdog, t.profile_steps, first_step=state.step + 1)
     speed = measure.Throughput(flops, measure.peak_tflops(t.precision, t.peak_tflops), world, total_steps, state.step)
     return monitor, speed

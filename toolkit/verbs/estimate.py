@@ -1,5 +1,8 @@
 """`toolkit estimate`: which strategy fits a model on given GPUs, before anything is launched. The
-arithmetic and its sources are in `sizing.py`; this is the command line and its table."""
+arithmetic and its sources are in `toolkit/backends/sizing.py`; this is the command line and its table.
+`--recipe RECIPE.yaml [key=value ...]` reads the recipe as `toolkit train` would, dotted overrides
+included; `--model` with `--lora` stores the frozen base as the shipped LoRA recipes do (model.dtype
+= train.precision), the adapters in fp32."""
 
 from __future__ import annotations
 
@@ -21,14 +24,18 @@ from ..backends.sizing import (
     recommend,
     setup_from_recipe,
 )
-from ..errors import ToolkitError
+from ..errors import ToolkitError, command
 
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a Hugging Face model folder, a config.json, a cached Hub id or a preset name")
     src.add_argument("--recipe", help="a recipe YAML: model, LoRA, precision, micro-batch, sequence length, "
-                                      "checkpointing from it (flags given here override it)")
+                                      "checkpointing from it (key=value overrides and the flags given here "
+                                      "override it)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="with --recipe: dotted overrides of its keys, as `toolkit train` takes them "
+                        "(train.micro_batch_size=4 data.max_seq_len=8192)")
     p.add_argument("--config_file", "--config-file", dest="config_file",
                    help="with --recipe: the accelerate launch config; its strategy is marked and its process count "
                         "used unless --gpus is given")
@@ -40,7 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward pass (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
     p.add_argument("--lora", action="store_true", default=None,
-                   help="LoRA on every linear layer instead of full fine-tuning")
+                   help="LoRA on every linear layer instead of full fine-tuning; the frozen base stored in "
+                        "--precision's dtype as the shipped LoRA recipes do (with --recipe: its model.dtype)")
     p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 8)")
     p.add_argument("--gradient-checkpointing", action="store_true", default=None)
     p.add_argument("--tiled-mlp", action="store_true", default=None, help="model.tiled_mlp")
@@ -69,6 +77,9 @@ def run(args) -> int:
             raise ToolkitError(f"--{name.replace('_', '-')}: must be positive, got {value}")
     if args.config_file and not args.recipe:
         raise ToolkitError("--config_file: only with --recipe (it decides the strategy of that recipe's launch)")
+    if args.overrides and not args.recipe:
+        raise ToolkitError(f"{args.overrides[0]}: key=value overrides change a recipe's keys; give --recipe "
+                           "RECIPE.yaml, or the flags (--micro-batch, --seq-len, ...) with --model")
     launched = None
     if args.recipe:
         setup, launched = _from_recipe(args)
@@ -83,6 +94,8 @@ def run(args) -> int:
                  "activation_offload": args.activation_offload, "loss": args.loss,
                  "loss_chunk_tokens": args.loss_chunk_tokens, "sequence_parallel": args.sp_size}
     setup = replace(setup, gpu_memory_gib=args.gpu_memory, **{k: v for k, v in overrides.items() if v is not None})
+    if args.lora and not args.recipe:  # model.dtype = train.precision, as every shipped LoRA recipe has it
+        setup = replace(setup, base_dtype=setup.precision)
     if setup.precision == "fp32" and setup.base_dtype != "fp32":
         setup = replace(setup, base_dtype="fp32")
     _check_sequence_parallel(setup, "--sp-size" if args.sp_size else f"{args.config_file}: parallelism_config_sp_size")
@@ -116,7 +129,7 @@ def _check_sequence_parallel(setup: Setup, key: str) -> None:
 def _from_recipe(args) -> tuple[Setup, Strategy | None]:
     from ..config import load_recipe
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, args.overrides)
     if args.lora or args.lora_r:
         recipe.lora.enabled, recipe.lora.r = True, args.lora_r or recipe.lora.r
     launched, gpus, sequence_parallel = None, args.gpus, 1
@@ -193,8 +206,9 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
                      f"split a sequence and are not listed; comm/step includes the all-to-alls of one micro-batch")
     lines.append("host/node: host RAM per node for offload (NVMe: RAM + 'n' NVMe space); comm/step: what each GPU "
                  "sends per optimizer step")
+    formulas = command("python -c 'import toolkit.backends.sizing as s; help(s)'")
     lines.append(f"fits: total <= {USABLE_FRACTION:.0%} of the GPU's memory; totals are upper bounds (see "
-                 "`python -c 'import toolkit.verbs.estimate as e; help(e)'` for the formulas)")
+                 f"`{formulas}` for the formulas)")
     lines.append(f"recommendation: {report['recommendation']}")
     epoch = report["epoch"]
     if epoch:

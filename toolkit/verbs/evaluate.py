@@ -13,7 +13,8 @@ DPO reward accuracy against its base (the adapter disabled) and the mean log-rat
 
 Under `accelerate launch` (WORLD_SIZE > 1) the rows are split over the processes as
 `EvalShardSampler` splits them (row i to rank i % world), the sums gathered, and the main process
-prints and writes. Light at import time.
+prints and writes. Progress bars (examples measured, answers generated: the main process's share) go
+to stderr; stdout holds the summary, or the JSON with --json. Light at import time.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
     from ..model.inference import generate_texts, load_for_inference
 
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
+    bars = rank == 0  # the main process's bars only, on stderr
     model, tokenizer = load_for_inference(args.model, args.dtype, device=state.device if state else None,
                                           trust_remote_code=args.trust_remote_code)
     error, examples, questions = None, [], []
@@ -135,7 +137,7 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
         raise ToolkitError(error)
 
     if fmt == "preference":
-        part = pair_sums(model, tokenizer, examples, args.batch_size)
+        part = pair_sums(model, tokenizer, examples, args.batch_size, bars)
         part["truncated"] = sum(e["full_length"] > max_seq_len for e in examples[::2])
         if state is None:
             return [part]
@@ -143,9 +145,10 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
 
         parts = gather_object([part])
         return parts if state.is_main_process else None
-    loss_sum, n_targets = loss_sums(model, tokenizer, examples, args.batch_size)
+    loss_sum, n_targets = loss_sums(model, tokenizer, examples, args.batch_size, bars)
     answers = generate_texts(model, tokenizer, [q["text"] for q in questions], add_bos=False,
-                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             progress="eval answers" if bars and questions else None)
     records = [{"row": q["row"], "prompt": q["prompt"], "reference": q["reference"], "answer": answer,
                 "correct": is_correct(answer, q["reference"], args.answers)}
                for q, (answer, _) in zip(questions, answers)]
@@ -325,13 +328,15 @@ def run_settings(model: str) -> tuple[int, bool, str | None]:
 # ----------------------------------------------------------------------------- measuring
 
 
-def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[float, int]:
+def loss_sums(model, tokenizer, examples: list[dict], batch_size: int, bar: bool = False) -> tuple[float, int]:
     """(sum of next-token cross-entropies over target tokens, number of target tokens), in
-    training's batches (right-padded, unpacked) and training's loss function."""
+    training's batches (right-padded, unpacked) and training's loss function. `bar`: a progress
+    bar over the examples on stderr."""
     import torch
 
     from ..data.batching import Collator
     from ..data.formats import IGNORE
+    from ..model.inference import progress_bar
     from ..training.loss import token_loss_sum, use_token_loss
 
     try:
@@ -342,24 +347,27 @@ def loss_sums(model, tokenizer, examples: list[dict], batch_size: int) -> tuple[
     device = next(model.parameters()).device
     by_length = sorted(examples, key=lambda e: -len(e["input_ids"]))  # little padding per batch
     total, count = torch.zeros((), dtype=torch.float64), 0
-    with torch.no_grad():
+    with torch.no_grad(), progress_bar(len(by_length), "eval loss", "example", enabled=bar) as progress:
         for start in range(0, len(by_length), batch_size):
             batch = collate(by_length[start:start + batch_size])
             count += int((batch["labels"][:, 1:] != IGNORE).sum())
             batch = {k: v.to(device) for k, v in batch.items()}
             total += token_loss_sum(model, batch).double().cpu()
+            progress.update(len(batch["input_ids"]))
     return total.item(), count
 
 
-def pair_sums(model, tokenizer, examples: list[dict], batch_size: int) -> dict:
+def pair_sums(model, tokenizer, examples: list[dict], batch_size: int, bar: bool = False) -> dict:
     """Preference pairs (`examples`: chosen, rejected, chosen, ...; pairs without targets on both
     sides left out): how many, how many the model prefers the chosen completion of (summed
     log-probabilities), the chosen completions' loss sum and targets; for a peft adapter also the
     pairs whose log-ratio to the base (the adapter disabled) is higher for the chosen, and the sum of
-    those margins. In training's pair batches and its log-probabilities (`loss.token_logps`)."""
+    those margins. In training's pair batches and its log-probabilities (`loss.token_logps`). `bar`:
+    a progress bar over the pairs on stderr."""
     import torch
 
     from ..data.batching import Collator
+    from ..model.inference import progress_bar
     from ..training.loss import token_logps, use_token_loss
 
     try:
@@ -374,11 +382,12 @@ def pair_sums(model, tokenizer, examples: list[dict], batch_size: int) -> dict:
     adapter = hasattr(model, "disable_adapter")
     sums = {"pairs": len(pairs), "preferred": 0, "loss_sum": 0.0, "targets": 0,
             "reward_preferred": 0 if adapter else None, "margin_sum": 0.0 if adapter else None}
-    with torch.no_grad():
+    with torch.no_grad(), progress_bar(len(pairs), "eval pairs", "pair", enabled=bar) as progress:
         for start in range(0, len(pairs), batch_size):
             batch = {k: v.to(device) for k, v in collate(pairs[start:start + batch_size]).items()}
             logps, counts = token_logps(model, batch)
             n = len(logps) // 2
+            progress.update(n)
             sums["preferred"] += int((logps[:n] > logps[n:]).sum())
             sums["loss_sum"] += -float(logps[:n].double().sum())
             sums["targets"] += int(counts[:n].sum())

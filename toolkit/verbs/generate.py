@@ -3,7 +3,8 @@
 Prompts go through the tokenizer's chat template, as training's `messages` format renders them
 (`--no-chat-template`: raw text, with BOS put before it as training's `text` format does). An
 answer ends at the tokenizer's eos token, at the template's end-of-turn token (`<|im_end|>`,
-`<|eot_id|>`, ...) and at the model's generation_config eos ids, whichever comes first.
+`<|eot_id|>`, ...) and at the model's generation_config eos ids, whichever comes first. stdout holds
+the answers alone; a progress bar over the prompts goes to stderr (none in the interactive loop).
 
 Loading and generation live in `inference.py`, shared with `toolkit eval`, the quickstart and
 the samples a run prints while it trains.
@@ -60,7 +61,7 @@ def run(args) -> int:
                    temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size)
     if not prompts:
         return interactive(model, tokenizer, options, args.json)
-    results = generate_with_counts(model, tokenizer, prompts, **options)
+    results = generate_with_counts(model, tokenizer, prompts, progress="generate", **options)  # the bar: stderr
     for i, (prompt, (answer, tokens)) in enumerate(zip(prompts, results)):
         if args.json:
             print(json.dumps({"prompt": prompt, "answer": answer, "tokens": tokens}, ensure_ascii=False))

@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, command
 
 DEFAULT_COMPARE = "runs-compare.png"
 # (panel title, [(metrics key, matplotlib line style)]), drawn left to right, top to bottom.
@@ -94,7 +94,8 @@ def run(args) -> int:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ToolkitError("toolkit plot needs matplotlib: pip install 'toolkit[plot]'") from None
+        raise ToolkitError("toolkit plot needs matplotlib: "
+                           + command("python -m pip install 'toolkit[plot]'")) from None
 
     fig = Figure(figsize=(12, 8), dpi=100, layout="constrained")
     axes = list(fig.subplots(2, 2, sharex=True).flat)
