@@ -18,6 +18,7 @@ representative cell per fault runs in CI; the whole matrix is `slow`. A SIGTERM 
 CLI still imports torch, before any phase, is one line and exit 75 too, with no run folder.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -376,3 +377,39 @@ def test_sigterm_before_training_is_one_line_and_exit_75(tmp_path, data_files):
     assert lines == ["stopped: preempted: SIGTERM before training started; nothing was trained or saved. "
                      "Run again to start over"], lines
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- a second signal inside one long op
+
+
+def stderr_so_far(proc) -> str:
+    """What the run has written to stderr so far, read without moving the offset it writes at."""
+    err = proc.output[1]
+    return os.pread(err.fileno(), os.fstat(err.fileno()).st_size, 0).decode(errors="replace")
+
+
+def test_a_second_sigterm_inside_a_long_torch_op_aborts_at_once(work):
+    """Python runs a signal handler only between two bytecodes: a second SIGTERM waited for as long
+    as one torch op ran (a bf16 backward on a CPU host: over 2 minutes, issue 45). Step 2 runs one op
+    of about 120 s (TOOLKIT_FAULT_SLOW_OP); SIGTERM lands inside it and again 3 s later. The run is
+    told at once, aborts within seconds with 128 + 15 and leaves no process (measured 0.3 s on a
+    loaded 2-core host; before the watcher thread: exit 75, 66 s later for a 60 s op)."""
+    proc = launch(["train", recipe(work, "slow-op")], env={"TOOLKIT_FAULT_SLOW_OP": "0:2:120"})
+    deadline = time.monotonic() + 300
+    while "fault: one torch op" not in stderr_so_far(proc):
+        assert proc.poll() is None and time.monotonic() < deadline, stderr_so_far(proc)[-3000:]
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    second = time.monotonic()
+    try:
+        code, _, err = finish(proc, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit 20 s after the second SIGTERM: {stderr_so_far(proc)[-2000:]}")
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert time.monotonic() - second < 20
+    assert "SIGTERM: stopping after this optimizer step with a checkpoint" in err, err[-2000:]
+    assert "SIGTERM again: aborting at once; resume=auto continues from the last checkpoint" in err, err[-2000:]
+    assert no_process_left(proc) == []

@@ -165,7 +165,7 @@ def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_fi
     assert lines[1].startswith("watchdog: step 3 finished after 1")
     stacks = {r: (run / "hang" / f"step-3-rank{r}.txt").read_text() for r in (0, 1)}
     assert "injected_hang" in stacks[1] and "injected_hang" not in stacks[0]
-    assert 'File "' in stacks[0] and "train.py" in stacks[0]
+    assert 'File "' in stacks[0] and "training/loop.py" in stacks[0]
     assert time.time() - started < 300
     assert (run / "final").is_dir()
 

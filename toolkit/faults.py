@@ -71,14 +71,18 @@ def at(phase: str) -> None:
 class LoopSeams:
     """Seams inside the training step, read once from the environment (off unless set):
     TOOLKIT_FAULT_HANG=RANK:STEP:SECONDS makes that rank sleep before the forward of that step's
-    first micro-batch, as a rank stuck in its own work would; TOOLKIT_FAULT_NONFINITE_STEPS=3,4 makes
-    those optimizer steps' loss NaN on every rank, so the real skip / loss-scale / stop machinery runs
-    on real NaN gradients."""
+    first micro-batch, as a rank stuck in its own work would; TOOLKIT_FAULT_SLOW_OP=RANK:STEP:SECONDS
+    makes it run one torch op of about SECONDS there instead (after the `step` phase's signal is
+    scheduled), as a bf16 backward on a CPU does: Python runs no signal handler until it returns;
+    TOOLKIT_FAULT_NONFINITE_STEPS=3,4 makes those optimizer steps' loss NaN on every rank, so the real
+    skip / loss-scale / stop machinery runs on real NaN gradients."""
 
     def __init__(self, env=None):
         env = os.environ if env is None else env
         raw = env.get("TOOLKIT_FAULT_HANG")
         self.hang = tuple(float(x) for x in raw.split(":")) if raw else None  # (rank, step, seconds)
+        raw = env.get("TOOLKIT_FAULT_SLOW_OP")
+        self.slow_op = tuple(float(x) for x in raw.split(":")) if raw else None  # (rank, step, seconds)
         self.nonfinite_steps = {int(x) for x in env.get("TOOLKIT_FAULT_NONFINITE_STEPS", "").split(",") if x.strip()}
 
 
@@ -89,6 +93,19 @@ def injected_hang(seconds: float) -> None:
     time.sleep(seconds)  # named so: the watchdog's report shows the hung rank in here
 
 
+def injected_slow_op(seconds: float) -> None:
+    """One torch op that runs about `seconds` (timed on this host, now) and returns to Python only
+    then: a sum over a broadcast view, so it needs no memory. It releases the GIL, as torch's ops do."""
+    import torch  # here: the ground modules stay light (the CLI imports them before torch)
+
+    one, width = torch.ones((), dtype=torch.float64), 1_000_000
+    began = time.perf_counter()
+    one.expand(200, width).sum()
+    rows = max(1, int(200 * seconds / max(time.perf_counter() - began, 1e-6)))
+    os.write(2, f"fault: one torch op of about {seconds:g} s (TOOLKIT_FAULT_SLOW_OP)\n".encode())
+    one.expand(rows, width).sum()
+
+
 def before_forward(step: int, micro: int, rank: int) -> None:
     """The forward of micro-batch `micro` of optimizer step `step` is about to run on `rank`."""
     if micro == 0:
@@ -96,6 +113,8 @@ def before_forward(step: int, micro: int, rank: int) -> None:
             injected_hang(SEAMS.hang[2])
         if step == 2:
             at("step")
+        if SEAMS.slow_op is not None and SEAMS.slow_op[:2] == (rank, step):
+            injected_slow_op(SEAMS.slow_op[2])
 
 
 def nonfinite(step: int, micro: int) -> bool:

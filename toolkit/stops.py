@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -26,8 +27,12 @@ def _in_forked_child() -> None:
       abruptly (`Preemption.abrupt`) without tearing the pool down.
     - Inside `abrupt()`, the kernel also SIGKILLs the child when its parent ends (Linux
       PR_SET_PDEATHSIG), so no worker outlives an abrupt exit, even one forked during it.
-    SIGINT stays with the inherited handler, which ignores it in a child: Ctrl-C is its parent's."""
+    SIGINT stays with the inherited handler, which ignores it in a child: Ctrl-C is its parent's.
+    The child no longer writes the signals it gets to its parent's watcher (`SignalWatcher`): it
+    inherited the descriptor, not the thread that reads it."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
     if not _ABRUPT:
         return
     try:
@@ -123,7 +128,9 @@ class Preemption:
     holding its lock. A process forked from this one (a tokenizing worker of `datasets`) ignores
     SIGINT (its parent stops the work and ends it) and ends on SIGTERM, as `Pool.terminate()`
     expects (see `_in_forked_child`). While such workers run, the parent is inside `abrupt()` and
-    exits without tearing their pool down. An abort ends this process's descendants with it."""
+    exits without tearing their pool down. An abort ends this process's descendants with it. A
+    thread notes each signal as it arrives (`SignalWatcher`), so the abort is at once even while the
+    main thread is inside one long torch op."""
 
     def __init__(self,
                  stop_text: str = "before training started; nothing was trained or saved. Run again to start over"):
@@ -135,6 +142,10 @@ class Preemption:
         self.abrupt_cleanups: tuple | None = None  # inside `abrupt()`: what to undo before exiting at once
         self.raised: TrainingStopped | None = None  # the stop this handler raised, wherever it landed
         self.owner = os.getpid()
+        self.acted = False  # the first signal's action (raise, exit, or leave it to the loop) is taken
+        self.aborting = False
+        self.lock = threading.RLock()  # the watcher thread and the handler (which may nest) record arrivals
+        watch(self)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -176,33 +187,107 @@ class Preemption:
         return self.requested_at is not None
 
     def _handle(self, signum, frame) -> None:
+        """Python's handler, run by the main thread between two bytecodes (minutes late when the
+        signal lands inside one long torch op). It takes the first signal's action; when each signal
+        arrived, and so whether a later one aborts, the watcher thread judges as it arrives
+        (`arrived`), this handler only where signals do not reach a watcher."""
         if os.getpid() != self.owner:  # a forked worker's SIGINT: its parent ends it (see the class's note)
             return
-        now = time.monotonic()
+        self.arrived(signum, time.monotonic(), judge_repeat=WATCHER is None or not WATCHER.attached())
+        if self.acted:
+            return
+        self.acted = True
+        if self.deferring or self.armed:  # said by `arrived`; the loop, or the final save, stops by itself
+            return
+        self.raised = TrainingStopped(f"preempted: {self.signal_name} {self.stop_text}", EXIT_PREEMPTED)
+        if self.abrupt_cleanups is not None:
+            if int(os.environ.get("RANK", "0")) == 0:
+                os.write(2, f"\nstopped: {self.raised}\n".encode())
+            for cleanup in self.abrupt_cleanups:
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001 - exiting regardless; the next run tidies what is left
+                    pass
+            kill_descendants()
+            os._exit(EXIT_PREEMPTED)
+        raise self.raised
+
+    def arrived(self, signum: int, now: float, judge_repeat: bool = True) -> None:
+        """Signal `signum` arrived at `now`. The first is the request, said at once where the loop or
+        the final save acts on it; one within 2 s of it is the same request; a later one aborts (its
+        line, this process's descendants killed, exit 128 + N) from the thread that sees it. Only
+        records and writes with os.write: it may interrupt anything, including tqdm holding its lock."""
         name = signal.Signals(signum).name
-        if self.requested_at is not None and now - self.requested_at > 2.0:
+        with self.lock:
+            first = self.requested_at is None
+            if first:
+                self.requested_at, self.signal_name = now, name
+            elif not judge_repeat or now - self.requested_at <= 2.0 or self.aborting:
+                return
+            else:
+                self.aborting = True
+        if not first:
             os.write(2, f"\n{name} again: aborting at once; resume=auto continues from the last checkpoint\n".encode())
             kill_descendants()
             os._exit(EXIT_SIGNAL_BASE + signum)
-        if self.requested_at is not None:
+        if int(os.environ.get("RANK", "0")) != 0:
             return
-        self.requested_at, self.signal_name = now, name
         if self.deferring:
-            if int(os.environ.get("RANK", "0")) == 0:
-                os.write(2, f"\n{name}: finishing the final save first\n".encode())
-            return
-        if not self.armed:
-            self.raised = TrainingStopped(f"preempted: {name} {self.stop_text}", EXIT_PREEMPTED)
-            if self.abrupt_cleanups is not None:
-                if int(os.environ.get("RANK", "0")) == 0:
-                    os.write(2, f"\nstopped: {self.raised}\n".encode())
-                for cleanup in self.abrupt_cleanups:
-                    try:
-                        cleanup()
-                    except Exception:  # noqa: BLE001 - exiting regardless; the next run tidies what is left
-                        pass
-                kill_descendants()
-                os._exit(EXIT_PREEMPTED)
-            raise self.raised
-        if int(os.environ.get("RANK", "0")) == 0:
+            os.write(2, f"\n{name}: finishing the final save first\n".encode())
+        elif self.armed:
             os.write(2, f"\n{name}: stopping after this optimizer step with a checkpoint\n".encode())
+
+
+class SignalWatcher:
+    """Sees each SIGTERM and SIGINT as it arrives, whatever the main thread is doing.
+
+    Python runs a handler only in the main thread, between two bytecodes, so a second signal waited
+    for as long as one torch op ran: over 2 minutes inside a bf16 backward on a CPU host (issue 45),
+    where the abort must be at once. The interpreter's C-level handler also writes the number of
+    each signal, as it arrives, to the descriptor `signal.set_wakeup_fd` names; this thread reads it
+    and hands each arrival to the current `Preemption`. torch's ops and autograd's backward release
+    the GIL (a thread ticked on throughout a long sum, matmul and backward here), so this thread
+    runs while they do. tests/test_faults.py::test_a_second_sigterm_inside_a_long_torch_op_aborts_at_once
+    guards it."""
+
+    def __init__(self):
+        self.reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)  # the C-level handler must never block (a full buffer drops a byte)
+        signal.set_wakeup_fd(self.writer.fileno(), warn_on_full_buffer=False)  # ValueError off the main thread
+        self.current: Preemption | None = None
+        threading.Thread(target=self.read, name="toolkit-signals", daemon=True).start()
+
+    def attached(self) -> bool:
+        """Whether signals still reach this watcher: a library may have set a wakeup descriptor of its
+        own since (asyncio does), which is then left in place. Main thread only."""
+        ours = self.writer.fileno()
+        previous = signal.set_wakeup_fd(ours, warn_on_full_buffer=False)
+        if previous != ours:
+            signal.set_wakeup_fd(previous)
+        return previous == ours
+
+    def read(self) -> None:
+        watched = {int(signal.SIGTERM), int(signal.SIGINT)}
+        while True:
+            try:
+                data = self.reader.recv(64)
+            except OSError:
+                return
+            now = time.monotonic()
+            for signum in data:
+                if signum in watched and self.current is not None:
+                    self.current.arrived(signum, now)
+
+
+WATCHER: SignalWatcher | None = None  # one per process, started by its first Preemption
+
+
+def watch(preemption: Preemption) -> None:
+    """Hand each signal's arrival to `preemption` from now on (it installs its handlers next)."""
+    global WATCHER
+    if WATCHER is None:
+        try:
+            WATCHER = SignalWatcher()
+        except (ValueError, OSError):  # not the main thread, or no sockets: the handler judges repeats itself
+            return
+    WATCHER.current = preemption

@@ -1,6 +1,12 @@
-"""Hang watchdog: a thread on every rank that notices when a step, an eval or a save runs far longer
-than the run's own recent ones, writes that rank's Python stacks, and lets the main process say in
-one line which rank(s) are not where the others are, long before the collective timeout ends the run.
+"""Hang watchdog: a thread on every rank that notices when a step, an eval or a save has stopped
+moving for far longer than the run's own recent ones took, writes that rank's Python stacks, and
+lets the main process say in one line which rank(s) are not where the others are, long before the
+collective timeout ends the run.
+
+Moving is what a hang is not: this rank reached a new phase or micro-batch, or, where the device is
+the CPU, the process used CPU time (a process stuck in a collective, on the file system or waiting
+for a worker uses none; a slow step, bf16 emulated on a CPU say, uses all it gets). On a GPU the
+host may spin while it waits for the device, so there only the position counts.
 
 The loop only sets `where` (a tuple assignment, no I/O, no collective). Ranks report through files
 in RUN_DIR/hang/ rather than a collective: a collective is exactly what a stuck rank cannot join.
@@ -22,22 +28,32 @@ FACTOR = 20.0  # ... and not before this many times the recent median of the sam
 FIRST_SECONDS = 600.0  # the first of a kind (compile, allocator warm-up, first save) has no history
 PHASE_ORDER = {"data": 0, "counts": 1, "forward": 2, "backward": 3, "optimizer": 4, "sync": 5}
 GATHER_SECONDS = 10.0  # the main process waits this long for the other ranks' reports
+BUSY_SHARE = 0.1  # CPU seconds per second (a tenth of a core) that count as computing: a stuck
+#                   process uses next to none, a computing one on a crowded host still gets more
 
 
 class Watchdog:
-    def __init__(self, run_dir: Path, rank: int, world: int, is_main: bool, limit: float | None, enabled: bool):
+    """`cpu`: the device is the CPU, so CPU time used means computing. `clock` and `cpu_clock` (wall
+    and this process's CPU seconds) are there for a test to drive `look` by hand (`enabled=False`)."""
+
+    def __init__(self, run_dir: Path, rank: int, world: int, is_main: bool, limit: float | None, enabled: bool,
+                 cpu: bool = False, clock=time.monotonic, cpu_clock=time.process_time):
         self.folder, self.rank, self.world, self.is_main = run_dir / "hang", rank, world, is_main
-        self.limit, self.enabled = limit, enabled
+        self.limit, self.enabled, self.cpu = limit, enabled, cpu
+        self.clock, self.cpu_clock = clock, cpu_clock
+        self.every = min(1.0, (limit or FLOOR_SECONDS) / 10)  # seconds between two looks
         self.history: dict[str, list[float]] = {}
         self.unit = None  # (kind, step, started): the step, eval or save now running
         self.where = ("start", 0, "", 0)  # (phase, step, detail, micro-batch): where this rank is
         self.fired = None
+        self.seen = (self.where, clock(), cpu_clock())  # at the last look: (where, wall, CPU seconds)
+        self.moved_at = clock()  # when this rank was last seen moving
         if enabled:
             threading.Thread(target=self._watch, name="toolkit-watchdog", daemon=True).start()
 
     # ---- called by the loop
     def begin(self, kind: str, step: int) -> None:
-        self.unit = (kind, step, time.monotonic())
+        self.unit = (kind, step, self.clock())
 
     def at(self, phase: str, step: int, micro: int = 0, detail: str = "") -> None:
         self.where = (phase, step, detail, micro)
@@ -46,7 +62,7 @@ class Watchdog:
         if self.unit is None:
             return
         kind, step, started = self.unit
-        seconds = time.monotonic() - started
+        seconds = self.clock() - started
         self.history.setdefault(kind, []).append(seconds)
         self.history[kind] = self.history[kind][-20:]
         if self.fired == self.unit and self.is_main:
@@ -62,46 +78,74 @@ class Watchdog:
 
     def _watch(self) -> None:
         while True:
-            time.sleep(min(1.0, (self.limit or FLOOR_SECONDS) / 10))
-            unit = self.unit
-            if unit is None or unit == self.fired:
-                continue
-            kind, step, started = unit
-            limit = self.limit_for(kind)
-            if time.monotonic() - started > limit:
-                self.fired = unit
-                try:
-                    self._report(kind, step, started, limit)
-                except Exception as e:  # the watchdog must never be what stops a run
-                    _say(f"watchdog: could not report ({type(e).__name__}: {e})")
+            time.sleep(self.every)
+            self.look()
 
-    def _report(self, kind: str, step: int, started: float, limit: float) -> None:
+    def look(self) -> None:
+        """One look at the work in progress. The main process reports it once it has gone longer than
+        its limit without moving; another rank writes its report once the work has run past the
+        limit at all, so the main process, stuck waiting for a rank that is slow but moving, hears
+        from it."""
+        now, cpu, where, unit = self.clock(), self.cpu_clock(), self.where, self.unit
+        seen_where, seen_at, seen_cpu = self.seen
+        if where != seen_where or (self.cpu and cpu - seen_cpu >= BUSY_SHARE * (now - seen_at)):
+            self.moved_at = now
+        self.seen = (where, now, cpu)
+        if unit is None or unit == self.fired:
+            return
+        kind, step, started = unit
+        limit = self.limit_for(kind)
+        still = now - max(started, self.moved_at)  # seconds this work has not moved
+        if now - started > limit and (still > limit or not self.is_main):
+            self.fired = unit
+            try:
+                self._report(kind, step, started, limit, still)
+            except Exception as e:  # the watchdog must never be what stops a run
+                _say(f"watchdog: could not report ({type(e).__name__}: {e})")
+
+    def _report(self, kind: str, step: int, started: float, limit: float, still: float) -> None:
         self.folder.mkdir(exist_ok=True)
         tag = f"{kind}-{step}"
-        phase, at_step, detail, micro = self.where
+        ran = self.clock() - started
+        moving = still <= 5 * self.every
         with open(self.folder / f"{tag}-rank{self.rank}.txt", "w") as f:
-            f.write(f"rank {self.rank}: {describe_unit(kind, step)} running {time.monotonic() - started:.0f} s; "
-                    f"in {describe(self.where)}\n")
+            f.write(f"rank {self.rank}: {describe_unit(kind, step)} running {ran:.0f} s, {still:.0f} s of it without "
+                    f"moving; in {describe(self.where)}\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         frame, collective = main_thread_frame()
         report = {"rank": self.rank, "where": list(self.where), "frame": frame, "collective": collective,
-                  "time": time.time()}
+                  "moving": moving, "time": time.time()}
         tmp = self.folder / f".{tag}-rank{self.rank}.json"
         tmp.write_text(json.dumps(report))
         os.replace(tmp, self.folder / f"{tag}-rank{self.rank}.json")
         if not self.is_main:
             return
-        reports, deadline = {}, time.monotonic() + GATHER_SECONDS
-        while len(reports) < self.world and time.monotonic() < deadline:
-            for path in self.folder.glob(f"{tag}-rank*.json"):
-                r = json.loads(path.read_text())
-                reports[r["rank"]] = (tuple(r["where"]), r["frame"], r["collective"])
-            time.sleep(0.2)
+        if self.world == 1:
+            clause = one_process(self.where, frame, self.cpu)
+        else:
+            reports, deadline = {}, time.monotonic() + GATHER_SECONDS
+            while len(reports) < self.world and time.monotonic() < deadline:
+                for path in self.folder.glob(f"{tag}-rank*.json"):
+                    r = json.loads(path.read_text())
+                    reports[r["rank"]] = (tuple(r["where"]), r["frame"], r["collective"], r.get("moving", False))
+                time.sleep(0.2)
+            clause = who_is_behind(reports, self.world)
         recent = self.history.get(kind)
-        _say(f"watchdog: {describe_unit(kind, step)} has run {time.monotonic() - started:.0f} s (limit {limit:.0f} s"
-             + (f", recent ones {statistics.median(recent):.2f} s" if recent else "") + "): "
-             + who_is_behind(reports, self.world) + f"; Python stacks in {self.folder}/{tag}-rank*.txt")
+        ran = self.clock() - started
+        _say(f"watchdog: {describe_unit(kind, step)} has run {ran:.0f} s"
+             + (" without moving" if still >= ran - 1 else f", the last {still:.0f} s without moving")
+             + f" (limit {limit:.0f} s" + (f", recent ones {statistics.median(recent):.2f} s" if recent else "")
+             + "): " + clause + f"; Python stacks in {self.folder}/{tag}-rank*.txt")
+
+
+def one_process(where: tuple, frame: str, cpu: bool) -> str:
+    """The clause for a run of one process: it has no collective to wait in, so what can hold it is
+    the device, the file system or a data-loading worker (on a CPU host it is not computing either:
+    it used no CPU)."""
+    return (f"the process is in {describe(where)} at {frame}" + (", using no CPU" if cpu else "")
+            + "; with one process no collective is involved: the device, the file system or a data-loading worker "
+            + ("is stuck" if cpu else "is stuck, or one operation there runs this long"))
 
 
 def main_thread_frame() -> tuple[str, bool]:
@@ -121,18 +165,20 @@ COLLECTIVE_FILES = ("torch/distributed/", "torch/nn/parallel/distributed.py", "d
 
 def who_is_behind(reports: dict[int, tuple], world: int) -> str:
     """One clause naming the rank(s) not where the others are, from each rank's (position,
-    innermost frame, waiting in a collective): the rank(s) at the earliest position, or, where all
-    are at the same position, the rank(s) not waiting in a collective while the others are."""
+    innermost frame, waiting in a collective[, moving]): the rank(s) at the earliest position, or,
+    where all are at the same position, the rank(s) not waiting in a collective while the others are
+    (said to be moving where each of them was seen moving: slow, not stuck)."""
     silent = [r for r in range(world) if r not in reports]
     groups: dict[tuple, list[int]] = {}
-    for rank, (where, _, _) in sorted(reports.items()):
+    for rank, (where, *_) in sorted(reports.items()):
         groups.setdefault(tuple(where), []).append(rank)
-    working = [r for r, (_, _, collective) in sorted(reports.items()) if not collective]
+    working = [r for r, (_, _, collective, *_) in sorted(reports.items()) if not collective]
     if len(groups) == 1 and 0 < len(working) < len(reports):
         (where, _), = groups.items()
         waiting = [r for r in sorted(reports) if r not in working]
+        moving = all(reports[r][3:4] == (True,) for r in working)
         text = (f"{_rank_s(working)} {_is(working)} in {describe(where)} at "
-                + "; ".join(reports[r][1] for r in working[:2])
+                + "; ".join(reports[r][1] for r in working[:2]) + (" (moving: slow, not stuck)" if moving else "")
                 + f" while {_ranks(waiting)} {_is(waiting)} waiting in a collective ({reports[waiting[0]][1]})")
     elif len(groups) == 1:
         (where, ranks), = groups.items()
@@ -142,8 +188,10 @@ def who_is_behind(reports: dict[int, tuple], world: int) -> str:
     else:
         behind = min(groups, key=position)
         others = [(w, rs) for w, rs in groups.items() if w != behind]
+        moving = all(reports[r][3:4] == (True,) for r in groups[behind])
         text = (f"rank{'s' if len(groups[behind]) > 1 else ''} {_ranks(groups[behind])} "
-                f"{'are' if len(groups[behind]) > 1 else 'is'} still in {describe(behind)} while "
+                f"{'are' if len(groups[behind]) > 1 else 'is'} still in {describe(behind)}"
+                + (" (moving: slow, not stuck)" if moving else "") + " while "
                 + "; ".join(f"{_ranks(rs)} {'are' if len(rs) > 1 else 'is'} in {describe(w)}" for w, rs in others)
                 + " (waiting for it)")
     if silent:
