@@ -74,6 +74,13 @@ class FSDP(Backend):
         # A sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).
         return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict.items()}
 
+    def frozen_left_out(self, model):
+        """FSDP2 saves and loads through torch.distributed.checkpoint's state-dict API, which reads
+        the model's own state dict: the frozen weights are left out as elsewhere. FSDP1's state dict
+        passes through FSDP's own hooks and flat parameters; its checkpoints still hold the whole
+        model (it cannot run on a CPU-only host, where this is tested)."""
+        return super().frozen_left_out(model) if self.plugin.fsdp_version == 2 else nullcontext()
+
     def saved_state_problem(self, model, optimizer, folder: Path) -> str | None:
         """The state dicts accelerate saved, rebuilt from the live model the way it built them; a
         sharded checkpoint is loaded (torch.distributed.checkpoint) into empty copies of this rank's
@@ -88,7 +95,7 @@ class FSDP(Backend):
         ctx = (FSDP1.state_dict_type(model, plugin.state_dict_type, plugin.state_dict_config,
                                      plugin.optim_state_dict_config)
                if plugin.fsdp_version == 1 else nullcontext())
-        with ctx:
+        with ctx, self.frozen_left_out(model):
             weights = _get_model_state_dict(model, sd_options=options)
             if plugin.fsdp_version == 2:
                 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

@@ -1,8 +1,10 @@
 """Checkpoints: the full training state, written atomically, found again on resume.
 
-Layout: `output_dir/checkpoints/step-000012/` holds accelerate's state (model or adapter,
+Layout: `output_dir/checkpoints/step-000012/` holds accelerate's state (the trained weights,
 optimizer, scheduler, loss scaler; sharded the way the backend shards it), every rank's RNG
-states and `trainer_state.json` (counters, data position, what the run was launched with).
+states and `trainer_state.json` (counters, data position, what the run was launched with). Frozen
+weights (a LoRA adapter's base) are not in it: a resume builds them again from the recipe, as the
+portable state assumes (`backend.save_state`; FSDP1 still writes them, see backends/fsdp.py).
 A checkpoint is written as `.tmp-step-000012` by all ranks, marked complete by the main process
 (`COMPLETE`) and only then renamed into place, so a folder named `step-*` without the marker is
 never produced by a finished write and is never loaded.
@@ -147,7 +149,7 @@ def save(backend, path_final: Path, state: TrainerState, config, model, optimize
             shutil.rmtree(tmp, ignore_errors=True)  # left over by a write that was killed
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        backend.save_state(model, tmp)  # what is trained, optimizer, scheduler, scaler (frozen weights: the recipe's)
         seconds["backend state"] = time.perf_counter() - started
         written = None
         if config.portable:
@@ -224,7 +226,7 @@ def load(backend, path: Path, now: TrainerState, moved: bool, model, optimizer, 
         if seen:
             portable.save(backend, model, optimizer, scheduler, Path(seen))
     else:
-        accelerator.load_state(str(path))
+        backend.load_state(model, path)
     rng = Path(path) / f"rng_rank{accelerator.process_index}.pkl"
     if moved and not rng.is_file():
         rng = Path(path) / "rng_rank0.pkl"
