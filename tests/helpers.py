@@ -261,6 +261,13 @@ for builder in sys.argv[4:]:
 """
 
 
+def train_ok(work: Path, name: str, sections: dict, *overrides, env=None) -> subprocess.CompletedProcess:
+    """`toolkit train` on `sections` written to `work/name.yaml`; the run must succeed."""
+    proc = run_toolkit("train", write_recipe(work / f"{name}.yaml", **sections), *overrides, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def start_op_builds() -> subprocess.Popen:
     """Build DeepSpeed's ops one after the other, each under a timeout of its own, in a background
     process of its own (conftest starts it when the session will need them, so the build runs

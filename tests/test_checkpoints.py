@@ -42,6 +42,7 @@ from helpers import (
     read_output,
     run_toolkit,
     start,
+    train_ok,
     user_error_line,
     write_jsonl,
     write_recipe,
@@ -68,10 +69,7 @@ def recipe(work: Path, out: str, **overrides) -> dict:
     return base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out=out, **overrides)
 
 
-def train(work: Path, name: str, sections: dict, *overrides, env=None) -> subprocess.CompletedProcess:
-    proc = run_toolkit("train", write_recipe(work / f"{name}.yaml", **sections), *overrides, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+train = train_ok
 
 
 def snapshot(root: Path) -> dict:
