@@ -25,7 +25,7 @@ class Doubled(objectives.Supervised):
 class Remade(objectives.Objective):
     unit = "target tokens"
 
-    def step_batches(self, model, micro_batches):
+    def step_batches(self, model, micro_batches, step):
         return [{k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                 for b in micro_batches]
 
@@ -42,5 +42,5 @@ class Remade(objectives.Objective):
 if __name__ == "__main__":
     args = sys.argv[1:]
     made = Remade if "--remade" in args else Doubled
-    objectives.for_recipe = lambda recipe, model=None: made()
+    objectives.for_recipe = lambda recipe, model=None, **_: made()
     sys.exit(cli.main(["train", *[a for a in args if a != "--remade"]]))

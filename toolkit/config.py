@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -165,9 +166,9 @@ class DataSource:
     """An entry of data.train_files / data.eval_files written as a mapping."""
     path: str = ""
     """A .json, .jsonl, .parquet or .csv file, a folder or glob of such shards, or a Hub dataset id."""
-    format: Optional[Literal["alpaca", "messages", "text", "preference"]] = None
+    format: Optional[Literal["alpaca", "messages", "text", "preference", "prompt"]] = None
     """This entry's format (default: data.format); every format renders through the same tokenizer.
-    `preference` entries mix only with `preference` entries."""
+    `preference` entries mix only with `preference` entries, `prompt` entries with `prompt` entries."""
     weight: Optional[float] = None
     """Share of the training set drawn from this entry, relative to the other entries' weights
     (the set keeps its total size: a heavier entry is repeated, a lighter one subsampled)."""
@@ -188,7 +189,7 @@ class DataConfig:
     """Held-out data, the same kinds of entries as train_files; its loss is the eval loss."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
-    format: Literal["alpaca", "messages", "text", "preference"] = "alpaca"
+    format: Literal["alpaca", "messages", "text", "preference", "prompt"] = "alpaca"
     """`alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
     template; ShareGPT `conversations` too), `text` (a `text` field, every token of it trained on, eos
     appended), or `preference` (`prompt`, `chosen`, `rejected`, each text or a list of chat messages,
@@ -198,7 +199,10 @@ class DataConfig:
     text completions get the tokenizer's eos appended, chat ones end as the template ends a turn.
     A pair longer than max_seq_len keeps its prompt and has its completions cut (or is dropped
     with overlong=drop); for preference.method, which needs it; not with packing (padding_free
-    puts a micro-batch's sequences in one row)."""
+    puts a micro-batch's sequences in one row). Or `prompt` (online RL, rl.method): a `prompt` column,
+    text or a list of chat messages (TRL's prompt-only formats), rendered up to where the answer
+    starts; every other column of the row (an `answer`, say) goes to the reward functions. A prompt
+    longer than max_seq_len is dropped (a cut prompt would lose where the answer starts)."""
     max_seq_len: int = 512
     """Longest example in tokens (see overlong); with packing, the length of a packed row."""
     packing: bool = False
@@ -317,6 +321,64 @@ class PreferenceConfig:
 
 
 @dataclass
+class RewardConfig:
+    """An entry of rl.rewards written as a mapping."""
+    function: str = ""
+    """A reward function: `path/to/file.py:name` (relative to the current folder), `module:name`, or
+    a built-in: `exact_match` (the completion equals the row's `column` after normalising case,
+    spaces and a final period), `numeric_match` (the last number in the completion equals the
+    column's number), `regex` (1.0 where `pattern` matches the completion, else 0.0). A function is
+    called as TRL calls one: `f(prompts=..., completions=..., **columns)`, every other column of the
+    rows as a keyword, and returns one float (or None: no opinion) per completion."""
+    weight: float = 1.0
+    """This function's weight in the total reward (a weighted sum; None counts as no term)."""
+    column: str = "answer"
+    """exact_match and numeric_match: the column holding the expected answer."""
+    pattern: Optional[str] = None
+    """regex: the pattern searched for in each completion (Python `re`, DOTALL)."""
+
+
+@dataclass
+class RLConfig:
+    method: Optional[Literal["grpo"]] = None
+    """None: no online RL. `grpo`: each optimizer step samples rl.num_generations completions per
+    prompt of its global batch (data.format=prompt) with the policy as it stands, scores them with
+    rl.rewards, normalises the rewards within each prompt's group into advantages, and takes the
+    clipped policy-gradient loss on them (GRPO and its variants through loss_type and
+    importance_sampling). micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
+    num_generations completions."""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """How per-token losses are averaged, as TRL 1.16: `dapo` over every completion token of the
+    global batch (TRL's default), `grpo` over each completion's tokens then over completions,
+    `dr_grpo` summed per completion and divided by max_new_tokens, then over completions."""
+    importance_sampling: Literal["token", "sequence"] = "token"
+    """The policy ratio per token, or per completion (the geometric mean of its tokens' ratios: GSPO)."""
+    num_generations: int = 8
+    """Completions sampled per prompt (the group its advantages are normalised in; at least 2)."""
+    epsilon: float = 0.2
+    """The ratio is clipped below at 1 - epsilon."""
+    epsilon_high: Optional[float] = None
+    """The ratio is clipped above at 1 + epsilon_high (default epsilon; DAPO's clip-higher uses 0.28)."""
+    beta: float = 0.0
+    """Weight of the KL term to the reference model (0 as TRL: no reference pass). Above 0 the
+    reference is the base with the LoRA adapter disabled (lora.enabled: no second model)."""
+    num_iterations: int = 1
+    """Optimizer steps taken on each generated batch (the old policy's log-probabilities are kept
+    for the ratio); a run's steps count every one of them."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantages are the reward minus its group's mean, divided by the group's standard deviation
+    (`group`), the global batch's (`batch`), or not divided (`none`, as Dr. GRPO)."""
+    max_new_tokens: int = 256
+    """Longest completion; one cut there counts in the share of clipped completions."""
+    temperature: float = 1.0
+    """Sampling temperature of the completions (above 0; evaluation answers greedily)."""
+    top_p: float = 1.0
+    """Nucleus sampling: only the most likely tokens whose probabilities sum to top_p are drawn from."""
+    rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
+    """The reward functions (see RewardConfig): names, or mappings with a weight."""
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 0
     """Save the full training state every N optimizer steps and at the end (0: no checkpoints,
@@ -358,6 +420,8 @@ class Recipe:
     """Checkpoints of the full training state."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """Preference training (DPO, ORPO, SimPO) on data.format=preference pairs; unset: supervised."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """Online reinforcement learning (GRPO and its variants) on data.format=prompt rows; unset: none."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -649,6 +713,7 @@ def validate(r: Recipe, source: str) -> None:
     need(r.checkpoint.keep_last > 0, "checkpoint.keep_last", f"must be positive, got {r.checkpoint.keep_last}")
     need(not (r.resume and r.overwrite), "resume", "resume and overwrite=true contradict each other")
     validate_preference(r, need)
+    validate_rl(r, need)
 
 
 def validate_chat_template(m: ModelConfig, need) -> None:
@@ -679,6 +744,8 @@ def validate_preference(r: Recipe, need) -> None:
     formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
                                  if isinstance(e, DataSource) and e.format}
     if p.method is None:
+        if r.rl.method is not None:
+            return
         need("preference" not in formats, "data.format",
              "preference pairs train only with a preference.method (dpo, orpo or simpo)")
         changed = [f.name for f in dataclasses.fields(PreferenceConfig)
@@ -711,6 +778,73 @@ def validate_preference(r: Recipe, need) -> None:
     need(not r.data.train_on_prompt, "data.train_on_prompt", "preference losses take completions only")
     need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
          "not with preference.method: the preference loss has no router term yet")
+
+
+BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
+
+
+def validate_rl(r: Recipe, need) -> None:
+    """The rl section against itself, the data and the other objectives. A reward function's file
+    must exist now; importing it and calling it on the first rows happen when the run starts
+    (training/rewards.py), before the model loads."""
+    rl = r.rl
+    formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
+                                 if isinstance(e, DataSource) and e.format}
+    if rl.method is None:
+        need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo)")
+        changed = [f.name for f in dataclasses.fields(RLConfig) if getattr(rl, f.name) != getattr(RLConfig(), f.name)]
+        need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo)")
+        return
+    need(formats == {"prompt"}, "data.format",
+         f"rl.method={rl.method} samples completions for prompts: data.format (and every entry's format) must be "
+         f"prompt, got {', '.join(sorted(formats))}")
+    need(r.preference.method is None, "preference.method", "one objective per run: remove it or rl.method")
+    need(rl.num_generations >= 2, "rl.num_generations",
+         f"at least 2 (advantages compare the completions of a prompt), got {rl.num_generations}")
+    need(rl.epsilon > 0, "rl.epsilon", f"must be positive, got {rl.epsilon}")
+    if rl.epsilon_high is None:
+        rl.epsilon_high = rl.epsilon
+    need(rl.epsilon_high > 0, "rl.epsilon_high", f"must be positive, got {rl.epsilon_high}")
+    need(rl.beta >= 0, "rl.beta", f"must be 0 or more, got {rl.beta}")
+    need(rl.beta == 0 or r.lora.enabled, "rl.beta",
+         "above 0 the reference is the base with the LoRA adapter disabled, which needs lora.enabled=true "
+         "(a frozen copy for full fine-tuning is not built)")
+    need(rl.num_iterations >= 1, "rl.num_iterations", f"must be at least 1, got {rl.num_iterations}")
+    k = rl.num_iterations
+    need(not r.train.max_steps or r.train.max_steps % k == 0, "train.max_steps",
+         f"a multiple of rl.num_iterations={k} (a generated batch trains {k} steps), got {r.train.max_steps}")
+    need(r.checkpoint.every_steps % k == 0, "checkpoint.every_steps",
+         f"a multiple of rl.num_iterations={k}: a checkpoint between a generated batch's steps would not hold "
+         f"the batch, got {r.checkpoint.every_steps}")
+    need(rl.max_new_tokens > 0, "rl.max_new_tokens", f"must be positive, got {rl.max_new_tokens}")
+    need(rl.temperature > 0, "rl.temperature",
+         f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
+    need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
+    need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
+         + ", ".join(BUILT_IN_REWARDS) + ")")
+    rl.rewards = [e if isinstance(e, RewardConfig) else RewardConfig(function=e) for e in rl.rewards]
+    for i, e in enumerate(rl.rewards):
+        key = f"rl.rewards[{i}]"
+        need(math.isfinite(e.weight), f"{key}.weight", f"must be a finite number, got {e.weight}")
+        name, sep, attr = e.function.rpartition(":")
+        if e.function in BUILT_IN_REWARDS:
+            need(e.function != "regex" or bool(e.pattern), f"{key}.pattern", "the regex reward needs a pattern")
+            if e.pattern:
+                try:
+                    re.compile(e.pattern)
+                except re.error as err:
+                    need(False, f"{key}.pattern", f"not a regular expression: {err}")
+            continue
+        need(e.pattern is None, f"{key}.pattern", "only the built-in regex reward takes a pattern")
+        need(bool(sep and name and attr.isidentifier()), f"{key}.function",
+             f"{e.function!r}: give path/to/file.py:function, module:function or a built-in "
+             f"({', '.join(BUILT_IN_REWARDS)})")
+        if name.endswith(".py"):
+            need(Path(name).expanduser().is_file(), f"{key}.function", f"file not found: {name}")
+    need(not r.data.packing and not r.data.padding_free, "data.packing" if r.data.packing else "data.padding_free",
+         "prompt rows are not packed: each step makes its own completions")
+    need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
+         "not with rl.method: the policy loss has no router term")
 
 
 def dump_recipe(r: Recipe) -> str:
@@ -767,6 +901,7 @@ def key_reference() -> str:
 
     table(Recipe, "", "Top level")
     for cls, title, prefix in ((DataSource, "Entries of data.train_files / data.eval_files written as mappings", ""),
+                               (RewardConfig, "Entries of rl.rewards written as mappings", ""),
                                (RopeScaling, "`model.rope_scaling`: " + docs_of(RopeScaling), "model.rope_scaling.")):
         lines.extend([f"## {title}", "", "| key | type | default | meaning |", "|---|---|---|---|"])
         meaning = docs(cls.__name__)

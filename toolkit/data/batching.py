@@ -23,8 +23,10 @@ class Examples(torch.utils.data.Dataset):
 
     def __init__(self, docs, bins=None):
         self.table = docs  # every column, for counting
-        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels")
+        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "fields")
                    if docs is not None and c in docs.column_names]
+        if "fields" in columns:  # an online-RL prompt: its place (source, row) seeds its completions
+            columns += ["source", "row"]
         self.docs = docs.select_columns(columns).with_format("numpy") if docs is not None else None
         self.bins = bins.with_format("numpy") if bins is not None else None
         self.pairs = "rejected_input_ids" in columns
@@ -137,13 +139,15 @@ class Collator:
     per example."""
 
     def __init__(self, pad_token_id: int, packed: bool = False, padding_free: bool = False, bounds: bool = False,
-                 pairs: bool = False, multiple: int = 1):
+                 pairs: bool = False, multiple: int = 1, prompts: bool = False):
         self.pad_token_id, self.packed, self.padding_free, self.bounds = pad_token_id, packed, padding_free, bounds
-        self.pairs, self.multiple = pairs, multiple
+        self.pairs, self.multiple, self.prompts = pairs, multiple, prompts
 
     def __call__(self, examples: list[dict | None]) -> dict:
         if self.pairs:
             return self.pair_batch(examples)
+        if any(e is not None and "fields" in e for e in examples) or (self.prompts and examples):
+            return self.prompt_batch(examples)
         real = [e for e in examples if e is not None]
         packed = "position_ids" in real[0] if real else self.packed
         examples = [e if e is not None else {"input_ids": [self.pad_token_id], "labels": [IGNORE],
@@ -183,6 +187,20 @@ class Collator:
             mask[i, : len(e["input_ids"])] = 1
         batch["attention_mask"] = mask
         return batch
+
+    @staticmethod
+    def prompt_batch(examples: list[dict | None]) -> dict:
+        """Prompts (online RL) as they are: their token ids, their rows' columns, and (source, row)
+        for each, which seeds its completions; an example of None (eval padding) is `valid` False."""
+        import json
+
+        real = [e for e in examples if e is not None]
+        filler = real[0] if real else {"input_ids": [0], "fields": "{}", "source": 0, "row": -1}
+        return {"prompt_ids": [np.asarray((e or filler)["input_ids"]).tolist() for e in examples],
+                "fields": [json.loads(str((e or filler)["fields"])) for e in examples],
+                "keys": torch.as_tensor([[int((e or filler)["source"]), int((e or filler)["row"])] for e in examples],
+                                        dtype=torch.long).reshape(-1, 2),
+                "valid": torch.as_tensor([e is not None for e in examples])}
 
     def pair_batch(self, examples: list[dict | None]) -> dict:
         none = {"input_ids": [self.pad_token_id], "labels": [IGNORE]}

@@ -10,6 +10,7 @@ look like a mistake (a system turn after the last answer: `note`) are said in a 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     row_of = cols["row"] + 1  # an example's row in the file (a chat may give several examples: render)
     n_targets, full_targets, full_length = cols["n_targets"], cols["full_targets"], cols["full_length"]
     all_targets = (n_targets == cols["length"] - 1) & (n_targets > 0)
-    if source.format != "text" and not cfg.train_on_prompt and all_targets.mean() > 0.5:
+    if source.format not in ("text", "prompt") and not cfg.train_on_prompt and all_targets.mean() > 0.5:
         # A prompt format whose prompts carry no tokens: the chat template dropped them (or a field is empty).
         raise ToolkitError(f"{source.name}: row {int(row_of[np.flatnonzero(all_targets)[0]])}: every token is a target "
                            f"in {int(all_targets.sum())} of {len(tokenized)} rows, although "
@@ -76,7 +77,7 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
                            "probably renders no prompt (or data.train_on_prompt=true was meant)")
     overlong = full_length > cfg.max_seq_len
     keep = np.ones(len(tokenized), dtype=bool)
-    if cfg.overlong == "drop":
+    if cfg.overlong == "drop" or source.format == "prompt":  # a cut prompt would lose where the answer starts
         keep &= ~overlong
         report.dropped_overlong += int(overlong.sum())
         report.targets_lost += int(full_targets[overlong].sum())
@@ -155,6 +156,8 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
             if k in missing:  # one token, no target: dropped below by the rule for rows without targets
                 i, o = [placeholder_id], [(0, 0)]
             out.append(_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt))
+            if fmt == "prompt":  # one prompt, no targets (its completions are sampled in training)
+                out[-1].update(n_targets=1, full_targets=1, fields=json.dumps(rows[k], default=str))
             out[-1]["missing"] = missing.get(k, "")
             out[-1]["note"] = "" if k in missing or fmt != "messages" else trailing_system_turn(rows[k])
             out[-1]["row"] = indices[k]
@@ -163,6 +166,9 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
         del rendered, enc
     if fmt == "preference":
         out = [pair(chosen, rejected) for chosen, rejected in zip(out[::2], out[1::2])]
+    if fmt == "prompt":
+        for o in out:
+            o.setdefault("fields", "{}")
     columns = {k: [o[k] for o in out] for k in out[0]}
     columns["source"] = [source] * len(out)
     return columns
@@ -174,6 +180,7 @@ def _features(fmt: str = "text"):
     pairs = {"rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32"))}
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      **(pairs if fmt == "preference" else {}),
+                     **({"fields": Value("string")} if fmt == "prompt" else {}),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
                      "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
                      "note": Value("string"), "row": Value("int32")})
@@ -209,6 +216,8 @@ def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, in
         return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
     if fmt == "preference":
         return preference_examples(row, tokenizer)
+    if fmt == "prompt":
+        return [prompt_example(row, tokenizer)]
     return chat_examples(chat_messages(row), row.get("tools") or None, tokenizer)
 
 
@@ -233,7 +242,9 @@ def text_value(row: dict, key: str, required: bool = True) -> str:
 def chat_messages(row: dict) -> list[dict]:
     """A conversation's messages as the template will see them, checked: a list of mappings with a
     string role, at least one assistant turn, and text (or, for an assistant turn with tool calls,
-    nothing) as content. Null or empty: MissingField."""
+    nothing) as content. Content written as OpenAI's text parts is their text joined (chat
+    templates read content as a string: parts rendered as empty turns or as a Python list);
+    parts of another type (an image) are refused. Null or empty: MissingField."""
     messages = row.get("messages")
     if messages is None and "conversations" in row:  # ShareGPT: {"from": "human", "value": ...}
         messages = sharegpt_messages(row["conversations"])
@@ -241,6 +252,7 @@ def chat_messages(row: dict) -> list[dict]:
         raise MissingField("messages")
     if not isinstance(messages, list):
         raise ToolkitError(f"messages is {type(messages).__name__}, not a list of messages")
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ToolkitError(f"messages[{i}] is not a message with a role ({m!r:.80})")
@@ -249,9 +261,24 @@ def chat_messages(row: dict) -> list[dict]:
             raise MissingField(f"messages[{i}].content")
         if content is not None and not isinstance(content, (str, list)):
             raise ToolkitError(f"messages[{i}].content is {type(content).__name__} ({content!r:.40}), not text")
-    if not any(m["role"] == "assistant" for m in messages):
+        checked.append({**m, "content": text_parts(content, f"messages[{i}].content")} if isinstance(content, list)
+                       else m)
+    if not any(m["role"] == "assistant" for m in checked):
         raise MissingField("an assistant message")
-    return messages
+    return checked
+
+
+def text_parts(parts: list, where: str) -> str:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as the one string they mean."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else f"not a text part ({part!r:.60})"
+            raise ToolkitError(f"{where}[{j}] is {what}; only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                               "train: a text model has no place for images or audio")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def trailing_system_turn(row: dict) -> str:
@@ -340,6 +367,21 @@ def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int,
     return [(t, [(cut, len(t))], has_specials) for t in texts]
 
 
+def prompt_example(row: dict, tokenizer) -> tuple[str, list[tuple[int, int]], bool]:
+    """An online-RL prompt up to where the answer starts: text as written (BOS added), or chat
+    messages through the template with its generation prompt (TRL's prompt-only formats)."""
+    value = row.get("prompt")
+    if value is None or (isinstance(value, list) and not value):
+        raise MissingField("prompt")
+    if not isinstance(value, list):
+        return text_value(row, "prompt"), [], False
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ToolkitError(f"prompt[{i}] is not a chat message with text `role` and `content`")
+    need_chat_template(tokenizer, "prompts written as chat messages")
+    return tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True), [], True
+
+
 def need_chat_template(tokenizer, what: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ToolkitError(f"{what} render through the tokenizer's chat template, and this tokenizer has none "
@@ -381,7 +423,7 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
     """Labels: a token is a target when its first character lies inside a span that carries loss."""
     ids = np.asarray(enc_ids, dtype=np.int64)
     starts = np.asarray([a for a, _ in offsets], dtype=np.int64)
-    if fmt in ("text", "preference") and tokenizer.bos_token_id is not None and not has_specials:
+    if fmt in ("text", "preference", "prompt") and tokenizer.bos_token_id is not None and not has_specials:
         ids, starts = np.concatenate([[tokenizer.bos_token_id], ids]), np.concatenate([[0], starts])
     if fmt == "text" or train_on_prompt:
         target = np.ones(len(ids), dtype=bool)

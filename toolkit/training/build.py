@@ -61,11 +61,12 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     accelerator, log = backend.accelerator, backend.accelerator.print
     resume_from = run_folder.open_run(accelerator, recipe, lock)
     check_data(recipe)
+    rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     built = setup_model(backend, recipe, tokenizer, log)
-    objective = setup_objective(backend, recipe, built.model, log)
+    objective = setup_objective(backend, recipe, built.model, log, tokenizer, rewards)
     data = setup_data(recipe, tokenizer, built.packing, accelerator, preemption, lock, log)
     loaders = setup_loaders(backend, recipe, data, tokenizer, built)
     state = setup_state(backend, recipe, data, loaders, resume_from)
@@ -99,6 +100,29 @@ def check_data(recipe: Recipe) -> None:
     for entries, key in ((d.train_files, "data.train_files"), (d.eval_files, "data.eval_files")):
         for source in resolve_sources(entries, d, key):
             check_first_rows(source)
+
+
+def setup_rewards(recipe: Recipe) -> list | None:
+    """rl.rewards imported, and each called on the first prompt rows of the first training file (a
+    JSON one) with an empty and a short completion, before the model loads: a function that cannot
+    run at all fails now, by name and row."""
+    if recipe.rl.method is None:
+        return None
+    from ..data.sources import json_rows
+    from .rewards import check_rewards, load_rewards
+
+    rewards = load_rewards(recipe.rl.rewards)
+    source = resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")[0]
+    if source.files and Path(source.files[0]).suffix.lower() in (".json", ".jsonl"):
+        rows = []
+        for row, number, _ in json_rows(source.files[0]):
+            rows.append((row, number))
+            if len(rows) == 2:
+                break
+        check_rewards(rewards, [r.get("prompt") for r, _ in rows], [{k: v for k, v in r.items() if k != "prompt"}
+                                                                    for r, _ in rows],
+                      [f"{source.name} row {n}" for _, n in rows])
+    return rewards
 
 
 @dataclass
@@ -188,10 +212,13 @@ def setup_lora(backend: backends.Backend, recipe: Recipe, model, rows: list[int]
     return model
 
 
-def setup_objective(backend: backends.Backend, recipe: Recipe, model, log) -> objectives.Objective:
-    """The recipe's objective for the built model (after LoRA: DPO's reference may be the model with
-    its adapter disabled), checked by the backend and said at the start of the run."""
-    objective = objectives.for_recipe(recipe, model)
+def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, tokenizer,
+                    rewards: list | None) -> objectives.Objective:
+    """The recipe's objective for the built model (after LoRA: DPO's and RL's reference may be the
+    model with its adapter disabled), checked by the backend and said at the start of the run."""
+    sources = [s.name for s in resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")]
+    objective = objectives.for_recipe(recipe, model, tokenizer=tokenizer, accelerator=backend.accelerator,
+                                      rewards=rewards, sources=sources)
     backend.check_objective(objective)
     for line in objective.describe():
         log(line)
@@ -239,7 +266,7 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
                            + ("processes)" if ranks == world else f"data-parallel ranks of {world} processes)"))
     collate = Collator(tokenizer.pad_token_id, packed=built.packing, padding_free=built.padding_free,
                        bounds=built.config.attn_implementation == "varlen", pairs=data.train.pairs,
-                       multiple=backend.sequence_parallel)
+                       multiple=backend.sequence_parallel, prompts=recipe.rl.method is not None)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
@@ -250,7 +277,7 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
     eval_loader = DataLoader(data.eval, batch_size=eval_batch, collate_fn=collate,
                              sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
                              generator=torch.Generator().manual_seed(recipe.seed))
-    total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch
+    total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch * recipe.rl.num_iterations
     if t.warmup_steps > total_steps:  # max_steps was checked at load; epochs give their steps only now
         raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer "
                            f"steps that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch "

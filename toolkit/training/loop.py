@@ -62,7 +62,7 @@ class Run:
 def fit(run: Run) -> dict:
     """Train from `run.state.step` to `run.total_steps`; returns the last metrics row."""
     acc, t, state, monitor = run.accelerator, run.recipe.train, run.state, run.monitor
-    batches = global_batches(run.train_loader, run.sampler, t.gradient_accumulation_steps)
+    batches = global_batches(run.train_loader, run.sampler, t.gradient_accumulation_steps, run.objective.iterations)
     row = {}
     if state.step == 0:
         row = monitor.metrics.write({"step": 0, "epoch": 0.0, **evaluation(run, 0)})
@@ -88,6 +88,7 @@ def fit(run: Run) -> dict:
             progress.set_postfix_str(f"loss {row['loss']:.4f} | {speed_text(row, short=True)}", refresh=False)
             progress.update(1)
             every = run.recipe.checkpoint.every_steps
+            stop_requested = stop_requested and run.objective.resumable_after(step)  # else at the next step it can
             if (every and (step % every == 0 or step == run.total_steps)) or stop_requested:
                 path = save_checkpoint(run, step)
                 if stop_requested:
@@ -110,7 +111,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     monitor.begin_step(step)
     with monitor.phase("data", step):
         epoch, seen, micro_batches = next(batches)
-        micro_batches = run.objective.step_batches(model, micro_batches)  # what the loss is taken on this step
+        micro_batches = run.objective.step_batches(model, micro_batches, step)  # what the loss is taken on this step
         # Exact accumulation: every unit of the global batch (all micro-batches, all ranks) weighs
         # the same, so the loss is a sum divided by the global count of units. Counted on the
         # host, before the batches move: no device synchronisation for it.
@@ -160,7 +161,8 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         flags[0], flags[1 + rank] = float(run.preemption.requested), measure.peak_memory_gib(acc.device)
         sums = torch.stack([loss_sum.double(), *extra.values()])
         totals = acc.reduce(torch.cat([sums, flags.to(acc.device)]), reduction="sum").tolist()
-        loss, *extra_sums = (x / n_units for x in totals[:len(sums)])
+        loss = totals[0] / n_units
+        extra = run.objective.finish_metrics(dict(zip(extra, totals[1:len(sums)])), n_units)
         stop_requested, peaks = totals[len(sums)] > 0, totals[len(sums) + 1:]
     scale_now = run.backend.loss_scale(model)
     state.step, state.tokens_seen, state.data_position = step, state.tokens_seen + n_tokens, [epoch, seen]
@@ -172,7 +174,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         say(acc, trace_line)
     per_epoch = run.sampler.steps_per_epoch * run.sampler.global_batch  # samples an epoch trains on
     row = {"step": step, "epoch": round(epoch + seen / per_epoch, 4),
-           "loss": loss, **dict(zip(extra, extra_sums)), "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
+           "loss": loss, **extra, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens_seen,
            **run.speed.row(step, elapsed, tokens=n_tokens, targets=n_units, rows=run.sampler.global_batch,
                            squared_lengths=squared_lengths, peaks_gib=peaks),
            "skipped_steps": state.skipped_steps, "loss_scale": scale_now, "time": round(time.time(), 3)}
@@ -187,8 +189,13 @@ def evaluation(run: Run, step: int) -> dict:
     found = {}
     with run.monitor.outside_steps("eval", step, "eval"):
         found.update(evaluate(run.accelerator, run.model, run.eval_loader, run.objective, run.monitor, step))
-        if found["eval_loss"] is not None:
+        if len(run.eval_loader.dataset):
             say(run.accelerator, f"{where} | " + " | ".join(f"{k} {v:.4f}" for k, v in found.items()))
+        answered = run.objective.eval_samples()  # online RL: a few eval answers with their rewards
+        for s in answered:
+            say(run.accelerator, f"{where} | sample {s['prompt']!r} -> {s['answer']!r} (reward {s['reward']:g})")
+        if answered:
+            found["samples"] = answered
         if run.samples:
             found["samples"] = show_samples(run.accelerator, run.samples(run.model), where)
     return found
@@ -230,23 +237,28 @@ def evaluate(accelerator, model, eval_loader, objective: Objective, monitor: Mon
         totals[0] += objective.loss_sum(model, batch).double()
         totals[1] += objective.units(batch)
     model.train()
-    extra = {k: v for k, v in objective.step_metrics(accelerator.device).items()
-             if k in objective.eval_metrics}  # the per-pair rewards; not the router's training-only loss
-    totals = accelerator.reduce(torch.cat([totals, *(v.reshape(1) for v in extra.values())]), reduction="sum")
+    extra = objective.step_metrics(accelerator.device)
+    totals = accelerator.reduce(torch.cat([totals, *(v.reshape(1) for v in extra.values())]), reduction="sum").tolist()
     n = totals[1]
-    return {"eval_loss": (totals[0] / n).item(), **{f"eval_{k}": (v / n).item() for k, v in zip(extra, totals[2:])}}
+    metrics = objective.finish_metrics(dict(zip(extra, totals[2:])), n)
+    return {**({"eval_loss": totals[0] / n} if objective.has_eval_loss else {}),
+            **{f"eval_{k}": v for k, v in metrics.items()
+               if k in objective.eval_metrics}}  # the per-pair rewards; not the router's training-only loss
 
 
-def global_batches(loader, sampler, accumulation: int):
+def global_batches(loader, sampler, accumulation: int, repeat: int = 1):
     """Yield (epoch, samples of that epoch seen after this step, the micro-batches of one optimizer
-    step), epoch after epoch, from the sampler's resume position."""
+    step), epoch after epoch, from the sampler's resume position; each global batch `repeat` times
+    (an objective's `iterations`)."""
     epoch = sampler.resume_epoch
     while True:
         loader.set_epoch(epoch)
         it = iter(loader)
         start = sampler.resume_offset if epoch == sampler.resume_epoch else 0
         for i in range(sampler.steps_in(epoch)):
-            yield epoch, start + (i + 1) * sampler.global_batch, [next(it) for _ in range(accumulation)]
+            micro_batches = [next(it) for _ in range(accumulation)]
+            for _ in range(repeat):
+                yield epoch, start + (i + 1) * sampler.global_batch, micro_batches
         epoch += 1
 
 

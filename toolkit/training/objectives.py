@@ -2,10 +2,10 @@
 its objective through one typed contract, `Objective`, and knows nothing else about the loss, so
 another objective is a class here, not branches in the loop.
 
-Two implement it: `Supervised` (units: target tokens) and `Preference` (units: pairs). The
-contract already has the seam an objective that makes its own batch needs (online RL generates
-completions and scores them before the loss): `step_batches`, called once per optimizer step on the
-micro-batches the loader gave, before anything is counted.
+Three implement it: `Supervised` (units: target tokens) and `Preference` (units: pairs) here, and
+online RL's `online.GroupRL` (units: completion tokens or completions), which makes its own batch in
+`step_batches` (called once per optimizer step on the micro-batches the loader gave, before anything
+is counted): it samples completions for the loader's prompts and scores them before the loss.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ class Objective(ABC):
     """The contract between the loop and what a batch is trained to do. For the micro-batches of
     one optimizer step the loop calls, in this order:
 
-    1. `step_batches(model, micro_batches)`: the micro-batches the loss is taken on. The loader's,
-       as they are, for an objective trained on a dataset; an objective that makes its own batch
-       (sampling completions for the loader's prompts, scoring them) returns what it made.
+    1. `step_batches(model, micro_batches, step)`: the micro-batches the loss is taken on. The
+       loader's, as they are, for an objective trained on a dataset; an objective that makes its own
+       batch (sampling completions for the loader's prompts, scoring them) returns what it made.
+       `iterations`: optimizer steps taken on each global batch (the loader repeats it that often);
+       `resumable_after(step)`: whether a checkpoint after `step` holds all a resume needs.
     2. `host_counts(micro_batches)`: [units, tokens, squared document lengths], counted on the host
        before the batches move (no device synchronisation). `units` is what the loss is averaged
        over across the whole global batch (every micro-batch, every rank).
@@ -35,17 +37,31 @@ class Objective(ABC):
        tensor that carries the gradient. The loop divides by the global count of units, so every
        unit weighs the same whatever the accumulation, the number of ranks or the padding.
     4. `step_metrics(device)`: this rank's sums of the metrics logged beside the loss since the
-       last call (summed over ranks and divided by the global units in the loss's reduction).
+       last call, summed over ranks in the loss's reduction; `finish_metrics(sums, units)` makes the
+       logged values of those global sums (by default each divided by the global units).
 
-    Evaluation calls `loss_sum` and `units` per eval batch, then `step_metrics`, and reports the
-    metrics named in `eval_metrics`. `describe()` gives the start-of-run lines; `unsplittable()`
+    Evaluation calls `loss_sum` and `units` per eval batch, then `step_metrics` and `finish_metrics`,
+    and reports the metrics named in `eval_metrics` (and `eval_loss` where `has_eval_loss`), and
+    says the answers of `eval_samples()`. `describe()` gives the start-of-run lines; `unsplittable()`
     says why the loss cannot be taken on rows split across ranks (sequence parallelism), if so."""
 
     unit: ClassVar[str]  # what the loss is a mean over, in words ("target tokens", "pairs")
     eval_metrics: ClassVar[tuple[str, ...]] = ()  # step metrics that evaluation reports too (eval_<name>)
+    has_eval_loss: ClassVar[bool] = True
+    iterations: int = 1
 
-    def step_batches(self, model, micro_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    def step_batches(self, model, micro_batches: list[dict[str, torch.Tensor]],
+                     step: int) -> list[dict[str, torch.Tensor]]:
         return micro_batches
+
+    def resumable_after(self, step: int) -> bool:
+        return True
+
+    def finish_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        return {name: value / units for name, value in sums.items()}
+
+    def eval_samples(self) -> list[dict]:
+        return []
 
     def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
         """Units, processed tokens (packed and padding-free rows carry no mask, so their little
@@ -231,10 +247,17 @@ class Preference(Objective):
                 for name in self.eval_metrics}
 
 
-def for_recipe(recipe, model=None) -> Objective:
-    """The recipe's objective for `model` as built (before prepare; after LoRA for a preference
-    objective, whose DPO reference may be the model with its adapter disabled): supervised, with
-    the router's load-balancing loss as model.router_aux_loss_coef says, or preference."""
+def for_recipe(recipe, model=None, *, tokenizer=None, accelerator=None, rewards=None,
+               sources: list[str] = ()) -> Objective:
+    """The recipe's objective for `model` as built (before prepare; after LoRA for a preference or
+    RL objective, whose reference may be the model with its adapter disabled): supervised, with
+    the router's load-balancing loss as model.router_aux_loss_coef says, preference, or online RL
+    (which samples with `tokenizer` and reduces over `accelerator`'s ranks, scoring with `rewards`)."""
+    if recipe.rl.method is not None:
+        from .online import GroupRL
+
+        return GroupRL(recipe.rl, rewards, tokenizer, accelerator, recipe.seed, list(sources),
+                       adapter=model if recipe.lora.enabled else None)
     if recipe.preference.method is not None:
         adapter = model if recipe.preference.reference == "adapter" else None
         return Preference(recipe.preference, adapter)

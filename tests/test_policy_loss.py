@@ -1,0 +1,169 @@
+"""policy_loss.py against TRL 1.16's own code: `GRPOTrainer._compute_loss`, called unbound on a stub trainer
+whose model part (`_get_per_token_logps_and_entropies`) hands back our log-probabilities, must give the same
+loss, gradient and clip/KL metrics; `group_advantages` must give the advantages of TRL's
+`_generate_and_score_completions`."""
+
+import itertools
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from toolkit.training.policy_loss import group_advantages, policy_loss
+
+grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+trl_utils = pytest.importorskip("trl.trainer.utils")
+# TrainingArguments' own default (gradient_checkpointing) warns on every GRPOConfig
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+
+B, T = 6, 12
+LENGTHS = [12, 3, 7, 1, 12, 5]  # completions of varied lengths, two of them full, one of a single token
+EPSILON, EPSILON_HIGH = 0.2, 0.28
+
+
+def batch(seed: int) -> dict[str, torch.Tensor]:
+    """Random float64 tensors: ratios far enough from 1 to be clipped on both sides, advantages of both signs."""
+    generator = torch.Generator().manual_seed(seed)
+    logps = -3 * torch.rand(B, T, generator=generator, dtype=torch.float64)
+    mask = (torch.arange(T) < torch.tensor(LENGTHS).unsqueeze(1)).double()
+    return {
+        "logps": logps,
+        "old_logps": logps + 0.3 * torch.randn(B, T, generator=generator, dtype=torch.float64),
+        "ref_logps": logps + 0.5 * torch.randn(B, T, generator=generator, dtype=torch.float64),
+        "advantages": torch.randn(B, generator=generator, dtype=torch.float64),
+        "mask": mask,
+    }
+
+
+def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old, processes=1, accumulation=1,
+             num_items=None):
+    """TRL's `_compute_loss` of one micro-batch, on a stub trainer set up as `GRPOTrainer.__init__` sets itself up
+    from a real GRPOConfig (TRL's defaults for everything not named); `num_items`: the completion tokens of the
+    whole generation batch, over every process (TRL gathers it; default: this micro-batch's).
+    Returns (loss, the stub's metrics)."""
+    args = grpo_trainer.GRPOConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, loss_type=loss_type, beta=beta,
+        epsilon=EPSILON, epsilon_high=EPSILON_HIGH, importance_sampling_level=importance_sampling,
+        max_completion_length=T, per_device_train_batch_size=B, num_generations=3,
+        gradient_accumulation_steps=accumulation,
+    )
+    entropies = torch.rand(B, T, dtype=torch.float64)
+    stub = types.SimpleNamespace(
+        args=args, loss_type=args.loss_type, beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
+        top_entropy_quantile=args.top_entropy_quantile, off_policy_mask_threshold=args.off_policy_mask_threshold,
+        use_vllm=args.use_vllm, vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
+        _entropy_bonus_enabled=args.entropy_coef != 0.0 or args.use_adaptive_entropy, aux_loss_enabled=False,
+        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation,
+        accelerator=types.SimpleNamespace(num_processes=processes, reduce=lambda x, reduction: x, gather=lambda x: x),
+        _metrics={"train": defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, entropies, None),
+    )
+    mask = data["mask"].long()
+    inputs = {
+        "prompt_ids": torch.ones(B, 4, dtype=torch.long), "prompt_mask": torch.ones(B, 4, dtype=torch.long),
+        "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask,
+        "advantages": data["advantages"],
+        "old_per_token_logps": data["old_logps"] if old else None,
+        "ref_per_token_logps": data["ref_logps"] if beta else None,
+        "num_items_in_batch": mask.sum() if num_items is None else torch.tensor(num_items),
+    }
+    return grpo_trainer.GRPOTrainer._compute_loss(stub, None, inputs), stub._metrics["train"]
+
+
+def ours(data, logps, *, loss_type, importance_sampling, beta, old):
+    return policy_loss(
+        logps, data["old_logps"] if old else None, data["ref_logps"] if beta else None, data["advantages"],
+        data["mask"], loss_type=loss_type, importance_sampling=importance_sampling, epsilon=EPSILON,
+        epsilon_high=EPSILON_HIGH, beta=beta, max_completion_length=T,
+    )
+
+
+CASES = list(itertools.product(["grpo", "dapo", "dr_grpo"], ["token", "sequence"], [0.0, 0.04], [False, True]))
+
+
+@pytest.mark.parametrize("loss_type, importance_sampling, beta, old", CASES)
+def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, importance_sampling, beta, old):
+    data = batch(seed=CASES.index((loss_type, importance_sampling, beta, old)))
+    config = dict(loss_type=loss_type, importance_sampling=importance_sampling, beta=beta, old=old)
+    theirs_logps = data["logps"].clone().requires_grad_()
+    theirs, metrics = trl_loss(tmp_path, data, theirs_logps, **config)
+    our_logps = data["logps"].clone().requires_grad_()
+    loss_sum, units, sums = ours(data, our_logps, **config)
+    assert units == (sum(LENGTHS) if loss_type == "dapo" else B)
+    torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
+    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
+    (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
+    assert our_grad.abs().sum() > 0
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-5)
+
+    clip_units = sums["clip_units"].item()
+    assert clip_units == (sum(LENGTHS) if importance_sampling == "token" else B)
+    # TRL divides by a float32 count (global_masked_mean: mask.sum().float()), hence rel=1e-6
+    for ours_name, trl_name in [("clip_ratio_low", "low_mean"), ("clip_ratio_high", "high_mean"),
+                                ("clip_ratio", "region_mean")]:
+        assert sums[ours_name].item() / clip_units == pytest.approx(metrics[f"clip_ratio/{trl_name}"][0], rel=1e-6)
+    if importance_sampling == "token" and old:  # the data are made to clip, on both sides
+        assert sums["clip_ratio_low"] > 0 and sums["clip_ratio_high"] > 0
+    assert sums["tokens"].item() == sum(LENGTHS)
+    if beta:
+        assert sums["kl"].item() / sums["tokens"].item() == pytest.approx(metrics["kl"][0], rel=1e-6)
+    else:
+        assert "kl" not in sums and "kl" not in metrics
+    assert all(value.dtype == torch.float64 and not value.requires_grad for value in sums.values())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_global_division_equals_trl_over_ranks_and_accumulation(tmp_path, loss_type):
+    """Two ranks x two accumulated micro-batches: TRL's losses, averaged over the ranks as DDP averages gradients,
+    summed over the micro-batches, equal our sums over all four divided by the global count of units."""
+    config = dict(loss_type=loss_type, importance_sampling="token", beta=0.04, old=True)
+    parts = [batch(seed=10 + i) for i in range(4)]
+    for i, data in enumerate(parts):  # each micro-batch with its own lengths
+        data["mask"] = data["mask"].roll(i, dims=0)
+    total_tokens = int(sum(data["mask"].sum() for data in parts))
+    theirs = 0.0
+    for data in parts:
+        loss, _ = trl_loss(tmp_path, data, data["logps"], processes=2, accumulation=2, num_items=total_tokens, **config)
+        theirs = theirs + loss / 2
+    results = [ours(data, data["logps"], **config) for data in parts]
+    global_units = sum(units for _, units, _ in results)
+    torch.testing.assert_close(sum(loss_sum for loss_sum, _, _ in results) / global_units, theirs)
+
+
+def trl_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
+    """TRL 1.16's advantages, trl/trainer/grpo_trainer.py lines 2765-2787 and 2810 (multi_objective_aggregation
+    "sum_then_normalize", the default), with TRL's own nanstd (trl/trainer/utils.py: Bessel-corrected)."""
+    nanstd = trl_utils.nanstd
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    if scale_rewards in ["group", "none"]:
+        std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
+        std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+    else:
+        std_rewards = nanstd(rewards).expand_as(rewards)
+    advantages = rewards - mean_grouped_rewards
+    if scale_rewards != "none":
+        advantages = advantages / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_equal_trl(scale):
+    # float32, as TRL's rewards are: its nanstd applies Bessel's factor as a float32 (count / (count - 1) of
+    # integer counts), so on float64 rewards it differs from an exact std by ~1e-8, relative
+    rewards = torch.randn(24, generator=torch.Generator().manual_seed(0))
+    rewards[4:8] = 0.5  # one group of equal rewards
+    advantages = group_advantages(rewards, 4, scale)
+    torch.testing.assert_close(advantages, trl_advantages(rewards, 4, scale))
+    assert torch.equal(advantages[4:8], torch.zeros(4))
+
+
+def test_batch_scale_over_ranks_uses_the_global_std():
+    """Each rank holds whole groups; with the std of every rank's rewards passed in, the ranks' advantages
+    together are those of the whole batch."""
+    rewards = torch.rand(16, generator=torch.Generator().manual_seed(1))
+    per_rank = [group_advantages(part, 4, "batch", batch_std=rewards.std()) for part in rewards.split(8)]
+    torch.testing.assert_close(torch.cat(per_rank), group_advantages(rewards, 4, "batch"))
+    torch.testing.assert_close(torch.cat(per_rank), trl_advantages(rewards, 4, "batch"))

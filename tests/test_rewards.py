@@ -1,0 +1,260 @@
+"""training/rewards.py: loading reward functions, the built-ins, TRL's calling convention, and one-line errors."""
+
+import math
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from toolkit.config import RewardConfig
+from toolkit.errors import ToolkitError
+from toolkit.training.rewards import Reward, check_rewards, load_rewards, score
+
+ROWS = ["train.jsonl row 1", "train.jsonl row 2"]
+
+
+def built_in(function, **kw):
+    return load_rewards([RewardConfig(function=function, **kw)])
+
+
+def values(rewards, completions, answers=None, prompts=None):
+    """Score one completion per row; each row's `answer` column taken from answers."""
+    n = len(completions)
+    columns = [{"answer": a} for a in answers] if answers is not None else [{} for _ in range(n)]
+    total, _ = score(rewards, prompts or ["Q?"] * n, completions, columns, step=3, rows=[f"row {i}" for i in range(n)])
+    return total.tolist()
+
+
+def write(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def one_line_error(match, call, *args, **kw) -> str:
+    with pytest.raises(ToolkitError, match=match) as err:
+        call(*args, **kw)
+    message = str(err.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+# --- built-ins
+
+
+def test_exact_match_compares_the_whole_normalised_completion():
+    r = built_in("exact_match")
+    assert values(r, ["  Paris. ", "PARIS", "paris  france", "The answer is Paris"],
+                  ["paris", "Paris.", "Paris France", "Paris"]) == [1.0, 1.0, 1.0, 0.0]
+    assert values(r, ["42"], [42]) == [1.0]  # a non-text answer compares as its text
+
+
+def test_numeric_match_reads_the_last_number():
+    r = built_in("numeric_match")
+    completions = ["so 3 + 4 = 7", "Total: 1,234 apples", "it is -2.5", "no number here", "7.0000001", "3-5",
+                   "12 then 13"]
+    answers = [7, "1234", "#### -2.5", 7, "7", 5, 12]
+    assert values(r, completions, answers) == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def test_numeric_match_refuses_an_answer_without_a_number():
+    message = one_line_error("holds no number", values, built_in("numeric_match"), ["7"], ["seven"])
+    assert "row 0" in message and "numeric_match" in message and "step 3" in message
+
+
+def test_regex_searches_across_lines():
+    r = built_in("regex", pattern=r"<think>.*</think>")
+    assert values(r, ["<think>a\nb</think> 4", "4"]) == [1.0, 0.0]
+
+
+def test_built_ins_read_chat_completions_and_their_column():
+    r = built_in("exact_match", column="gold")
+    chat = [[{"role": "user", "content": "Capital of France?"}]] * 3
+    completions = ["Paris", [{"role": "assistant", "content": "Paris."}], [{"role": "assistant", "content": "Rome"}]]
+    total, _ = score(r, chat, completions, [{"gold": "paris"}] * 3, step=0, rows=ROWS + ["row 3"])
+    assert total.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_row_without_the_column_names_the_column_the_function_and_the_row():
+    r = built_in("numeric_match", column="gold")
+    columns = [{"gold": 1}, {"answer": 1}]
+    message = one_line_error("no 'gold' column", score, r, ["a", "b"], ["1", "1"], columns, step=5, rows=ROWS)
+    assert message.startswith("train.jsonl row 2: reward numeric_match at step 5")
+    message = one_line_error("no 'gold' column", check_rewards, r, ["a", "b"], columns, ROWS)
+    assert message.startswith("train.jsonl row 2: reward numeric_match at step 0")
+
+
+# --- loading and TRL's calling convention
+
+
+def test_a_function_from_a_file_and_one_from_a_module(tmp_path, monkeypatch):
+    write(tmp_path, "helper.py", "BONUS = 0.5\n")
+    write(tmp_path, "rewards.py", """
+        from helper import BONUS  # a module beside the file imports while it loads
+
+        def correct(prompts, completions, answer, **kwargs):
+            return [1.0 + BONUS if c == a else 0.0 for c, a in zip(completions, answer)]
+    """)
+    (tmp_path / "pkg").mkdir()
+    write(tmp_path / "pkg", "my_mod.py", "def fmt(completions, **kwargs):\n    return [len(c) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    entries = [RewardConfig(function="rewards.py:correct", weight=2.0), RewardConfig(function="my_mod:fmt")]
+    rewards = load_rewards(entries)
+    assert [r.name for r in rewards] == ["rewards.py:correct", "my_mod:fmt"]
+    assert str(tmp_path) not in sys.path  # the file's folder is not left on sys.path
+    total, per = score(rewards, ["q", "q"], ["ab", "abc"], [{"answer": "ab"}, {"answer": "x"}], step=1, rows=ROWS)
+    assert per["rewards.py:correct"].tolist() == [1.5, 0.0] and per["my_mod:fmt"].tolist() == [2.0, 3.0]
+    assert total.tolist() == [2 * 1.5 + 2, 3.0] and total.dtype == torch.float32
+
+
+def test_a_trl_reward_function_works_unchanged(tmp_path, monkeypatch):
+    write(tmp_path, "trl_rewards.py", """
+        def reward_len(completions, **kwargs):
+            return [-abs(20 - len(completion)) for completion in completions]
+    """)
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards([RewardConfig(function="trl_rewards.py:reward_len")])
+    assert values(rewards, ["x" * 20, "x" * 25]) == [0.0, -5.0]
+
+
+def test_the_keywords_are_those_trl_passes(tmp_path, monkeypatch):
+    """TRL 1.16 `_calculate_rewards`: prompts, completions, completion_ids, trainer_state, log_extra, log_metric and
+    every other column, one value per completion; chat completions as [{"role": "assistant", "content": ...}]."""
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **columns):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, step=trainer_state.global_step,
+                    columns=columns)
+        log_metric("mine", 1.0)
+        log_extra("note", ["a", "b"])
+        return [0.5, None]
+
+    module = type(sys)("spy_module")
+    module.spy = spy
+    monkeypatch.setitem(sys.modules, "spy_module", module)
+    chat = [[{"role": "user", "content": "hi"}]] * 2
+    total, per = score(load_rewards([RewardConfig(function="spy_module:spy")]), chat, ["a", "b"],
+                       [{"answer": 1, "level": "easy"}, {"answer": 2, "level": "hard"}], step=7, rows=ROWS,
+                       completion_ids=[[1], [2, 3]])
+    assert seen == {"prompts": chat, "completions": [[{"role": "assistant", "content": "a"}],
+                                                      [{"role": "assistant", "content": "b"}]],
+                    "ids": [[1], [2, 3]], "step": 7, "columns": {"answer": [1, 2], "level": ["easy", "hard"]}}
+    assert total[0].item() == 0.5 and math.isnan(total[1].item()) and math.isnan(per["spy_module:spy"][1].item())
+
+
+def test_none_terms_are_left_out_of_the_weighted_sum_as_trl_nansum(monkeypatch):
+    module = type(sys)("none_module")
+    module.a = lambda completions, **kw: [1.0, None, None, np.float32(2), True]
+    module.b = lambda completions, **kw: [3.0, 4, None, 1, np.int64(0)]
+    monkeypatch.setitem(sys.modules, "none_module", module)
+    rewards = load_rewards([RewardConfig(function="none_module:a", weight=1.0),
+                            RewardConfig(function="none_module:b", weight=0.5)])
+    total = values(rewards, ["x"] * 5)
+    assert total[:2] == [2.5, 2.0] and math.isnan(total[2]) and total[3:] == [2.5, 1.0]
+
+
+def test_tensors_arrays_and_async_functions_are_accepted(monkeypatch):
+    async def judge(completions, **kw):
+        return [1.0] * len(completions)
+    module = type(sys)("forms_module")
+    module.tensor = lambda completions, **kw: torch.ones(len(completions))
+    module.array = lambda completions, **kw: np.zeros(len(completions))
+    module.judge = judge
+    monkeypatch.setitem(sys.modules, "forms_module", module)
+    rewards = load_rewards([RewardConfig(function=f"forms_module:{n}") for n in ("tensor", "array", "judge")])
+    assert values(rewards, ["x", "y"]) == [2.0, 2.0]
+
+
+def test_a_repeated_function_gets_its_own_name():
+    rewards = load_rewards([RewardConfig(function="regex", pattern="a"), RewardConfig(function="regex", pattern="b")])
+    assert [r.name for r in rewards] == ["regex", "regex#2"]
+    _, per = score(rewards, ["q"], ["a"], [{}], step=0, rows=ROWS[:1])
+    assert per["regex"].tolist() == [1.0] and per["regex#2"].tolist() == [0.0]
+
+
+# --- loading errors: one line naming rl.rewards[i].function and the text
+
+
+@pytest.mark.parametrize("source, function, match", [
+    (None, "missing.py:f", "file not found"),
+    ("import no_such_module_here\n", "r.py:f", r"importing r.py: raised ModuleNotFoundError: No module named"),
+    ("x = 1 / 0\n", "r.py:f", "importing r.py: raised ZeroDivisionError: division by zero"),
+    ("def g(completions, **kw):\n    return []\n", "r.py:f", "r.py has no 'f'"),
+    ("f = 3\n", "r.py:f", "f is a int, not a function"),
+    ("def f(prompts, completions):\n    return []\n", "r.py:f", r"cannot take the keywords TRL passes .*\*\*kwargs"),
+    ("def f(p, c, /, **kw):\n    return []\n", "r.py:f", "cannot take the keywords"),
+    (None, "no_such_module_zz:f", "importing no_such_module_zz: raised ModuleNotFoundError"),
+])
+def test_a_function_that_cannot_load_is_refused_in_one_line(tmp_path, monkeypatch, source, function, match):
+    if source is not None:
+        write(tmp_path, "r.py", source)
+    monkeypatch.chdir(tmp_path)
+    entries = [RewardConfig(function="exact_match"), RewardConfig(function=function)]
+    message = one_line_error(match, load_rewards, entries)
+    assert message.startswith(f"rl.rewards[1].function: {function!r}: ")
+
+
+# --- scoring errors: one line naming the row, the function, the step and what was wrong
+
+
+def scoring_error(function, match, rows=ROWS, step=9):
+    module = type(sys)("bad_module")
+    module.f = function
+    sys.modules["bad_module"] = module
+    try:
+        rewards = load_rewards([RewardConfig(function="bad_module:f")])
+        return one_line_error(match, score, rewards, ["q1", "q2"], ["a", "b"], [{"n": 1}, {"n": 2}], step=step,
+                              rows=rows)
+    finally:
+        del sys.modules["bad_module"]
+
+
+def test_a_function_that_raises_names_the_row_that_fails():
+    def f(completions, n, **kw):
+        return [1 / (2 - x) for x in n]
+    message = scoring_error(f, "raised ZeroDivisionError: division by zero")
+    assert message.startswith("train.jsonl row 2: reward bad_module:f at step 9: ")
+
+
+def test_a_function_that_fails_only_on_the_batch_names_the_batch():
+    def f(completions, **kw):
+        if len(completions) > 1:
+            raise RuntimeError("batch too big\nsecond line")
+        return [0.0]
+    message = scoring_error(f, "raised RuntimeError: batch too big$")
+    assert message.startswith("train.jsonl row 1, train.jsonl row 2: reward bad_module:f at step 9")
+
+
+@pytest.mark.parametrize("returned, match, row", [
+    ([1.0, 2.0, 3.0], "returned 3 values for 2 completions", "train.jsonl row 1, train.jsonl row 2"),
+    (0.5, "returned a float; return a list of 2 numbers", "train.jsonl row 1, train.jsonl row 2"),
+    ([1.0, float("nan")], "returned nan for completion 1", "train.jsonl row 2"),
+    ([float("-inf"), 1.0], "returned -inf for completion 0", "train.jsonl row 1"),
+    ([1.0, "0.5"], r"returned '0.5' \(str\) for completion 1; return a real number or None", "train.jsonl row 2"),
+    ([[1.0], 1.0], r"returned \[1.0\] \(list\) for completion 0", "train.jsonl row 1"),
+])
+def test_a_wrong_return_is_refused_in_one_line(returned, match, row):
+    message = scoring_error(lambda completions, **kw: returned, match)
+    assert message.startswith(f"{row}: reward bad_module:f at step 9: ")
+
+
+def test_check_rewards_runs_every_function_before_training(tmp_path, monkeypatch):
+    write(tmp_path, "r.py", """
+        def first_word(completions, **kwargs):
+            return [len(c.split()[0]) for c in completions]  # an empty completion has no first word
+    """)
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards([RewardConfig(function="numeric_match"), RewardConfig(function="r.py:first_word")])
+    prompts, columns = ["q"] * 6, [{"answer": i} for i in range(6)]
+    rows = [f"train.jsonl row {i}" for i in range(6)]
+    message = one_line_error("raised IndexError: list index out of range", check_rewards, rewards, prompts, columns,
+                             rows)
+    assert message.startswith("train.jsonl row 0: reward r.py:first_word at step 0: ")
+    check_rewards(rewards[:1], prompts, columns, rows)  # the built-in runs on an empty completion
+
+
+def test_a_reward_is_a_plain_record():
+    assert Reward("x", 1.0, len).column is None

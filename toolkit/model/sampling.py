@@ -1,0 +1,83 @@
+"""Sampling completions inside training (online RL): a decoding loop with a KV cache over the
+model's own forward, in which each completion draws from its own seeded generator.
+
+`generate` (transformers) draws every row from one global random stream, so a completion would
+depend on which rows share its batch, how many ranks split the batch, and what drew before it. Here
+completion i draws only from `torch.Generator().manual_seed(seeds[i])`, on the host, from its own
+probabilities: the same seed and logits give the same tokens whatever the batch, the backend, the
+number of ranks or a resume. `synced`: a callable that says whether every rank is done; a backend
+whose forward is a collective (ZeRO-3 and FSDP gather each layer in it) needs all ranks to run the
+same number of forward passes, so each keeps stepping until all are done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import torch
+
+
+def completion_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (the run's seed, the step, the prompt's source and row, the
+    completion's index in its group): stable across processes and Python versions."""
+    digest = hashlib.sha256("/".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_tokens: int, stop_ids: list[int],
+           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, synced=None) -> list[list[int]]:
+    """The completion of each prompt (token ids, its stop token included where it stopped). `seeds`:
+    one per prompt; None: greedy. `model`: the module itself (not a DDP or DeepSpeed wrapper)."""
+    device = next(model.parameters()).device
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends where its completion starts
+        ids[i, width - len(p):] = torch.as_tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    generators = [torch.Generator().manual_seed(s) for s in seeds] if seeds is not None else None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes keywords through
+    taken = inspect.signature(type(base).forward).parameters
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in taken else {}
+    cache_key = "cache" if "cache" in taken else "past_key_values"  # transformers 5.x renamed it
+    stops = torch.tensor(stop_ids, dtype=torch.long)
+    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long)
+    done = torch.zeros(n, dtype=torch.bool)
+    lengths = torch.zeros(n, dtype=torch.long)
+    cache, step_ids = None, ids
+    for t in range(max_new_tokens):
+        result = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       **{cache_key: cache}, **keep_last)
+        cache = result.past_key_values
+        logits = result.logits[:, -1].float().cpu()
+        chosen = pick(logits, generators, temperature, top_p)
+        chosen[done] = pad_id
+        out[:, t] = chosen
+        lengths += ~done
+        done |= torch.isin(chosen, stops)
+        if synced(bool(done.all())) if synced is not None else bool(done.all()):
+            break
+        step_ids = chosen[:, None].to(device)
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+        positions = positions[:, -1:] + 1
+    return [out[i, :int(lengths[i])].tolist() for i in range(n)]
+
+
+def pick(logits: torch.Tensor, generators: list[torch.Generator] | None, temperature: float,
+         top_p: float) -> torch.Tensor:
+    """The next token of each row: the most likely (no generators), or drawn with row i's generator
+    from its logits / temperature, cut to the nucleus top_p (as transformers' TopPLogitsWarper)."""
+    if generators is None:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=False)
+        cut = ordered.softmax(-1).cumsum(-1) <= (1 - top_p)
+        cut[:, -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])

@@ -1,0 +1,279 @@
+"""Online RL (GRPO and its variants) as an objective of the one loop: each optimizer step makes its
+own batch in `step_batches`. For the step's prompts (the loader's micro-batches, data.format=prompt)
+the policy samples rl.num_generations completions each (`model/sampling.py`: each completion seeded
+by the run's seed, the step, the prompt's source and row and its index in the group, so completions
+do not depend on the backend, the number of ranks or a resume); the reward functions score them
+(`rewards.py`); rewards become advantages within each prompt's group; and the micro-batches the loss
+is taken on are the prompt + completion sequences, with their advantages (and the old policy's and
+the reference's log-probabilities where rl.num_iterations > 1 or rl.beta > 0). The loss is
+`policy_loss.policy_loss`, a sum over this objective's units, which the loop divides by their
+global count.
+
+A prompt's group is sampled, scored and normalised on the rank that holds the prompt: groups never
+straddle ranks. rl.scale_rewards=batch divides by the standard deviation of the whole global batch,
+reduced over the ranks. Evaluation answers each eval prompt greedily once and reports the mean
+reward (`eval_reward`): held-out accuracy where the reward is a correctness check.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..data.formats import IGNORE
+from ..model.inference import stop_token_ids
+from ..model.sampling import completion_seed, sample
+from . import rewards as reward_functions
+from .loss import token_logps_each
+from .objectives import Objective
+from .policy_loss import group_advantages, policy_loss
+
+
+class GroupRL(Objective):
+    """rl.method=grpo: the clipped policy-gradient loss over groups of sampled completions."""
+
+    eval_metrics = ("reward",)
+    has_eval_loss = False
+
+    def __init__(self, cfg, rewards: list, tokenizer, accelerator, seed: int, sources: list[str], adapter=None):
+        self.cfg, self.rewards, self.tokenizer, self.accelerator = cfg, rewards, tokenizer, accelerator
+        self.seed, self.sources, self.adapter = seed, sources, adapter
+        self.unit = "completion tokens" if cfg.loss_type == "dapo" else "completions"
+        self.iterations = cfg.num_iterations
+        self.made: list[dict] | None = None  # this generation's micro-batches, kept for its num_iterations steps
+        self.sums: dict[str, torch.Tensor] = {}
+        self.generated: dict[str, float] = {}  # the step's generation metrics, global already
+        self.shown: list[dict] = []
+        self.stops: list[int] | None = None  # where a completion ends: set on first use, from the model
+
+    # ------------------------------------------------------------------ the contract
+
+    def describe(self) -> list[str]:
+        c = self.cfg
+        variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO"}[c.loss_type] \
+            + (" with sequence-level ratios (GSPO)" if c.importance_sampling == "sequence" else "")
+        names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards)
+        return [f"rl: {variant}, {c.num_generations} completions per prompt (seeded per prompt and step), at most "
+                f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
+                + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
+                + f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]; advantages scaled by the "
+                + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
+                + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
+                + (f"; {c.num_iterations} optimizer steps per generated batch" if c.num_iterations > 1 else "")
+                + f"; the loss is a mean over {self.unit}",
+                f"rl: rewards {names}; groups stay on one rank"
+                + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")]
+
+    def unsplittable(self) -> str | None:
+        return "online RL samples and scores whole completions, not rows split across ranks"
+
+    def resumable_after(self, step: int) -> bool:
+        return step % self.iterations == 0  # a checkpoint between a generated batch's steps would lose it
+
+    def units(self, batch: dict) -> int:
+        if "completion_mask" not in batch:  # an eval batch of prompts: its real prompts
+            return int(batch["valid"].sum())
+        mask = batch["completion_mask"]
+        return int(mask.sum()) if self.cfg.loss_type == "dapo" else int((mask.sum(-1) > 0).sum())
+
+    def host_counts(self, micro_batches: list[dict]) -> list[float]:
+        units = sum(self.units(b) for b in micro_batches)
+        tokens = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+        squared = sum(int(b["attention_mask"].sum(-1).pow(2).sum()) for b in micro_batches)
+        return [units, tokens, squared]
+
+    def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
+        if (step - 1) % self.iterations and self.made is not None:
+            return self.made
+        started = time.perf_counter()
+        module = self.accelerator.unwrap_model(model)
+        prompts = [p for b in micro_batches for p in b["prompt_ids"]]
+        keys = torch.cat([b["keys"] for b in micro_batches]).tolist()
+        fields = [f for b in micro_batches for f in b["fields"]]
+        g = self.cfg.num_generations
+        seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
+        completions = self.generate(module, [p for p in prompts for _ in range(g)], seeds)
+        rows = [self.row_name(source, row) for source, row in keys for _ in range(g)]
+        rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows)
+        advantages = group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
+        made, start = [], 0
+        for b in micro_batches:
+            n = len(b["prompt_ids"]) * g
+            made.append(self.sequences([p for p in b["prompt_ids"] for _ in range(g)], completions[start:start + n],
+                                       advantages[start:start + n]))
+            start += n
+        if self.iterations > 1 or self.cfg.beta > 0:
+            self.add_fixed_logps(model, made)
+        self.made = made
+        self.generated = self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started)
+        return made
+
+    def loss_sum(self, model, batch: dict) -> torch.Tensor:
+        if "completion_mask" not in batch:
+            return self.evaluate_prompts(model, batch)
+        mask = batch["completion_mask"]
+        logps, entropy = self.per_token(model, batch)
+        loss, _, sums = policy_loss(
+            logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
+            loss_type=self.cfg.loss_type, importance_sampling=self.cfg.importance_sampling,
+            epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high, beta=self.cfg.beta,
+            max_completion_length=self.cfg.max_new_tokens)
+        sums = {**sums, "entropy": (entropy * mask).sum().double()}
+        for name, value in sums.items():
+            self.sums[name] = self.sums.get(name, 0) + value.detach().double()
+        return loss
+
+    def step_metrics(self, device) -> dict[str, torch.Tensor]:
+        sums, self.sums = self.sums, {}
+        names = ["reward", "prompts"] if "prompts" in sums else ["clip_ratio_low", "clip_ratio_high", "clip_ratio",
+                                                                 "clip_units", "entropy", "tokens"] \
+            + (["kl"] if self.cfg.beta else [])
+        return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
+                for name in names}
+
+    def finish_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        if "prompts" in sums:  # evaluation: the mean greedy reward per eval prompt
+            return {"reward": sums["reward"] / max(sums["prompts"], 1)}
+        tokens, clip_units = max(sums.pop("tokens"), 1.0), max(sums.pop("clip_units"), 1.0)
+        return {**self.generated, **{k: v / (clip_units if k.startswith("clip_ratio") else tokens)
+                                     for k, v in sums.items()}}
+
+    def eval_samples(self) -> list[dict]:
+        shown, self.shown = self.shown, []
+        return shown
+
+    # ------------------------------------------------------------------ making the batch
+
+    def generate(self, module, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
+        if self.stops is None:
+            self.stops = stop_token_ids(module, self.tokenizer)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
+        was_training = module.training
+        module.eval()
+        try:
+            with self.accelerator.autocast():
+                return sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens, stop_ids=self.stops,
+                              pad_id=pad, temperature=self.cfg.temperature, top_p=self.cfg.top_p, synced=self.all_done)
+        finally:
+            module.train(was_training)
+
+    def all_done(self, done: bool) -> bool:
+        """Whether every rank's completions have all stopped (each rank steps until then)."""
+        if self.accelerator.num_processes == 1:
+            return done
+        flag = torch.tensor([0.0 if done else 1.0], device=self.accelerator.device)
+        return self.accelerator.reduce(flag, "sum").item() == 0
+
+    def text(self, completion: list[int]) -> str:
+        ids = completion[:-1] if completion and completion[-1] in self.stops else completion
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def score(self, fields: list[dict], completions: list[list[int]], step: int, rows: list[str]):
+        prompts = [f.get("prompt") for f in fields]
+        texts = [self.text(c) for c in completions]  # a chat prompt's completion is passed as a message (score)
+        columns = [{k: v for k, v in f.items() if k != "prompt"} for f in fields]
+        return reward_functions.score(self.rewards, prompts, texts, columns, step=step, rows=rows,
+                                      completion_ids=completions)
+
+    def row_name(self, source: int, row: int) -> str:
+        return f"{self.sources[source]} row {row + 1}"
+
+    def batch_std(self, rewards: torch.Tensor) -> torch.Tensor | None:
+        """The global batch's reward std (unbiased, as torch.std), reduced over ranks; only for scale_rewards=batch."""
+        if self.cfg.scale_rewards != "batch":
+            return None
+        r = rewards.double()[~rewards.isnan()]  # unscorable completions left out, as TRL's nanstd
+        local = torch.tensor([r.sum(), (r * r).sum(), float(len(r))], dtype=torch.float64)
+        s, s2, n = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu().tolist()
+        return torch.tensor(max(s2 - s * s / n, 0.0) / max(n - 1, 1)).sqrt().to(rewards.dtype)
+
+    def sequences(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor) -> dict:
+        """The micro-batch the loss is taken on: prompt + completion rows, right-padded; labels on the
+        completion tokens (its stop token included); `completion_mask` over labels[:, 1:]."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
+        width = max(len(p) + max(len(c), 1) for p, c in zip(prompts, completions))
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        labels = torch.full((len(prompts), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids[i, :len(p) + len(c)] = torch.as_tensor(p + c)
+            labels[i, len(p):len(p) + len(c)] = torch.as_tensor(c, dtype=torch.long)
+            mask[i, :len(p) + len(c)] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "completion_mask": (labels[:, 1:] != IGNORE).float(), "advantages": advantages.float()}
+
+    def per_token(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T-1) log-probabilities of the completion tokens and the entropy there (0 elsewhere)."""
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        flat, entropy = token_logps_each(model, inputs)
+        where = batch["completion_mask"] > 0
+        logps = flat.new_zeros(where.shape).masked_scatter(where, flat)
+        return logps, entropy.new_zeros(where.shape).masked_scatter(where, entropy)
+
+    @torch.no_grad()
+    def add_fixed_logps(self, model, made: list[dict]) -> None:
+        """The old policy's log-probabilities (rl.num_iterations > 1) and the reference's (rl.beta > 0:
+        the model with its LoRA adapter disabled), taken once per generated batch."""
+        for batch in made:
+            if self.iterations > 1:
+                batch["old_logps"] = self.per_token(model, batch)[0]
+            if self.cfg.beta > 0:
+                with self.adapter.disable_adapter():
+                    batch["ref_logps"] = self.per_token(model, batch)[0]
+
+    def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
+        """Reward mean and std (total and per function), completion lengths, the share cut at
+        max_new_tokens and of groups without reward spread, over the global batch."""
+        g, cap = self.cfg.num_generations, self.cfg.max_new_tokens
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+        cut = torch.tensor([len(c) == cap and (not c or c[-1] not in self.stops) for c in completions],
+                           dtype=torch.float64)
+        r = rewards.double()
+        flat_groups = r.view(-1, g)
+        no_spread = (flat_groups.max(1).values - flat_groups.min(1).values).abs() < 1e-12
+        columns = {"reward": r, **{f"reward_{name}": v.double() for name, v in per_function.items()}}
+        sums = []
+        for v in columns.values():
+            ok = ~torch.isnan(v)
+            sums += [torch.where(ok, v, 0).sum(), torch.where(ok, v * v, 0).sum(), ok.sum()]
+        sums += [lengths.sum(), cut.sum(), no_spread.sum(), float(len(completions)), float(len(flat_groups)), seconds]
+        extremes = torch.tensor([lengths.max(), -lengths.min()], dtype=torch.float64)
+        device = self.accelerator.device
+        total = self.accelerator.reduce(torch.tensor(sums, dtype=torch.float64).to(device), "sum").cpu().tolist()
+        most = self.accelerator.reduce(extremes.to(device), "max").cpu().tolist() \
+            if self.accelerator.num_processes > 1 else extremes.tolist()
+        out = {}
+        for i, name in enumerate(columns):
+            s, s2, n = total[3 * i:3 * i + 3]
+            out[name] = s / max(n, 1)
+            if name == "reward":
+                out["reward_std"] = (max(s2 - s * s / max(n, 1), 0.0) / max(n - 1, 1)) ** 0.5
+        length_sum, cut_n, flat_n, n, groups, secs = total[3 * len(columns):]
+        world = self.accelerator.num_processes
+        return {**out, "completion_length": length_sum / n, "completion_length_max": most[0],
+                "completion_length_min": -most[1], "clipped_completions": cut_n / n, "zero_std_groups": flat_n / groups,
+                "generation_seconds": secs / world}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate_prompts(self, model, batch: dict) -> torch.Tensor:
+        """One greedy completion per eval prompt, scored: the sum of rewards of the real prompts (the
+        loss of an eval batch is 0; the reward is the metric)."""
+        module = self.accelerator.unwrap_model(model)
+        completions = self.generate(module, batch["prompt_ids"], None)
+        valid = batch["valid"].cpu().tolist()
+        keys = batch["keys"].cpu().tolist()
+        rows = [self.row_name(s, r) for s, r in keys]
+        rewards, _ = self.score(batch["fields"], completions, 0, rows)
+        kept = torch.tensor(valid, dtype=torch.bool)
+        total = torch.nan_to_num(rewards.double())[kept].sum()
+        self.sums["reward"] = self.sums.get("reward", 0) + total
+        self.sums["prompts"] = self.sums.get("prompts", 0) + float(kept.sum())
+        if self.accelerator.is_main_process and len(self.shown) < 3:
+            for i in range(len(completions)):
+                if valid[i] and len(self.shown) < 3:
+                    prompt = self.tokenizer.decode(batch["prompt_ids"][i], skip_special_tokens=True)
+                    self.shown.append({"prompt": prompt, "answer": self.text(completions[i]),
+                                       "reward": float(rewards[i])})
+        return torch.zeros((), device=self.accelerator.device)

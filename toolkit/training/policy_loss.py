@@ -1,0 +1,125 @@
+"""The online-RL loss of the GRPO family (GRPO, DAPO, Dr. GRPO; GSPO with sequence-level importance
+sampling), as pure tensor math: per-token log-probabilities in, loss out; no model, no generation.
+
+It is TRL 1.16's `GRPOTrainer._compute_loss` with TRL's defaults for what is not a parameter here
+(no `delta`, no top-entropy mask, no off-policy mask, no vLLM importance-sampling correction, no
+entropy bonus, and `use_bias_correction_kl=True`: the KL term is weighted by the importance ratio),
+and `group_advantages` is the advantage of `_generate_and_score_completions`. tests/test_policy_loss.py
+calls TRL's own code on the same tensors and checks the loss, its gradient and the metrics.
+
+The loss comes back as a sum over units plus their number, not as a mean, so that the caller divides
+by the count over all micro-batches and ranks: one micro-batch on one process gives TRL's loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+IMPORTANCE_SAMPLING = ("token", "sequence")
+SCALES = ("group", "batch", "none")
+STD_EPSILON = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str, batch_std: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Advantages of `rewards` (n_prompts * group_size,), each prompt's completions contiguous: the reward
+    minus its group's mean, divided by (std + 1e-4) with the unbiased std of the group (`scale="group"`)
+    or of the whole global batch (`"batch"`: `batch_std`, computed over every rank's rewards by the caller;
+    None: `rewards.std()`), not divided for `"none"`. A group of equal rewards gets zeros."""
+    if scale not in SCALES:
+        raise ValueError(f"scale: {scale!r}; one of {', '.join(SCALES)}")
+    grouped = rewards.view(-1, group_size)
+    advantages = (grouped - grouped.nanmean(dim=1, keepdim=True)).view(-1)  # NaN: unscorable, left out (as TRL)
+    if scale == "group":
+        std = nanstd(grouped).repeat_interleave(group_size)
+    elif scale == "batch":
+        std = nanstd(rewards[None])[0] if batch_std is None else batch_std
+    else:
+        return advantages
+    # a std over one reward is NaN: TRL zeroes those advantages (and counts that std as 0 where it can)
+    return torch.nan_to_num(advantages / (std + STD_EPSILON), nan=0.0)
+
+
+def nanstd(x: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of each row of `x`, NaN left out (TRL's nanstd)."""
+    n = (~x.isnan()).sum(dim=1)
+    variance = ((x - x.nanmean(dim=1, keepdim=True)) ** 2).nansum(dim=1) / (n - 1)
+    return variance.sqrt()
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    importance_sampling: str,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float,
+    max_completion_length: int,
+) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    """The clipped-surrogate loss (plus `beta` x KL to the reference) of a micro-batch of B completions.
+
+    logps, old_logps, ref_logps: (B, T) log-probabilities of the completion tokens under the policy (with
+    its gradient), the policy that sampled them (None: `logps` detached, i.e. one iteration per batch) and
+    the reference (needed iff beta > 0); advantages: (B,); mask: (B, T), 1.0 on completion tokens.
+
+    Returns (loss_sum, units, metric_sums); loss_sum / units is TRL's loss of this micro-batch:
+      dapo: the sum of per-token losses over the mask.sum() tokens;
+      grpo: the sum over the B completions of the mean of its per-token losses;
+      dr_grpo: the sum of per-token losses / max_completion_length, over B units.
+    metric_sums (detached float64 sums): "clip_ratio_low", "clip_ratio_high", "clip_ratio" (the low, high
+    and either region where the clipped term is taken, as TRL's clip_ratio/{low,high,region}_mean) over
+    "clip_units" (TRL's denominator: the tokens, or the completions under sequence-level sampling),
+    "kl" (only when beta > 0) over "tokens".
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type: {loss_type!r}; one of {', '.join(LOSS_TYPES)}")
+    if old_logps is None:
+        old_logps = logps.detach()
+    log_ratio = logps - old_logps
+    if importance_sampling == "token":
+        log_weights = log_ratio
+    elif importance_sampling == "sequence":  # GSPO: one ratio per completion, the mean log-ratio of its tokens
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        raise ValueError(f"importance_sampling: {importance_sampling!r}; one of {', '.join(IMPORTANCE_SAMPLING)}")
+    ratio = torch.exp(log_weights)  # (B, T), or (B, 1) at sequence level
+    advantages = advantages.unsqueeze(1)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+    if beta != 0.0:
+        ref_minus_policy = ref_logps - logps
+        # k3 estimator of KL(policy || ref), times the ratio: TRL's use_bias_correction_kl (on by default)
+        per_token_kl = (torch.exp(ref_minus_policy) - ref_minus_policy - 1) * ratio
+        per_token_loss = per_token_loss + beta * per_token_kl
+    masked_loss = per_token_loss * mask  # also spreads a (B, 1) sequence-level loss over the tokens
+
+    tokens = mask.sum()
+    if loss_type == "dapo":
+        loss_sum, units = masked_loss.sum(), int(tokens.item())
+    elif loss_type == "grpo":
+        loss_sum, units = (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), logps.size(0)
+    else:
+        loss_sum, units = masked_loss.sum() / max_completion_length, logps.size(0)
+
+    # TRL counts clipping per token, or per completion where the ratio has one column (sequence level)
+    low = (ratio < 1 - epsilon) & (advantages < 0)
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    weight = mask if ratio.size(1) > 1 else torch.ones_like(ratio)
+    metric_sums = {
+        "clip_ratio_low": (low * weight).sum(),
+        "clip_ratio_high": (high * weight).sum(),
+        "clip_ratio": ((low | high) * weight).sum(),
+        "clip_units": weight.sum(),
+        "tokens": tokens,
+    }
+    if beta != 0.0:
+        metric_sums["kl"] = (per_token_kl * mask).sum()
+    metric_sums = {name: value.detach().double() for name, value in metric_sums.items()}
+    return loss_sum, units, metric_sums

@@ -1,0 +1,302 @@
+"""The reward functions of online RL (rl.rewards): loading them, trying them before training, scoring completions.
+
+A function is called as TRL 1.16's GRPOTrainer calls one (`_calculate_rewards`): once per batch, with the keywords
+prompts, completions, completion_ids, trainer_state, log_extra, log_metric and every other column of the rows (one
+value per completion), so a function written for TRL works unchanged. It returns one real number, or None (no
+opinion), per completion. A completion's total is TRL's: the weighted sum over the functions with the None terms left
+out (nansum), and NaN where every function said None (TRL marks it unscorable: left out of its group's baseline, no
+advantage). Here trainer_state carries only global_step, and log_extra / log_metric accept their calls and drop them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from ..config import BUILT_IN_REWARDS, RewardConfig
+from ..errors import ToolkitError
+
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+_PER_BATCH = ("trainer_state", "log_extra", "log_metric")  # one object for the batch, not a list per completion
+_CHECK_ROWS = 4
+_CHECK_COMPLETIONS = ("", "The answer is 42.")
+
+
+@dataclass
+class Reward:
+    name: str
+    """As the user wrote it ("rewards.py:correct", "my_mod:fmt", "exact_match"); a repeat gets "#2", "#3"."""
+    weight: float
+    function: Callable[..., Any]
+    """Called as TRL calls reward functions."""
+    column: Optional[str] = None
+    """exact_match and numeric_match: the column holding the expected answer."""
+
+
+def load_rewards(entries: list[RewardConfig]) -> list[Reward]:
+    """Import each function: `path/to/file.py:name` (relative to the current folder), `module:name`, or a built-in."""
+    modules: dict[Path, ModuleType] = {}
+    rewards, seen = [], {}
+    for i, entry in enumerate(entries):
+        reward = _load(i, entry, modules)
+        seen[reward.name] = seen.get(reward.name, 0) + 1
+        if seen[reward.name] > 1:  # per-function values are keyed by name
+            reward.name += f"#{seen[reward.name]}"
+        rewards.append(reward)
+    return rewards
+
+
+def score(rewards: list[Reward], prompts: list, completions: list, columns: list[dict], *, step: int,
+          rows: list[str], completion_ids: Optional[list[list[int]]] = None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Score the i-th completion of prompts[i] (a text, or chat messages: a text completion is then passed as
+    [{"role": "assistant", "content": text}], as TRL does), its row's other columns in columns[i], its row described by
+    rows[i] ("train.jsonl row 17"). Returns (the weighted total, float32 (n,); each function's values, NaN for None)."""
+    assert rewards, "validate_rl requires at least one reward function"
+    completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) and isinstance(p, list) else c
+                   for p, c in zip(prompts, completions)]
+    reserved = set(TRL_KEYWORDS)  # a column of the same name is shadowed, as in TRL
+    keys = [k for k in dict.fromkeys(k for row in columns for k in row) if k not in reserved]
+    kwargs = {"prompts": list(prompts), "completions": completions, "completion_ids": completion_ids,
+              "trainer_state": SimpleNamespace(global_step=step), "log_extra": _drop, "log_metric": _drop,
+              **{k: [row.get(k) for row in columns] for k in keys}}
+    per_function = {r.name: torch.tensor(_call(r, kwargs, len(completions), step, rows), dtype=torch.float32)
+                    for r in rewards}
+    values = torch.stack(list(per_function.values()), dim=1)
+    total = (values * torch.tensor([r.weight for r in rewards], dtype=torch.float32)).nansum(dim=1)
+    total[values.isnan().all(dim=1)] = math.nan  # every function said None: unscorable, as TRL
+    return total, per_function
+
+
+def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], rows: list[str]) -> None:
+    """Before the model loads: every built-in finds its column in every row given, and every function scores an empty
+    and a short completion of the first rows, so one that cannot run fails now (the errors of `score`, step 0)."""
+    for reward in rewards:
+        missing = next((i for i, row in enumerate(columns) if reward.column and row.get(reward.column) is None), None)
+        if missing is not None:
+            raise ToolkitError(f"{_where(reward, 0, rows[missing])}: {_no_column(reward.column)}")
+    first = range(min(len(prompts), _CHECK_ROWS))
+    picked = [i for i in first for _ in _CHECK_COMPLETIONS]
+    score(rewards, [prompts[i] for i in picked], [c for _ in first for c in _CHECK_COMPLETIONS],
+          [columns[i] for i in picked], step=0, rows=[rows[i] for i in picked])
+
+
+# --- loading
+
+
+def _load(i: int, entry: RewardConfig, modules: dict[Path, ModuleType]) -> Reward:
+    text = entry.function
+    if text in BUILT_IN_REWARDS:
+        column = None if text == "regex" else entry.column
+        return Reward(text, entry.weight, _built_in(entry), column)
+
+    def fail(why: str) -> ToolkitError:
+        return ToolkitError(f"rl.rewards[{i}].function: {text!r}: {why}")
+
+    source, _, attr = text.rpartition(":")
+    if not source or not attr:
+        raise fail(f"give path/to/file.py:function, module:function or a built-in ({', '.join(BUILT_IN_REWARDS)})")
+    if source.endswith(".py") and not Path(source).expanduser().is_file():
+        raise fail(f"file not found: {Path(source).expanduser()} (relative to the current folder, {Path.cwd()})")
+    try:
+        if source.endswith(".py"):
+            module = _import_file(Path(source).expanduser().resolve(), modules)
+        else:
+            module = importlib.import_module(source)
+    except Exception as err:
+        raise fail(f"importing {source}: {_describe(err)}") from None
+    if not hasattr(module, attr):
+        raise fail(f"{source} has no {attr!r}")
+    function = getattr(module, attr)
+    if not callable(function):
+        raise fail(f"{attr} is a {type(function).__name__}, not a function")
+    if not _takes_trl_keywords(function):
+        raise fail(f"{attr}{inspect.signature(function)} cannot take the keywords TRL passes "
+                   f"({', '.join(k + '=' for k in TRL_KEYWORDS)} and one per column); give it **kwargs")
+    return Reward(text, entry.weight, function)
+
+
+def _import_file(path: Path, modules: dict[Path, ModuleType]) -> ModuleType:
+    """Import a file once per run, under a name no other module has; its folder is on sys.path only while it runs."""
+    if path not in modules:
+        name = f"toolkit_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickle look a class's module up there
+        sys.path.insert(0, str(path.parent))  # so it can import the modules beside it
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        finally:
+            if str(path.parent) in sys.path:
+                sys.path.remove(str(path.parent))
+        modules[path] = module
+    return modules[path]
+
+
+def _takes_trl_keywords(function: Callable) -> bool:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return True  # no signature to read (a C function): check_rewards calls it
+    if any(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in signature.parameters.values()):
+        return False  # everything comes by keyword
+    try:
+        signature.bind_partial(**dict.fromkeys(TRL_KEYWORDS))
+    except TypeError:
+        return False
+    return True
+
+
+# --- calling
+
+
+def _call(reward: Reward, kwargs: dict, n: int, step: int, rows: list[str]) -> list[float]:
+    """One function on the whole batch: its n values, NaN for None, or a one-line ToolkitError."""
+    try:
+        out = _invoke(reward.function, kwargs)
+    except Exception as err:
+        row, err = _first_failure(reward.function, kwargs, n, rows, err)
+        raise ToolkitError(f"{_where(reward, step, row)}: {_describe(err)}") from None
+    if isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim == 1:
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise ToolkitError(f"{_where(reward, step, _batch(rows))}: returned a {type(out).__name__}; "
+                           f"return a list of {n} numbers (or None), one per completion")
+    if len(out) != n:
+        raise ToolkitError(f"{_where(reward, step, _batch(rows))}: returned {len(out)} values for {n} completions; "
+                           f"return one per completion")
+    values = []
+    for i, value in enumerate(out):
+        if isinstance(value, torch.Tensor) and value.ndim == 0:
+            value = value.item()
+        if value is None:
+            values.append(math.nan)
+        elif not isinstance(value, (numbers.Real, np.bool_)):
+            raise ToolkitError(f"{_where(reward, step, rows[i])}: returned {_short(value)} ({type(value).__name__}) "
+                               f"for completion {i}; return a real number or None")
+        elif not math.isfinite(value):
+            raise ToolkitError(f"{_where(reward, step, rows[i])}: returned {float(value)} for completion {i}; "
+                               f"return a finite number, or None for no opinion")
+        else:
+            values.append(float(value))
+    return values
+
+
+def _invoke(function: Callable, kwargs: dict) -> Any:
+    out = function(**kwargs)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL also takes async functions
+
+
+def _first_failure(function: Callable, kwargs: dict, n: int, rows: list[str], err: Exception
+                   ) -> tuple[str, Exception]:
+    """The first completion that fails alone, to name its row; else the batch, with the batch's error."""
+    for i in range(n):
+        one = {k: v if k in _PER_BATCH or v is None else v[i:i + 1] for k, v in kwargs.items()}
+        try:
+            _invoke(function, one)
+        except Exception as single:
+            return rows[i], single
+    return _batch(rows), err
+
+
+def _drop(*args, **kwargs) -> None:
+    """log_extra and log_metric: accepted so TRL functions run; nothing is recorded yet."""
+
+
+def _where(reward: Reward, step: int, row: str) -> str:
+    return f"{row}: reward {reward.name} at step {step}"
+
+
+def _batch(rows: list[str]) -> str:
+    distinct = list(dict.fromkeys(rows))
+    return ", ".join(distinct) if len(distinct) <= 3 else f"{', '.join(distinct[:2])} and {len(distinct) - 2} more rows"
+
+
+def _describe(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    message = lines[0] if lines else ""
+    return message if isinstance(err, ToolkitError) else f"raised {type(err).__name__}: {message}".rstrip(": ")
+
+
+def _short(value: Any) -> str:
+    text = repr(value).splitlines()[0] if repr(value) else ""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --- built-ins (pure Python; a completion is a text or a list of chat messages, the last one read)
+
+
+def _built_in(entry: RewardConfig) -> Callable[..., list[float]]:
+    if entry.function == "regex":
+        pattern = re.compile(entry.pattern, re.DOTALL)
+
+        def regex(completions: list, **kwargs) -> list[float]:
+            return [1.0 if pattern.search(_text(c)) else 0.0 for c in completions]
+        return regex
+
+    same = _same_text if entry.function == "exact_match" else _same_number
+    column = entry.column
+
+    def match(completions: list, **kwargs) -> list[float]:
+        answers = kwargs.get(column)
+        if answers is None or any(a is None for a in answers):
+            raise ToolkitError(_no_column(column))
+        return [1.0 if same(_text(c), a) else 0.0 for c, a in zip(completions, answers)]
+    match.__name__ = entry.function
+    return match
+
+
+def _no_column(column: str) -> str:
+    return f"the row has no {column!r} column; give it one, or name the answer's column in the reward's `column` key"
+
+
+def _text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    return (completion[-1].get("content") or "") if completion else ""
+
+
+def _normalise(text: str) -> str:
+    """Lowercase, whitespace collapsed and stripped, one final period dropped: "  The  Answer. " -> "the answer"."""
+    return " ".join(text.lower().split()).removesuffix(".").rstrip()
+
+
+def _same_text(completion: str, answer: Any) -> bool:
+    """exact_match compares the whole completion: a model that explains first needs a regex or a function of its own."""
+    return _normalise(completion) == _normalise(str(answer))
+
+
+# An optional minus not glued to a word ("3-5" is 3 and 5), digits with thousands commas or plain, optional decimals.
+_NUMBER = re.compile(r"(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def _last_number(text: str) -> Optional[float]:
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def _same_number(completion: str, answer: Any) -> bool:
+    """The completion's last number equals the answer (a number, or the last number of a text) within 1e-6 relative."""
+    is_number = isinstance(answer, numbers.Real) and not isinstance(answer, bool)
+    expected = float(answer) if is_number else _last_number(str(answer))
+    if expected is None:
+        raise ToolkitError(f"the answer {_short(answer)} holds no number for numeric_match")
+    got = _last_number(completion)
+    return got is not None and math.isclose(got, expected, rel_tol=1e-6)
