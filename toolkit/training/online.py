@@ -232,7 +232,8 @@ class GroupRL(Objective):
         r = rewards.double()
         flat_groups = r.view(-1, g)
         no_spread = (flat_groups.max(1).values - flat_groups.min(1).values).abs() < 1e-12
-        columns = {"reward": r, **{f"reward_{name}": v.double() for name, v in per_function.items()}}
+        columns = {"reward": r, **{f"reward_{name.rpartition(':')[2]}": v.double()  # reward_<function name>
+                                   for name, v in per_function.items()}}
         sums = []
         for v in columns.values():
             ok = ~torch.isnan(v)

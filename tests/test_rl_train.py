@@ -1,0 +1,224 @@
+"""Online RL in the loop (rl.method=grpo, data.format=prompt), launched for real: one process
+samples, scores and learns; 2 processes under DDP, FSDP and ZeRO-3 sample the same completions
+(the same rewards and lengths per step) and end with the same weights as one process; a run killed
+by SIGKILL resumes bitwise, and within float tolerance on another backend; LoRA with a KL term to
+the disabled adapter trains and merges; a bad reward function, bad prompt rows and contradicting
+settings each end in one line, with the last checkpoint intact."""
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import (
+    ROOT,
+    accelerate_launch,
+    descendants,
+    finish,
+    launch_config_for,
+    load_weights,
+    read_metrics,
+    run_toolkit,
+    start,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
+
+pytestmark = pytest.mark.launch  # every test here starts processes
+
+STEPS = 3
+TASKS = ROOT / "examples" / "data" / "tasks_messages_train.jsonl"
+# A reward with spread among a random model's completions (their lengths differ), so every step learns.
+REWARDS = '''
+def shorter(completions, **kwargs):
+    return [-len(c[0]["content"]) / 10 for c in completions]
+
+
+def fails_at_step_2(completions, trainer_state, **kwargs):
+    if trainer_state.global_step == 2:
+        raise ValueError("the grader is down")
+    return [0.0 for _ in completions]
+'''
+
+
+def prompts(n: int, skip: int = 0) -> list[dict]:
+    with open(TASKS) as f:
+        rows = [json.loads(line) for line in f][skip:skip + n]
+    return [{"prompt": r["messages"][:-1], "answer": r["messages"][-1]["content"]} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    write_jsonl(root / "train.jsonl", prompts(16))
+    write_jsonl(root / "eval.jsonl", prompts(4, skip=100))
+    (root / "grader.py").write_text(REWARDS)
+    return root
+
+
+def recipe(workdir, name, layout="single", lora=False, **extra):
+    sections = {
+        "output_dir": str(workdir / name), "seed": 5, "model": {"preset": "tiny-llama-mini"},
+        "lora": {"enabled": True, "r": 4, "alpha": 8} if lora else {"enabled": False},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "prompt", "max_seq_len": 64},
+        "rl": {"method": "grpo", "num_generations": 4, "max_new_tokens": 6,
+               "rewards": [f"{workdir / 'grader.py'}:shorter", {"function": "exact_match", "weight": 0.5}]},
+        "train": {"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 2,
+                  "max_steps": STEPS, "learning_rate": 1e-2, "eval_every_steps": STEPS, "log_every_steps": 1},
+        "checkpoint": {"every_steps": 1, "keep_last": 10},
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        if field:
+            sections[section][field] = value
+        else:
+            sections[section] = value
+    return write_recipe(workdir / f"{name}.yaml", **sections)
+
+
+def command(workdir, layout, path, *overrides):
+    if layout == "single":
+        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
+    return accelerate_launch(launch_config_for(layout, workdir)) + ["toolkit", "train", str(path), *overrides]
+
+
+def train(workdir, name, layout="single", *overrides, **extra):
+    path = recipe(workdir, name, layout, **extra)
+    rc, out, err = finish(start(command(workdir, layout, path, *overrides)))
+    assert rc == 0, err[-3000:]
+    return workdir / name, out + err
+
+
+# What the completions decide (rewards, lengths) and what is learned from them (loss, clip ratio).
+KEYS = ("loss", "reward", "reward_std", "completion_length", "completion_length_max", "zero_std_groups", "clip_ratio",
+        "eval_reward")
+
+
+def assert_close(a, b, tol=1e-4, first=0):
+    ra, rb = [r for r in read_metrics(a) if r["step"] >= first], [r for r in read_metrics(b) if r["step"] >= first]
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(first, STEPS + 1))
+    for x, y in zip(ra, rb):
+        for k in KEYS:
+            if x.get(k) is not None or y.get(k) is not None:
+                assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol * 1e-2), (x["step"], k, x[k], y[k])
+    wa, wb = load_weights(a / "final"), load_weights(b / "final")
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(workdir):
+    """One process, full fine-tuning: the reference of the backend cases and of the resume."""
+    return train(workdir, "single")
+
+
+def test_one_process_samples_scores_and_learns(single, workdir):
+    run, log = single
+    assert "rl: DAPO, 4 completions per prompt" in log and "rl: rewards" in log, log[-3000:]
+    metrics = read_metrics(run)
+    assert "eval_reward" in metrics[0] and "eval_loss" not in metrics[0]
+    for row in metrics[1:]:
+        assert 1 <= row["completion_length_min"] <= row["completion_length"] <= row["completion_length_max"] <= 6
+        assert 0 <= row["zero_std_groups"] < 1 and row["reward_std"] > 0  # the length reward has spread
+        for key in ("reward_shorter", "reward_exact_match", "clip_ratio", "entropy", "generation_seconds"):
+            assert key in row, key
+    base = load_weights(run / "checkpoints" / "step-000001")  # the weights moved, step after step
+    assert not all(torch.equal(base[k], v) for k, v in load_weights(run / "final").items() if k in base)
+    assert "sample " in log and "(reward " in log  # completions with their rewards at evaluation
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "zero3"])
+def test_two_processes_equal_one(layout, workdir, single):
+    """Each rank samples its prompts' groups with the same seeds as one process: the same rewards,
+    completion lengths, losses and weights within 1e-4."""
+    run, _ = train(workdir, f"full_{layout}", layout)
+    assert_close(single[0], run)
+
+
+def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
+    """Killed after step 1 is logged: resumed on one process it ends bitwise like the run never
+    killed; its step-1 checkpoint resumed under FSDP on 2 processes ends within 1e-4."""
+    path = recipe(workdir, "killed")
+    run = workdir / "killed"
+    proc = start(command(workdir, "single", path))
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if max(r["step"] for r in read_metrics(run)) >= 1:
+                break
+        except (FileNotFoundError, ValueError, json.JSONDecodeError):
+            pass
+        time.sleep(0.05)
+    for p in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    finish(proc)
+    assert not (run / "final").exists(), "the kill came after the run finished"
+    rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    from toolkit.observe.measure import MEASURED
+
+    def comparable(folder):
+        return [{k: v for k, v in r.items() if k not in MEASURED and k != "generation_seconds"}
+                for r in read_metrics(folder)]
+
+    assert comparable(run) == comparable(single[0])
+    want, have = load_weights(single[0] / "final"), load_weights(run / "final")
+    assert all(torch.equal(want[k], have[k]) for k in want)
+
+    moved = recipe(workdir, "moved", "fsdp", resume=str(run / "checkpoints" / "step-000001"))
+    rc, out, err = finish(start(command(workdir, "fsdp", moved)))
+    assert rc == 0, err[-3000:]
+    assert_close(single[0], workdir / "moved", first=2)
+
+
+def test_lora_with_kl_to_the_disabled_adapter_trains_and_merges(workdir):
+    """rl.beta > 0 with LoRA: the reference is the base with the adapter disabled; two steps on each
+    generated batch (rl.num_iterations=2, the old policy's log-probabilities kept); the adapter merges."""
+    run, log = train(workdir, "lora_kl", lora=True, rl={**yaml_rl(workdir), "beta": 0.04, "num_iterations": 2},
+                     train__max_steps=4, checkpoint__every_steps=2)
+    assert "KL to the base (adapter disabled) x 0.04" in log and "2 optimizer steps per generated batch" in log
+    metrics = read_metrics(run)
+    assert metrics[1]["kl"] == pytest.approx(0, abs=1e-9)  # the adapter starts at zero: policy = reference
+    assert metrics[2]["kl"] > 0  # after one update on the same batch
+    assert metrics[1]["reward"] == metrics[2]["reward"]  # the same generated batch, trained twice
+    merged = run_toolkit("merge", str(run / "final"), "--out", str(workdir / "lora_merged"))
+    assert merged.returncode == 0 and (workdir / "lora_merged" / "model.safetensors").is_file(), merged.stderr[-2000:]
+
+
+def yaml_rl(workdir) -> dict:
+    return {"method": "grpo", "num_generations": 4, "max_new_tokens": 6,
+            "rewards": [f"{workdir / 'grader.py'}:shorter"]}
+
+
+def test_a_reward_function_that_raises_stops_in_one_line_with_the_checkpoint_intact(workdir):
+    path = recipe(workdir, "raises", rl={**yaml_rl(workdir), "rewards": [f"{workdir / 'grader.py'}:fails_at_step_2"]})
+    result = run_toolkit("train", str(path))
+    line = user_error_line(result)
+    assert "fails_at_step_2" in line and "step 2" in line and "train.jsonl row" in line, line
+    assert "ValueError: the grader is down" in line, line
+    assert (workdir / "raises" / "checkpoints" / "step-000001" / "COMPLETE").is_file()  # step 1 kept whole
+
+
+def test_bad_prompt_rows_and_contradicting_settings_are_refused_in_one_line(workdir):
+    write_jsonl(workdir / "no_prompt.jsonl", [{"question": "2+2?", "answer": "4"}] * 8)
+    path = recipe(workdir, "no_prompt", data__train_files=[str(workdir / "no_prompt.jsonl")])
+    line = user_error_line(run_toolkit("train", str(path)))
+    assert "no_prompt.jsonl" in line and "prompt" in line, line
+    path = recipe(workdir, "missing_grader", rl={**yaml_rl(workdir), "rewards": ["nowhere.py:f"]})
+    line = user_error_line(run_toolkit("train", str(path)))
+    assert "rl.rewards[0].function" in line and "nowhere.py" in line, line
+    path = recipe(workdir, "no_answer", rl={**yaml_rl(workdir), "rewards": [{"function": "exact_match",
+                                                                             "column": "gold"}]})
+    line = user_error_line(run_toolkit("train", str(path)))
+    assert "exact_match" in line and "gold" in line and "row 1" in line, line
