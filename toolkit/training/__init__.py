@@ -1,5 +1,6 @@
 """The training run: `run` (start to end), `build` (the run, in named stages), `loop` (`fit`, one
 `train_step` per optimizer step, evaluation, checkpoints, `final/`), `objectives` (the typed contract
-the loop asks for a batch's loss, and its implementations), `loss` (chunked or full cross-entropy,
+the loop asks for a batch's loss, and its implementations), `online` (online RL's objective, GRPO),
+`policy_loss` (its loss), `rewards` (its reward functions), `loss` (chunked or full cross-entropy,
 log-probabilities), `reference` (DPO's precomputed reference), `summary` (the start-of-run lines),
 `samples` (answers generated at each evaluation)."""

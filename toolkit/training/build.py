@@ -45,7 +45,7 @@ from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..stops import Preemption
 from ..storage import checkpoint, disk, run_folder
-from . import objectives, reference
+from . import objectives, online, reference
 from .loop import Run
 from .loss import use_token_loss
 from .samples import Samples
@@ -77,7 +77,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     backend.check_prepared(model)
     if recipe.preference.reference == "precomputed":  # with the starting weights, before any resume loads others
         for line in reference.precompute(accelerator, model, {"train": data.train, "eval": data.eval}, data.folder,
-                                         reference.weights_key(recipe), loaders.eval_batch, loaders.collate):
+                                         recipe, loaders.collate):
             log(f"reference: {line}")
     if resume_from is not None:
         state = run_folder.resume(backend, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
@@ -216,9 +216,12 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                     rewards: list | None) -> objectives.Objective:
     """The recipe's objective for the built model (after LoRA: DPO's and RL's reference may be the
     model with its adapter disabled), checked by the backend and said at the start of the run."""
-    sources = [s.name for s in resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")]
-    objective = objectives.for_recipe(recipe, model, tokenizer=tokenizer, accelerator=backend.accelerator,
-                                      rewards=rewards, sources=sources)
+    if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks, scores with the rewards
+        sources = [s.name for s in resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")]
+        objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend.accelerator, recipe.seed, sources,
+                                   adapter=model if recipe.lora.enabled else None)
+    else:
+        objective = objectives.for_recipe(recipe, model)
     backend.check_objective(objective)
     for line in objective.describe():
         log(line)

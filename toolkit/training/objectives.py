@@ -181,9 +181,10 @@ class Preference(Objective):
     unit = "pairs"
     eval_metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
-    def __init__(self, cfg, adapter=None):
+    def __init__(self, cfg, adapter=None, unused_router_coef: float = 0.0):
         self.cfg, self.adapter = cfg, adapter
         self.needs_reference = cfg.method == "dpo"
+        self.unused_router_coef = unused_router_coef  # the router loss the model's config asks for, not added
         self.sums: dict[str, torch.Tensor] = {}
 
     def describe(self) -> list[str]:
@@ -198,7 +199,10 @@ class Preference(Objective):
                                 "and kept beside the prepared data (no second model)"}
         return [f"preference: {p.method}, " + ", ".join(knobs)
                 + (f"; {where[p.reference]}" if p.method == "dpo" else "; no reference model")
-                + "; the loss is a mean over pairs"]
+                + "; the loss is a mean over pairs"] \
+            + ([f"router: no load-balancing loss: the model's config asks for one (output_router_logits, "
+                f"router_aux_loss_coef {self.unused_router_coef:g}) but the {p.method} loss has no router term yet"]
+               if self.unused_router_coef else [])
 
     def unsplittable(self) -> str | None:
         return "a preference pair's log-probabilities are taken on whole sequences, not on rows split across ranks"
@@ -247,20 +251,15 @@ class Preference(Objective):
                 for name in self.eval_metrics}
 
 
-def for_recipe(recipe, model=None, *, tokenizer=None, accelerator=None, rewards=None,
-               sources: list[str] = ()) -> Objective:
-    """The recipe's objective for `model` as built (before prepare; after LoRA for a preference or
-    RL objective, whose reference may be the model with its adapter disabled): supervised, with
-    the router's load-balancing loss as model.router_aux_loss_coef says, preference, or online RL
-    (which samples with `tokenizer` and reduces over `accelerator`'s ranks, scoring with `rewards`)."""
-    if recipe.rl.method is not None:
-        from .online import GroupRL
-
-        return GroupRL(recipe.rl, rewards, tokenizer, accelerator, recipe.seed, list(sources),
-                       adapter=model if recipe.lora.enabled else None)
+def for_recipe(recipe, model=None) -> Objective:
+    """The recipe's objective trained on a dataset, for `model` as built (before prepare; after LoRA
+    for a preference objective, whose DPO reference may be the model with its adapter disabled):
+    supervised, with the router's load-balancing loss as model.router_aux_loss_coef says, or
+    preference. (Online RL's, which makes its own batches, is `online.GroupRL`.)"""
     if recipe.preference.method is not None:
         adapter = model if recipe.preference.reference == "adapter" else None
-        return Preference(recipe.preference, adapter)
+        return Preference(recipe.preference, adapter,
+                          config_router_coef(model) if model is not None and has_router(model) else 0.0)
     coef = recipe.model.router_aux_loss_coef
     if model is None:
         return Supervised()
@@ -269,6 +268,10 @@ def for_recipe(recipe, model=None, *, tokenizer=None, accelerator=None, rewards=
             raise ToolkitError(f"model.router_aux_loss_coef: {type(model).__name__} has no router "
                                "(not a mixture-of-experts model); remove the key")
         return Supervised()
-    if coef is None:
-        coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
-    return Supervised(float(coef))
+    return Supervised(float(config_router_coef(model) if coef is None else coef))
+
+
+def config_router_coef(model) -> float:
+    """The weight of the router's load-balancing loss the model's own config asks for: its
+    router_aux_loss_coef when output_router_logits is true, else 0."""
+    return float(model.config.router_aux_loss_coef or 0.0) if model.config.output_router_logits else 0.0
