@@ -84,9 +84,9 @@ def check_plan() -> list[str]:
     return problems
 
 
-def install_wheels(env: dict) -> str:
+def install_wheels(env: dict, site: str) -> str:
     """Wheels in .whl/ (make gpu-wheels) whose package this Python lacks or holds in another version,
-    installed into a temporary folder ahead of the image's own packages."""
+    installed into `site` (a temporary folder) ahead of the image's own packages."""
     from importlib import metadata
 
     def differs(wheel: Path) -> bool:
@@ -99,7 +99,6 @@ def install_wheels(env: dict) -> str:
     wheels = [w for w in sorted((ROOT / ".whl").glob("*.whl")) if differs(w)]
     if not wheels:
         return "no wheels needed from .whl/ (none there, or the installed versions match them)"
-    site = tempfile.mkdtemp(prefix="gpu_check_site_")
     proc = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                            "--no-cache-dir", "--target", site, *map(str, wheels)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -202,16 +201,23 @@ def main() -> int:
         return 2
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    wheels = install_wheels(env)
-    logs = Path(a.log_dir or tempfile.mkdtemp(prefix="gpu_check_"))
-    logs.mkdir(parents=True, exist_ok=True)
-    env["TOOLKIT_GPU_FIGURES"] = str(logs / "gpu_figures.jsonl")
+    with tempfile.TemporaryDirectory(prefix="gpu_check_site_") as site:  # the wheels, for this run only
+        return run_pieces(a, env, site)
+
+
+def run_pieces(a: argparse.Namespace, env: dict, site: str) -> int:
+    """The pieces `a` selects, on a CUDA host (or with --allow-cpu); the log folder is made only for a
+    run that goes ahead, so a refusal leaves nothing behind (tests/test_gpu_check.py)."""
+    wheels = install_wheels(env, site)
     setup = versions(env)
     print(f"gpu_check: {setup}", flush=True)
     if setup.startswith("no CUDA GPU") and not a.allow_cpu:
         print("error: gpu_check: no CUDA GPU here; its GPU tests would only skip (--allow-cpu runs them anyway)",
               file=sys.stderr)
         return 2
+    logs = Path(a.log_dir or tempfile.mkdtemp(prefix="gpu_check_"))
+    logs.mkdir(parents=True, exist_ok=True)
+    env["TOOLKIT_GPU_FIGURES"] = str(logs / "gpu_figures.jsonl")
     results = [run_piece(n, adjusted(c, a), min(t, a.timeout or t), env, logs)
                for n, c, t, _ in PIECES if not a.only or n in a.only]
     section = notes_section(results, setup, wheels)

@@ -3,6 +3,7 @@ GPU test in exactly one piece, every benchmark piece's arguments accepted by its
 wheel it carries to a bare CUDA image pinned in constraints.txt."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -74,3 +75,18 @@ def test_a_piece_runs_and_its_section_is_appended(tmp_path):
     assert "## GPU check " in section and "torch " in section and "transformers " in section
     assert "`python -m pytest -s -q -m gpu tests/test_gpu.py -k 'not bf16'`: exit 0" in section
     assert "skipped" in section and (tmp_path / "logs" / "gpu-other.log").is_file()
+
+
+@pytest.mark.launch
+def test_a_cpu_host_is_refused_leaving_no_folder_behind(tmp_path):
+    """Refused without a GPU, it leaves no log folder (the one given or a temporary one) and no
+    folder of wheels behind: it used to make its log folder before looking for a GPU."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"TMPDIR": str(temp)}
+    for logs in ([], ["--log-dir", str(tmp_path / "logs")]):
+        refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--only", "gpu-other",
+                                  "--notes", str(tmp_path / "NOTES.md"), *logs],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "no CUDA GPU" in refused.stderr, refused.stderr
+        assert list(temp.iterdir()) == [] and not (tmp_path / "logs").exists() and not (tmp_path / "NOTES.md").exists()

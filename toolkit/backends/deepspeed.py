@@ -70,15 +70,9 @@ class DeepSpeed(Backend):
 
     def check_model(self, model, recipe) -> None:
         """Ulysses gives each rank of a sequence group a share of the attention heads."""
-        if self.sequence_parallel == 1:
-            return
-        sp, config = self.sequence_parallel, model.config.get_text_config()
-        heads, kv = (config.num_attention_heads,
-                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        if heads % sp or not (kv % sp == 0 or sp % kv == 0):
-            raise ToolkitError(f"{launch_config.ENV_SOURCE}: parallelism_config_sp_size is {sp} but the model has "
-                               f"{heads} attention heads and {kv} key/value heads; sp_size must divide the heads "
-                               "(and divide or be a multiple of the key/value heads)")
+        if self.sequence_parallel > 1:
+            sequence.check_heads(self.sequence_parallel, *sequence.attention_heads(model.config),
+                                 launch_config.ENV_SOURCE)
 
     def check_objective(self, objective) -> None:
         """A loss taken on rows split across a sequence group must be a sum over positions."""

@@ -49,6 +49,24 @@ def shard(batch: dict, rank: int, size: int) -> dict:
     return out
 
 
+def attention_heads(config) -> tuple[int, int]:
+    """(attention heads, key/value heads) of a transformers config (its text model's)."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
+def check_heads(sp: int, heads: int, kv_heads: int, source: str) -> None:
+    """Ulysses gives each rank of a group of `sp` a share of the attention heads (key/value heads
+    repeated up to `sp` where there are fewer). The one judge of a split of these heads: the launch
+    (`DeepSpeed.check_model`) and the verbs that plan one (`toolkit config show`, `toolkit estimate`)
+    all ask here, so a plan never promises a split the launch refuses (tests/test_planning_agrees.py)."""
+    if heads % sp or not (kv_heads % sp == 0 or sp % kv_heads == 0):
+        raise ToolkitError(f"{source}: parallelism_config_sp_size is {sp} but the model has {heads} attention heads "
+                           f"and {kv_heads} key/value heads; sp_size must divide the heads (and divide or be a "
+                           "multiple of the key/value heads)")
+
+
 def follow_rows(attn_implementation: str) -> None:
     """DeepSpeed's Ulysses attention fixes the rows of a micro-batch when accelerate registers it
     (train.micro_batch_size); a padding-free micro-batch is one row. Make the registered one take

@@ -94,6 +94,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ToolkitError, command
+from . import sequence
 from .launch_config import launch_kind, sequence_parallel_size
 
 GIB = 1024**3
@@ -118,6 +119,7 @@ class ModelCounts:
     vocab: int
     head: int = 0  # trainable weights of the output layer (full fine-tuning: vocab x hidden)
     query: int = 0  # attention heads x head dim (the width attention's matrix products run over)
+    kv_heads: int = 0  # key/value heads (0: as many as attention heads)
 
 
 @dataclass
@@ -278,14 +280,13 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
                         for m in adapted)
         total += trainable
     head = output.weight.numel() if trainable == total else 0
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    text = config.get_text_config()
+    heads, kv_heads = sequence.attention_heads(config)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return ModelCounts(name=name, params=total, trainable=trainable, matmul=matmul, layer=layer,
-                       layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
-                       kv=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+                       layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads, kv=kv_heads * head_dim,
                        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-                       vocab=text.vocab_size, head=head, query=heads * head_dim)
+                       vocab=text.vocab_size, head=head, query=heads * head_dim, kv_heads=kv_heads)
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -510,10 +511,7 @@ def launched_strategy(env, ds_config: dict | None) -> Strategy:
 def setup_from_recipe(recipe, **kwargs) -> Setup:
     """The Setup a recipe trains with (model, LoRA, precision, micro-batch, sequence length,
     checkpointing, attention); `kwargs` set the rest (GPUs, memory, the launch's sequence parallelism)."""
-    source = recipe.model.preset or recipe.model.path
-    config = read_config(source, revision=recipe.model.revision,
-                         key="model.preset" if recipe.model.preset else "model.path")
-    model = count_model(config, source, recipe.lora)
+    model = count_model(recipe_config(recipe), recipe.model.preset or recipe.model.path, recipe.lora)
     pairs = recipe.preference.method is not None  # a pair is two sequences in one forward
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
                  micro_batch=recipe.train.micro_batch_size * (2 if pairs else 1), seq_len=recipe.data.max_seq_len,
@@ -521,6 +519,21 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  activation_offload=recipe.model.activation_offload,
                  attention=recipe.model.attn_implementation, loss=recipe.train.loss,
                  loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs, **kwargs)
+
+
+def recipe_config(recipe):
+    """The transformers config of the recipe's model (`read_config`), errors naming its key."""
+    m = recipe.model
+    return read_config(m.preset or m.path, revision=m.revision, key="model.preset" if m.preset else "model.path")
+
+
+def check_split(recipe, env, source: str) -> None:
+    """Refuse, before a launch with worker environment `env`, a sequence-parallel size the recipe's
+    model cannot be split by: the launch's own check (`sequence.check_heads`, which
+    `DeepSpeed.check_model` asks of the built model), for `toolkit config show`."""
+    sp = sequence_parallel_size(env)
+    if sp > 1:
+        sequence.check_heads(sp, *sequence.attention_heads(recipe_config(recipe)), source)
 
 
 def size_text(b: float) -> str:

@@ -97,6 +97,10 @@ def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = 
             h.update(contents[f].encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
     h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    # The tokens rows get added (text gets BOS and EOS, alpaca EOS), which tokenizer_config.json may change
+    # without changing the vocabulary above.
+    h.update(json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                         tokenizer.pad_token_id]).encode())
     h.update(json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on_prompt, cfg.overlong, TOKENIZE_VERSION,
                          extra]).encode())
     return h.hexdigest()[:16]

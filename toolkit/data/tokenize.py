@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,29 +240,29 @@ def text_value(row: dict, key: str, required: bool = True) -> str:
                        "exactly as written")
 
 
-def chat_messages(row: dict) -> list[dict]:
-    """A conversation's messages as the template will see them, checked: a list of mappings with a
-    string role, at least one assistant turn, and text (or, for an assistant turn with tool calls,
-    nothing) as content. Content written as OpenAI's text parts is their text joined (chat
-    templates read content as a string: parts rendered as empty turns or as a Python list);
-    parts of another type (an image) are refused. Null or empty: MissingField."""
-    messages = row.get("messages")
-    if messages is None and "conversations" in row:  # ShareGPT: {"from": "human", "value": ...}
+def chat_messages(row: dict, key: str = "messages") -> list[dict]:
+    """A conversation's messages (`row[key]`) as the template will see them, checked: a list of
+    mappings with a string role, at least one assistant turn, and text (or, for an assistant turn
+    with tool calls, nothing) as content. Content written as OpenAI's text parts is their text
+    joined (chat templates read content as a string: parts rendered as empty turns or as a Python
+    list); parts of another type (an image) are refused. Null or empty: MissingField."""
+    messages = row.get(key)
+    if messages is None and key == "messages" and "conversations" in row:  # ShareGPT: {"from": "human", ...}
         messages = sharegpt_messages(row["conversations"])
     if not messages:
-        raise MissingField("messages")
+        raise MissingField(key)
     if not isinstance(messages, list):
-        raise ToolkitError(f"messages is {type(messages).__name__}, not a list of messages")
+        raise ToolkitError(f"{key} is {type(messages).__name__}, not a list of messages")
     checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ToolkitError(f"messages[{i}] is not a message with a role ({m!r:.80})")
+            raise ToolkitError(f"{key}[{i}] is not a message with a role ({m!r:.80})")
         content = m.get("content")
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
-            raise MissingField(f"messages[{i}].content")
+            raise MissingField(f"{key}[{i}].content")
         if content is not None and not isinstance(content, (str, list)):
-            raise ToolkitError(f"messages[{i}].content is {type(content).__name__} ({content!r:.40}), not text")
-        checked.append({**m, "content": text_parts(content, f"messages[{i}].content")} if isinstance(content, list)
+            raise ToolkitError(f"{key}[{i}].content is {type(content).__name__} ({content!r:.40}), not text")
+        checked.append({**m, "content": text_parts(content, f"{key}[{i}].content")} if isinstance(content, list)
                        else m)
     if not any(m["role"] == "assistant" for m in checked):
         raise MissingField("an assistant message")
@@ -338,19 +339,29 @@ def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int,
             raise MissingField("prompt")
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        for name, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-            if not turns:
-                raise MissingField(name, "is empty")
-            chat_messages({"messages": turns + ([{"role": "assistant", "content": ""}] if name == "prompt" else [])})
         need_chat_template(tokenizer, "preference pairs written as chat messages")
+        checked = {}
+        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not value:
+                raise MissingField(name, "is empty")
+            answer = [{"role": "assistant", "content": ""}] if name == "prompt" else []
+            checked[name] = template_fields(chat_messages({name: value + answer}, name)[:len(value)], tokenizer, name)
+        prompt = checked["prompt"]
+        (chosen, at_chosen), (rejected, at_rejected) = (completion_turns(prompt, checked[name], name)
+                                                        for name in ("chosen", "rejected"))
         tools = row.get("tools") or None
         before = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
         texts = [tokenizer.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
                  for turns in (chosen, rejected)]
         cut = min(len(os.path.commonprefix([before, t])) for t in texts)
         completions = [t[cut:] for t in texts]
+        check_rendered(prompt, before, "prompt")
+        check_rendered(chosen, completions[0], "chosen", at_chosen)
+        check_rendered(rejected, completions[1], "rejected", at_rejected)
         empty = [not "".join(str(m.get("content") or "") for m in turns).strip() and not any(
             m.get("tool_calls") for m in turns) for turns in (chosen, rejected)]
+        spans = [completion_spans(prompt, turns, tools, tokenizer, t, cut)
+                 for turns, t in zip((chosen, rejected), texts)]
         has_specials = True
     else:
         prompt = text_value(row, "prompt")
@@ -359,12 +370,50 @@ def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int,
         eos = tokenizer.eos_token or ""
         completions = [c if c.endswith(eos) else c + eos for c in completions]
         texts, cut, has_specials = [prompt + c for c in completions], len(prompt), False
+        spans = [[(cut, len(t))] for t in texts]
     for name, is_empty in zip(("chosen", "rejected"), empty):
         if is_empty:
             raise MissingField(name, "is empty")
     if completions[0] == completions[1]:
         raise MissingField("chosen", "is identical to rejected")
-    return [(t, [(cut, len(t))], has_specials) for t in texts]
+    return [(t, s, has_specials) for t, s in zip(texts, spans)]
+
+
+def completion_spans(prompt: list[dict], turns: list[dict], tools, tokenizer, text: str, cut: int) -> list:
+    """The spans of a chat completion that carry loss: from `cut` to its end, but for each tool
+    result (from where its content starts to the assistant header after it): what a tool returned
+    is not the model's to predict, as in data.format=messages. Located by rendering, as `cut` is:
+    a tool turn written otherwise shows where its content starts."""
+    def shared(messages: list[dict], **kw) -> int:
+        return len(os.path.commonprefix([text, tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                                              **kw)]))
+
+    spans, start = [], cut
+    for j, m in enumerate(turns):
+        if m["role"] == "tool":
+            spans.append((start, shared(prompt + turns[:j] + [{**m, "content": "\0" + str(m.get("content") or "")}])))
+            start = shared(prompt + turns[:j + 1], add_generation_prompt=True)
+    return [(a, b) for a, b in spans + [(start, len(text))] if b > a]
+
+
+def completion_turns(prompt: list[dict], turns: list[dict], name: str) -> tuple[list[dict], int]:
+    """A preference completion's turns (and where they start in the row's `name`): the answer to
+    the prompt, all of which trains. A conversation pasted whole (`chosen` = the prompt's turns,
+    then the answer) has the prompt's turns taken off, so that the user's text does not train as
+    the answer; a completion that opens with anything but an assistant turn, or holds a user or
+    system turn, is refused (its prompt text would train)."""
+    def written(m: dict) -> dict:
+        return {k: v for k, v in m.items() if v is not None}  # Arrow gives absent keys as null
+
+    start = 0
+    if len(turns) > len(prompt) and all(written(a) == written(b) for a, b in zip(prompt, turns)):
+        start = len(prompt)
+    for j, m in enumerate(turns[start:], start):
+        if m["role"] not in ("assistant", "tool") or (j == start and m["role"] != "assistant"):
+            raise ToolkitError(f"{name}[{j}] is a {m['role']} turn, and all of a completion trains as the answer: "
+                               f"{name} holds the answer (assistant turns), `prompt` the conversation before it "
+                               "(a pasted conversation must repeat the prompt's turns exactly)")
+    return turns[start:], start
 
 
 def prompt_example(row: dict, tokenizer) -> tuple[str, list[tuple[int, int]], bool]:
@@ -395,8 +444,10 @@ def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, lis
     rendering is a prefix of the whole conversation's, one example holds them all. Otherwise (the
     template rewrote earlier turns), the last turn's rendering is an example with every turn it
     renders alike, and so on backwards with the turns left; `tools` (function schemas) go to every
-    rendering."""
+    rendering. Reasoning goes under the name the template reads (template_fields); a field the
+    template leaves out of its rendering is refused (check_rendered), never trained as absent."""
     need_chat_template(tokenizer, "chat messages")
+    messages = template_fields(messages, tokenizer)
     turns = []  # (end of prompt, end of turn, rendering up to the turn's end)
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:  # an opening assistant turn (a greeting) answers nothing: context
@@ -407,7 +458,12 @@ def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, lis
             raise ToolkitError("data.format=messages: the tokenizer's chat template does not render turns "
                                "as prefixes of each other, so assistant turns cannot be located")
         turns.append((len(before), len(upto), upto))
-    whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)  # a template's own refusal first
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    for i, (start, end, upto) in zip(trained, turns):
+        check_rendered([messages[i]], upto[start:end], "messages", i)
+    check_rendered([m for m in messages if m["role"] != "assistant"], whole, "messages",
+                   indices=[i for i, m in enumerate(messages) if m["role"] != "assistant"])
     if all(whole.startswith(upto) for _, _, upto in turns):
         return [(whole, [(a, b) for a, b, _ in turns], True)]
     examples = []
@@ -417,6 +473,70 @@ def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, lis
         examples.append((text, [(a, b) for a, b, _ in alike], True))
         turns = [t for t in turns if t not in alike]
     return examples[::-1]
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names a turn's reasoning comes under
+PROBE = "TOOLKIT-REASONING-PROBE"
+_reasoning_read: dict = {}  # (chat template, bos, eos) -> the reasoning names it renders
+
+
+def template_fields(messages: list[dict], tokenizer, key: str = "messages") -> list[dict]:
+    """The messages with each assistant turn's reasoning under a name the chat template renders
+    (Qwen3 reads `reasoning_content`, gpt-oss `thinking`): a reasoning field under another name is
+    renamed; one that the template renders under no name is refused (it would train as if absent)."""
+    out = []
+    for i, m in enumerate(messages):
+        given = [k for k in REASONING_FIELDS if m.get(k) not in (None, "")]
+        read = reasoning_read(tokenizer) if given and m["role"] == "assistant" else given
+        if any(k in read for k in given) or not given:  # as written (a reasoning elsewhere: check_rendered)
+            out.append(m)
+            continue
+        if not read:
+            raise ToolkitError(f"{key}[{i}].{given[0]}: the chat template renders no reasoning field (none of "
+                               f"{', '.join(REASONING_FIELDS)}), so the row would train as if it had none; write the "
+                               "reasoning into content as the model should produce it (such as <think>...</think>), "
+                               "or leave the field out")
+        out.append({**{k: v for k, v in m.items() if k not in given}, read[0]: m[given[0]]})
+    return out
+
+
+def reasoning_read(tokenizer) -> tuple[str, ...]:
+    """The reasoning field names the tokenizer's chat template renders, found by rendering a turn
+    with each (or, where the template refuses that conversation, by the names its text reads)."""
+    template = str(tokenizer.chat_template)
+    cache_key = (template, tokenizer.bos_token, tokenizer.eos_token)
+    if cache_key not in _reasoning_read:
+        read = []
+        for name in REASONING_FIELDS:
+            probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", name: PROBE}]
+            try:
+                rendered = PROBE in tokenizer.apply_chat_template(probe, tokenize=False)
+            except Exception:  # noqa: BLE001 - jinja's errors or the template's raise_exception
+                rendered = re.search(rf"\b{name}\b", template) is not None
+            if rendered:
+                read.append(name)
+        _reasoning_read[cache_key] = tuple(read)
+    return _reasoning_read[cache_key]
+
+
+def check_rendered(messages: list[dict], text: str, key: str, first: int = 0, indices: list[int] | None = None) -> None:
+    """Refuse a row whose template leaves a field out of `text` (where the messages are rendered):
+    a turn's content, reasoning or tool call's name. Compared without whitespace, which templates
+    trim and re-space; a tool result may be rendered as JSON (Llama 3)."""
+    squeezed = "".join(text.split())
+    for i, m in zip(indices or range(first, first + len(messages)), messages):
+        values = [("content", m.get("content"))] + [(k, m.get(k)) for k in REASONING_FIELDS]
+        values += [("tool_calls", (c.get("function") or c).get("name") if isinstance(c, dict) else None)
+                   for c in m.get("tool_calls") or []]
+        for name, value in values:
+            if not isinstance(value, str) or not value.strip():
+                continue
+            forms = (value, json.dumps(value, ensure_ascii=False)[1:-1])
+            if not any("".join(form.split()) in squeezed for form in forms):
+                raise ToolkitError(f"{key}[{i}].{name}: the chat template does not render it as written (a "
+                                   f"{m['role']} turn's {name} it leaves out or rewrites), so the row would not "
+                                   "train as written; give a template that renders it (model.chat_template), or "
+                                   "leave it out of the row")
 
 
 def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_seq_len, train_on_prompt) -> dict:

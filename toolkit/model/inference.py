@@ -170,6 +170,20 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
+def framing_token_ids(model, tokenizer) -> set[int]:
+    """The tokens an answer is shown without: the tokenizer's padding and BOS, and where an answer
+    ends (eos, the template's end of turn: stop_token_ids). Every other token the model produced is
+    shown, an added special token included (model.add_special_tokens: a tool-call token), which
+    decoding with skip_special_tokens hid (tests/test_answers_as_generated.py)."""
+    return {i for i in (tokenizer.pad_token_id, tokenizer.bos_token_id, *stop_token_ids(model, tokenizer))
+            if i is not None}
+
+
+def shown_text(tokenizer, ids: list[int], framing: set[int]) -> str:
+    """Token ids as an answer is shown: decoded with every special token but the `framing` ones."""
+    return tokenizer.decode([i for i in ids if i not in framing], skip_special_tokens=False)
+
+
 def prompt_text(tokenizer, prompt: str | list[dict], system: str | None = None,
                 chat_template: bool = True) -> tuple[str, bool]:
     """The text generated from, and whether BOS still goes before it: a chat turn through the
@@ -209,7 +223,8 @@ def generate_with_counts(model, tokenizer, prompts: list, *, system: str | None 
 def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[bool] = False, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_p: float | None = None, batch_size: int = 8, synced: bool = False,
                    progress: str | None = None) -> list[tuple[str, int]]:
-    """(answer, tokens generated) for each prompt text, rendered already (specials written out).
+    """(answer, tokens generated) for each prompt text, rendered already (specials written out); an
+    answer is every token generated before the stop, but for padding and BOS (shown_text).
     `add_bos`: put the tokenizer's BOS before a text that does not start with it. `synced`: every
     process runs this with the same texts and steps until all are done (sharded weights).
     `progress`: the name of a progress bar over the prompts (`progress_bar`), or None for none."""
@@ -217,6 +232,7 @@ def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[b
 
     stops = stop_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    framing = framing_token_ids(model, tokenizer) | {pad}
     bos = tokenizer.bos_token_id
     flags = add_bos if isinstance(add_bos, list) else [add_bos] * len(texts)
     encoded = []
@@ -251,8 +267,7 @@ def generate_texts(model, tokenizer, texts: list[str], *, add_bos: bool | list[b
             new = out[row, width:].tolist()
             end = next((k for k, t in enumerate(new) if t in stops), None)
             answer_ids = new if end is None else new[:end]
-            results[i] = (tokenizer.decode(answer_ids, skip_special_tokens=True),
-                          len(new) if end is None else end + 1)
+            results[i] = (shown_text(tokenizer, answer_ids, framing), len(new) if end is None else end + 1)
         bar.update(len(chunk))
     bar.close()
     return results

@@ -217,8 +217,10 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
     """The recipe's objective for the built model (after LoRA: DPO's and RL's reference may be the
     model with its adapter disabled), checked by the backend and said at the start of the run."""
     if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks, scores with the rewards
-        sources = [s.name for s in resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")]
-        objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend.accelerator, recipe.seed, sources,
+        d = recipe.data
+        sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
+        held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
+        objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend.accelerator, recipe.seed, sources, held,
                                    adapter=model if recipe.lora.enabled else None)
     else:
         objective = objectives.for_recipe(recipe, model)

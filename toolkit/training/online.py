@@ -36,9 +36,10 @@ class GroupRL(Objective):
     eval_metrics = ("reward",)
     has_eval_loss = False
 
-    def __init__(self, cfg, rewards: list, tokenizer, accelerator, seed: int, sources: list[str], adapter=None):
+    def __init__(self, cfg, rewards: list, tokenizer, accelerator, seed: int, sources: list[str],
+                 eval_sources: list[str], adapter=None):
         self.cfg, self.rewards, self.tokenizer, self.accelerator = cfg, rewards, tokenizer, accelerator
-        self.seed, self.sources, self.adapter = seed, sources, adapter
+        self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.unit = "completion tokens" if cfg.loss_type == "dapo" else "completions"
         self.iterations = cfg.num_iterations
         self.made: list[dict] | None = None  # this generation's micro-batches, kept for its num_iterations steps
@@ -94,7 +95,7 @@ class GroupRL(Objective):
         g = self.cfg.num_generations
         seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
         completions = self.generate(module, [p for p in prompts for _ in range(g)], seeds)
-        rows = [self.row_name(source, row) for source, row in keys for _ in range(g)]
+        rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows)
         advantages = group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
         made, start = [], 0
@@ -176,9 +177,6 @@ class GroupRL(Objective):
         return reward_functions.score(self.rewards, prompts, texts, columns, step=step, rows=rows,
                                       completion_ids=completions)
 
-    def row_name(self, source: int, row: int) -> str:
-        return f"{self.sources[source]} row {row + 1}"
-
     def batch_std(self, rewards: torch.Tensor) -> torch.Tensor | None:
         """The global batch's reward std (unbiased, as torch.std), reduced over ranks; only for scale_rewards=batch."""
         if self.cfg.scale_rewards != "batch":
@@ -259,13 +257,16 @@ class GroupRL(Objective):
     # ------------------------------------------------------------------ evaluation
 
     def evaluate_prompts(self, model, batch: dict) -> torch.Tensor:
-        """One greedy completion per eval prompt, scored: the sum of rewards of the real prompts (the
-        loss of an eval batch is 0; the reward is the metric)."""
+        """One completion per eval prompt, sampled as in training with the same seeds at every
+        evaluation (step -1), scored: the sum of rewards of the real prompts (the loss of an eval
+        batch is 0; the reward is the metric). The mean reward of the policy's samples, not of its
+        most likely answers, which sharpening does not change."""
         module = self.accelerator.unwrap_model(model)
-        completions = self.generate(module, batch["prompt_ids"], None)
-        valid = batch["valid"].cpu().tolist()
         keys = batch["keys"].cpu().tolist()
-        rows = [self.row_name(s, r) for s, r in keys]
+        seeds = [completion_seed(self.seed, -1, source, row, 0) for source, row in keys]
+        completions = self.generate(module, batch["prompt_ids"], seeds)
+        valid = batch["valid"].cpu().tolist()
+        rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding" for (s, r), v in zip(keys, valid)]
         rewards, _ = self.score(batch["fields"], completions, 0, rows)
         kept = torch.tensor(valid, dtype=torch.bool)
         total = torch.nan_to_num(rewards.double())[kept].sum()

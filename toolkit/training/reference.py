@@ -4,49 +4,62 @@ One pass over the train and eval pairs with the starting weights, on the model a
 prepared it (DDP, FSDP, ZeRO-3: each rank its share, as `EvalShardSampler` splits the eval set, so
 no second sharded model is ever built), gathered to every rank and kept beside the prepared data
 as `reference-KEY-train.npy` / `-eval.npy`: each example's (chosen, rejected) summed log-probability.
-KEY names the starting weights (the base folder's content fingerprint, or the preset and seed)
-and everything that changes the numbers (dtypes, precision, attention, the loss), so a resume, a
-second run on the same data and base, or a run on another backend reads them back instead of
-computing them again.
+KEY (`weights_key`) names the starting weights and everything that changes their numbers, so a
+resume, a second run on the same data and base, or a run on another backend reads them back instead
+of computing them again, and a run whose numbers differ computes its own. The forwards run in
+batches of train.eval_batch_size (or micro_batch_size): a no-gradient forward, as evaluation's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from tqdm.auto import tqdm
 
 from ..data.batching import Collator, EvalShardSampler, Examples
 from ..errors import ToolkitError
 from ..model import base_identity
 from ..model.hub import resolve_model
+from ..model.load import config_overrides
 from ..storage import disk
 from .loss import token_logps
 
 
 def weights_key(recipe) -> str:
-    """What the reference log-probabilities depend on: the starting weights and how they compute."""
+    """What the reference log-probabilities depend on (tests/test_cache_keys.py changes each one):
+    the starting weights (a preset and the seed it is drawn from, or the base folder's content and,
+    under trust_remote_code, its Python code), what the recipe changes in them (model.config_overrides:
+    RoPE scaling, maximum positions; 4-bit quantization; the rows model.add_special_tokens adds, drawn
+    from the seed; DoRA's magnitudes), and how they compute (dtypes, attention, padding-free rows, the
+    loss, the libraries' versions). The data is the folder's: its own fingerprint."""
     m, t = recipe.model, recipe.train
-    h = hashlib.sha256()
-    if m.preset is not None:  # built from the preset's config and the seed
-        h.update(json.dumps(["preset", m.preset, recipe.seed]).encode())
+    if m.preset is not None:
+        weights = ["preset", m.preset, recipe.seed]
     else:
-        h.update(base_identity.fingerprint(resolve_model(m.path, m.revision)).encode())
-    h.update(json.dumps([m.dtype, t.precision, m.attn_implementation, m.add_special_tokens, t.loss,
-                         t.loss_chunk_tokens, recipe.data.padding_free]).encode())
-    return h.hexdigest()[:16]
+        folder = Path(resolve_model(m.path, m.revision))
+        code = [f.read_text() for f in sorted(folder.glob("*.py"))] if m.trust_remote_code else []
+        weights = [base_identity.fingerprint(folder), code]
+    inputs = {"weights": weights, "config": config_overrides(m), "4-bit": m.load_in_4bit,
+              "added rows": [m.add_special_tokens, recipe.seed if m.add_special_tokens else None],
+              "dora": recipe.lora.enabled and recipe.lora.use_dora,
+              "compute": [m.dtype, t.precision, m.attn_implementation, recipe.data.padding_free, t.loss,
+                          t.loss_chunk_tokens],
+              "libraries": [torch.__version__, transformers.__version__]}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, key: str, batch_size: int,
-               collate: Collator) -> list[str]:
+def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, recipe, collate: Collator) -> list[str]:
     """Set each part's `reference` (read from `folder` or computed with `model` as it is now, then
     written there by each node's main process); returns the start-of-run lines saying which."""
+    key, batch_size = weights_key(recipe), recipe.train.eval_batch_size or recipe.train.micro_batch_size
     lines = []
     for name, part in parts.items():
         if len(part) == 0:
@@ -69,9 +82,10 @@ def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, key
 @torch.no_grad()
 def compute(accelerator, model, part: Examples, batch_size: int, collate: Collator, name: str) -> np.ndarray:
     """(examples, 2): each example's chosen and rejected summed target log-probability under `model`
-    in eval mode, in training's batches (`collate`: padded or padding-free), every rank computing its
-    share with the same number of forwards."""
+    in eval mode, in training's batches (`collate`: padded or padding-free) of `batch_size` pairs (at
+    most a rank's share), every rank computing its share with the same number of forwards."""
     rank, world = accelerator.process_index, accelerator.num_processes
+    batch_size = min(batch_size, math.ceil(len(part) / world))
     indices = EvalShardSampler(len(part), batch_size, rank, world).indices
     was_training = model.training
     model.eval()

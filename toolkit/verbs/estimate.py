@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from ..backends import sequence
 from ..backends.sizing import (
     BYTES,
     GIB,
@@ -98,7 +99,7 @@ def run(args) -> int:
         setup = replace(setup, base_dtype=setup.precision)
     if setup.precision == "fp32" and setup.base_dtype != "fp32":
         setup = replace(setup, base_dtype="fp32")
-    _check_sequence_parallel(setup, "--sp-size" if args.sp_size else f"{args.config_file}: parallelism_config_sp_size")
+    _check_sequence_parallel(setup, "--sp-size" if args.sp_size else args.config_file)
     rows = estimate_all(setup)
     report = {"model": asdict(setup.model), "setup": {k: v for k, v in asdict(setup).items() if k != "model"},
               "strategies": [r.as_json() for r in rows], "launched": launched.name if launched else None,
@@ -111,11 +112,13 @@ def run(args) -> int:
     return 0
 
 
-def _check_sequence_parallel(setup: Setup, key: str) -> None:
-    """Refuse, as a launch would, a sequence-parallel size these GPUs or this recipe cannot run."""
+def _check_sequence_parallel(setup: Setup, source: str) -> None:
+    """Refuse, as a launch would, a sequence-parallel size these GPUs, this recipe or this model cannot
+    run (the model's heads by the launch's own check)."""
     sp = setup.sequence_parallel
     if sp == 1:
         return
+    key = source if source == "--sp-size" else f"{source}: parallelism_config_sp_size"
     if setup.gpus % sp:
         raise ToolkitError(f"{key} is {sp} but {setup.gpus} GPUs do not divide into groups of {sp}; give a multiple "
                            f"of {sp} GPUs (--gpus x --nodes)")
@@ -124,6 +127,7 @@ def _check_sequence_parallel(setup: Setup, key: str) -> None:
     if setup.attention == "eager":
         raise ToolkitError(f"{key} is {sp}: sequence parallelism needs attention without a dense mask; the recipe's "
                            "model.attn_implementation is eager (use sdpa or flash_attention_2)")
+    sequence.check_heads(sp, setup.model.heads, setup.model.kv_heads or setup.model.heads, source)
 
 
 def _from_recipe(args) -> tuple[Setup, Strategy | None]:

@@ -6,10 +6,12 @@ token-weighted mean of next-token cross-entropy over target tokens (`toolkit.tra
 summed, divided by the count). So a run's final/ on its eval file gives the eval_loss the run
 logged at its last step. Answers: for rows with a reference (alpaca `output`; messages: the last
 assistant turn, prompted with the turns before it), a greedy answer scored by exact match after
-strip, or by containment. Preference pairs (`prompt`, `chosen`, `rejected`): the loss is the
-chosen completions', and `preference` gives the share of pairs whose chosen completion the model
-finds more likely than the rejected one (summed log-probabilities); for a LoRA adapter also the
-DPO reward accuracy against its base (the adapter disabled) and the mean log-ratio margin.
+strip, or by containment; the answer as `generate` shows it (added tokens included, padding, BOS,
+eos and end of turn left out), the reference encoded and decoded the same way. Preference pairs
+(`prompt`, `chosen`, `rejected`): the loss is the chosen completions', and `preference` gives the
+share of pairs whose chosen completion the model finds more likely than the rejected one (summed
+log-probabilities); for a LoRA adapter also the DPO reward accuracy against its base (the adapter
+disabled) and the mean log-ratio margin.
 
 Under `accelerate launch` (WORLD_SIZE > 1) the rows are split over the processes as
 `EvalShardSampler` splits them (row i to rank i % world), the sums gathered, and the main process
@@ -117,7 +119,7 @@ def run(args) -> int:
 def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, train_on_prompt: bool) -> list | None:
     """This process's share of the rows measured: loss sums and scored answers. The main process
     gets every process's share (a list of dicts), the others None."""
-    from ..model.inference import generate_texts, load_for_inference
+    from ..model.inference import framing_token_ids, generate_texts, load_for_inference, shown_text
 
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
     bars = rank == 0  # the main process's bars only, on stderr
@@ -149,8 +151,13 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
     answers = generate_texts(model, tokenizer, [q["text"] for q in questions], add_bos=False,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              progress="eval answers" if bars and questions else None)
+    framing = framing_token_ids(model, tokenizer)
+
+    def as_answer(reference: str) -> str:  # the reference as an answer is shown (its eos or end of turn left out)
+        return shown_text(tokenizer, tokenizer(reference, add_special_tokens=False)["input_ids"], framing)
+
     records = [{"row": q["row"], "prompt": q["prompt"], "reference": q["reference"], "answer": answer,
-                "correct": is_correct(answer, q["reference"], args.answers)}
+                "correct": is_correct(answer, as_answer(q["reference"]), args.answers)}
                for q, (answer, _) in zip(questions, answers)]
     part = {"loss_sum": loss_sum, "targets": n_targets, "records": records,
             "truncated": sum(e["full_length"] > max_seq_len for e in examples)}
@@ -296,9 +303,9 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         prompt = " ".join(text_value(row, k, required=False) for k in ("instruction", "input")).strip()
         return {"text": text[:spans[0][0]], "prompt": prompt, "reference": reference}
     if fmt == "messages":
-        from ..data.tokenize import chat_messages
+        from ..data.tokenize import chat_messages, template_fields
 
-        messages = chat_messages(row)
+        messages = template_fields(chat_messages(row), tokenizer)  # as training renders them
         if len(messages) < 2 or messages[-1]["role"] != "assistant" or not isinstance(messages[-1]["content"], str) \
                 or not messages[-1]["content"].strip():
             return None

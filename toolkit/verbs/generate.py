@@ -3,8 +3,10 @@
 Prompts go through the tokenizer's chat template, as training's `messages` format renders them
 (`--no-chat-template`: raw text, with BOS put before it as training's `text` format does). An
 answer ends at the tokenizer's eos token, at the template's end-of-turn token (`<|im_end|>`,
-`<|eot_id|>`, ...) and at the model's generation_config eos ids, whichever comes first. stdout holds
-the answers alone; a progress bar over the prompts goes to stderr (none in the interactive loop).
+`<|eot_id|>`, ...) and at the model's generation_config eos ids, whichever comes first. An answer
+shows every token the model produced before that, added special tokens included (a tool-call token
+of model.add_special_tokens), and leaves out only padding and BOS. stdout holds the answers alone;
+a progress bar over the prompts goes to stderr (none in the interactive loop).
 
 Loading and generation live in `inference.py`, shared with `toolkit eval`, the quickstart and
 the samples a run prints while it trains.
