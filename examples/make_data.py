@@ -5,7 +5,8 @@ Single-digit sums have only 100 distinct rows, all of them in the training set, 
 
 Deterministic (fixed seed): running it again rewrites identical files. Each task appears in
 `alpaca` form (instruction, input, output) and `messages` form (chat turns), and as preference
-pairs (TRL's conversational preference format: the right answer chosen, a wrong one rejected).
+pairs (TRL's conversational preference format: the right answer chosen, a wrong one rejected), and
+as prompts with their answers (online RL: TRL's prompt-only format plus an `answer` column).
 Eval rows are disjoint from training rows.
 
     python examples/make_data.py [--out examples/data] [--train 3000] [--eval 200]
@@ -61,6 +62,11 @@ def as_preference(row: dict, rng: random.Random) -> dict:
             "rejected": [{"role": "assistant", "content": wrong_answer(row, rng)}]}
 
 
+def as_prompt(row: dict) -> dict:
+    """Online RL's prompt-only rows: the user turn, and the answer a reward function checks."""
+    return {"prompt": [{"role": "user", "content": f"{row['instruction']} {row['input']}"}], "answer": row["output"]}
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -90,6 +96,8 @@ def main() -> None:
     wrong = random.Random(args.seed + 1)  # its own stream: the files above stay as they were
     write_jsonl(out / "tasks_preference_train.jsonl", [as_preference(r, wrong) for r in train])
     write_jsonl(out / "tasks_preference_eval.jsonl", [as_preference(r, wrong) for r in evaluation])
+    write_jsonl(out / "tasks_prompts_train.jsonl", [as_prompt(r) for r in train])
+    write_jsonl(out / "tasks_prompts_eval.jsonl", [as_prompt(r) for r in evaluation])
     print(f"wrote {len(train)} train and {len(evaluation)} eval rows to {out}")
 
 

@@ -9,6 +9,11 @@
    quickstart).
 3. `toolkit eval` scores `final/` the same way; the script prints the eval loss and the
    accuracy before and after, per task (a task is a prompt's words but its last, the input).
+
+An online-RL recipe (rl.method, examples/recipes/quickstart_grpo.yaml) starts from the SFT
+quickstart's result (made first when it is missing): the "before" is that model, and besides the
+greedy answers of `toolkit eval` the script prints the run's own held-out reward (`eval_reward`:
+one sampled answer per held-out prompt, scored by the recipe's reward) at step 0 and at the end.
 """
 
 import contextlib
@@ -68,6 +73,8 @@ def main() -> int:
     args = sys.argv[1:] or ["examples/recipes/quickstart_full.yaml"]
     recipe_path, overrides = args[0], args[1:] + ["overwrite=true"]
     recipe = load_recipe(recipe_path, overrides)
+    if recipe.rl.method is not None:
+        return reinforce(recipe, recipe_path, overrides)
     if recipe.model.preset is None:
         sys.exit("examples/quickstart.py: the quickstart scores a built-in preset before training; "
                  "use `toolkit eval` directly for model.path")
@@ -95,6 +102,41 @@ def main() -> int:
     example = a["records"][0]["prompt"] if a["records"] else "..."
     print(f"\nall answers: {out / 'eval.json'}; ask it yourself:\n  "
           + ask_yourself(out, example, chat=recipe.data.format == "messages"))
+    return 0
+
+
+def reinforce(recipe, recipe_path: str, overrides: list[str]) -> int:
+    """Online RL from the SFT quickstart's result: greedy held-out accuracy (toolkit eval on the chat
+    twin of the prompt file) and the run's sampled held-out reward, before and after."""
+    start, out = Path(recipe.model.path), Path(recipe.output_dir)
+    if not (start / "config.json").is_file():
+        print(f"{start} is missing: running the SFT quickstart first ...", flush=True)
+        sys.argv = [sys.argv[0], "examples/recipes/quickstart_full.yaml"]
+        if main() != 0:
+            return 1
+    data = str(recipe.data.eval_files[0]).replace("_prompts_", "_messages_")  # the same rows as chats
+    with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
+        print(f"scoring {start} (the SFT result) on the held-out prompts ...", flush=True)
+        before = evaluate(start, data, recipe.data.max_seq_len, Path(tmp) / "before.json", quiet=True)
+        code = toolkit_main(["train", recipe_path, *overrides])
+        if code != 0:
+            return code
+        print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
+        after = evaluate(out / "final", data, recipe.data.max_seq_len, out / "eval.json", quiet=True)
+    b, a = before["answers"], after["answers"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r for r in rows if r.get("eval_reward") is not None]
+    first, last = rewards[0], rewards[-1]
+    print(f"\nheld-out reward of sampled answers (temperature {recipe.rl.temperature:g}, the run's eval_reward): "
+          f"{first['eval_reward']:.3f} at step 0 -> {last['eval_reward']:.3f} at step {last['step']}")
+    print(f"held-out greedy answers right: {b['correct']} of {b['scored']} ({b['accuracy']:.0%}) after SFT -> "
+          f"{a['correct']} of {a['scored']} ({a['accuracy']:.0%}) after GRPO")
+    (rb, _), (ra, total) = per_task(before), per_task(after)
+    width = max(map(len, total))
+    for task in sorted(total):
+        print(f"  {task:{width}}  {rb[task]:3} -> {ra[task]:3} of {total[task]}")
+    if importlib.util.find_spec("matplotlib") is not None:
+        toolkit_main(["plot", str(out)])
     return 0
 
 

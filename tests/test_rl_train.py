@@ -182,6 +182,19 @@ def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
     assert_close(single[0], workdir / "moved", first=2)
 
 
+def test_sigterm_while_sampling_finishes_the_step_saves_and_resumes_to_the_same_result(workdir, single):
+    """SIGTERM lands while step 2's completions are sampled: the step finishes, its checkpoint is
+    saved (exit 75), and resume=auto ends bitwise like the run never stopped."""
+    path = recipe(workdir, "sigterm", checkpoint={"every_steps": 0})
+    rc, out, err = finish(start(command(workdir, "single", path), env={"TOOLKIT_FAULT_SIGNAL": "generate:TERM"}))
+    assert rc == 75, err[-3000:]
+    assert "preempted: checkpoint" in err + out and "step-000002" in err + out, err[-2000:]
+    rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    want, have = load_weights(single[0] / "final"), load_weights(workdir / "sigterm" / "final")
+    assert all(torch.equal(want[k], have[k]) for k in want)
+
+
 def test_lora_with_kl_to_the_disabled_adapter_trains_and_merges(workdir):
     """rl.beta > 0 with LoRA: the reference is the base with the adapter disabled; two steps on each
     generated batch (rl.num_iterations=2, the old policy's log-probabilities kept); the adapter merges."""

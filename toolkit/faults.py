@@ -6,7 +6,8 @@ this process's group when the run reaches PHASE, DELAY seconds later (a timer, s
 inside the phase's work, e.g. while `datasets` workers tokenize), again REPEAT seconds after that
 (a second Ctrl-C), and makes the phase take PAUSE seconds longer (a slow save, still running when
 the second signal comes). Phases: `data` (tokenizing), `model` (loading), `prepare`, `step`
-(the forward of the first micro-batch of optimizer step 2), `eval`, `checkpoint` (its files
+(the forward of the first micro-batch of optimizer step 2), `generate` (online RL sampling the
+completions of optimizer step 2), `eval`, `checkpoint` (its files
 written, not yet marked complete), `final` (the final save's folder written, not yet renamed),
 `merge` and `convert` (their output written, not yet renamed). The group is what a terminal's
 Ctrl-C reaches; a test runs each launch in a session of its own.
@@ -20,7 +21,7 @@ import threading
 import time
 
 SIGNALS = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "KILL": signal.SIGKILL}
-PHASES = ("data", "model", "prepare", "step", "eval", "checkpoint", "final", "merge", "convert")
+PHASES = ("data", "model", "prepare", "step", "generate", "eval", "checkpoint", "final", "merge", "convert")
 
 
 class Faults:

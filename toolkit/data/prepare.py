@@ -250,6 +250,9 @@ def label_audit(example: dict, tokenizer, width: int = 240) -> str:
     document), so a wrong chat template or masking shows before any training. Long runs of text
     keep their start and end."""
     ids, labels = np.asarray(example["input_ids"]), np.asarray(example["labels"])
+    if "fields" in example:  # an online-RL prompt: nothing in it is a target; its answers are sampled
+        text = tokenizer.decode(ids.tolist()).replace("\n", "\\n")
+        return f"first prompt ({len(ids)} tokens; the completions sampled after it are what trains): {text}"
     if "position_ids" in example:
         restarts = np.flatnonzero(np.asarray(example["position_ids"])[1:] == 0)
         end = int(restarts[0]) + 1 if len(restarts) else len(ids)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .. import faults
 from ..data.formats import IGNORE
 from ..model.inference import stop_token_ids
 from ..model.sampling import completion_seed, sample
@@ -41,6 +42,8 @@ class GroupRL(Objective):
         self.cfg, self.rewards, self.tokenizer, self.accelerator = cfg, rewards, tokenizer, accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.unit = "completion tokens" if cfg.loss_type == "dapo" else "completions"
+        self.names = {r.name: f"reward_{r.name.rpartition(':')[2]}" for r in rewards}  # reward_<function name>
+        self.eval_metrics = ("reward", *self.names.values())
         self.iterations = cfg.num_iterations
         self.made: list[dict] | None = None  # this generation's micro-batches, kept for its num_iterations steps
         self.sums: dict[str, torch.Tensor] = {}
@@ -88,6 +91,8 @@ class GroupRL(Objective):
         if (step - 1) % self.iterations and self.made is not None:
             return self.made
         started = time.perf_counter()
+        if step == 2:
+            faults.at("generate")
         module = self.accelerator.unwrap_model(model)
         prompts = [p for b in micro_batches for p in b["prompt_ids"]]
         keys = torch.cat([b["keys"] for b in micro_batches]).tolist()
@@ -127,15 +132,16 @@ class GroupRL(Objective):
 
     def step_metrics(self, device) -> dict[str, torch.Tensor]:
         sums, self.sums = self.sums, {}
-        names = ["reward", "prompts"] if "prompts" in sums else ["clip_ratio_low", "clip_ratio_high", "clip_ratio",
-                                                                 "clip_units", "entropy", "tokens"] \
+        names = ["prompts", *self.eval_metrics] if "prompts" in sums else \
+            ["clip_ratio_low", "clip_ratio_high", "clip_ratio", "clip_units", "entropy", "tokens"] \
             + (["kl"] if self.cfg.beta else [])
         return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
                 for name in names}
 
     def finish_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
-        if "prompts" in sums:  # evaluation: the mean greedy reward per eval prompt
-            return {"reward": sums["reward"] / max(sums["prompts"], 1)}
+        if "prompts" in sums:  # evaluation: the mean reward (total and per function) per eval prompt
+            prompts = max(sums.pop("prompts"), 1.0)
+            return {k: v / prompts for k, v in sums.items()}
         tokens, clip_units = max(sums.pop("tokens"), 1.0), max(sums.pop("clip_units"), 1.0)
         return {**self.generated, **{k: v / (clip_units if k.startswith("clip_ratio") else tokens)
                                      for k, v in sums.items()}}
@@ -230,8 +236,7 @@ class GroupRL(Objective):
         r = rewards.double()
         flat_groups = r.view(-1, g)
         no_spread = (flat_groups.max(1).values - flat_groups.min(1).values).abs() < 1e-12
-        columns = {"reward": r, **{f"reward_{name.rpartition(':')[2]}": v.double()  # reward_<function name>
-                                   for name, v in per_function.items()}}
+        columns = {"reward": r, **{self.names[name]: v.double() for name, v in per_function.items()}}
         sums = []
         for v in columns.values():
             ok = ~torch.isnan(v)
@@ -267,10 +272,10 @@ class GroupRL(Objective):
         completions = self.generate(module, batch["prompt_ids"], seeds)
         valid = batch["valid"].cpu().tolist()
         rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding" for (s, r), v in zip(keys, valid)]
-        rewards, _ = self.score(batch["fields"], completions, 0, rows)
+        rewards, per_function = self.score(batch["fields"], completions, 0, rows)
         kept = torch.tensor(valid, dtype=torch.bool)
-        total = torch.nan_to_num(rewards.double())[kept].sum()
-        self.sums["reward"] = self.sums.get("reward", 0) + total
+        for name, values in [("reward", rewards), *((self.names[n], v) for n, v in per_function.items())]:
+            self.sums[name] = self.sums.get(name, 0) + torch.nan_to_num(values.double())[kept].sum()
         self.sums["prompts"] = self.sums.get("prompts", 0) + float(kept.sum())
         if self.accelerator.is_main_process and len(self.shown) < 3:
             for i in range(len(completions)):
