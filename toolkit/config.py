@@ -371,7 +371,8 @@ class RLConfig:
     max_new_tokens: int = 256
     """Longest completion; one cut there counts in the share of clipped completions."""
     temperature: float = 1.0
-    """Sampling temperature of the completions (above 0; evaluation answers greedily)."""
+    """Sampling temperature of the completions (above 0; evaluation samples one answer per eval
+    prompt at it, with the same seeds at every evaluation)."""
     top_p: float = 1.0
     """Nucleus sampling: only the most likely tokens whose probabilities sum to top_p are drawn from."""
     rewards: list[Union[str, RewardConfig]] = field(default_factory=list)

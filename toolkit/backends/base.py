@@ -169,6 +169,17 @@ class Backend:
         """The backend's own config as resolved for this run (DeepSpeed's JSON), for the manifest."""
         return None
 
+    @contextmanager
+    def sampling(self, model):
+        """The module online RL samples completions from (`model/sampling.py`), token by token. By
+        default the module as it is: whole weights (one process, DDP). A backend that shards the
+        weights gathers them once for the whole sampling here, not per layer per token."""
+        yield self.accelerator.unwrap_model(model)
+
+    def sampling_line(self) -> str:
+        """How `sampling` holds the weights, for the start-of-run line of online RL."""
+        return "whole weights"
+
     # -- parameters --------------------------------------------------------------------------------
 
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,6 +54,35 @@ class DeepSpeed(Backend):
     @property
     def stage(self) -> int:
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    @contextmanager
+    def sampling(self, model):
+        """ZeRO-3: every parameter gathered once for the whole sampling, with the engine's forward
+        hooks taken off meanwhile (they would release each layer after its forward and gather it again
+        for the next token), as TRL's unwrap_model_for_generation does; other stages: as it is."""
+        if self.stage != 3:
+            yield self.accelerator.unwrap_model(model)
+            return
+        import deepspeed
+
+        offload = model.optimizer.parameter_offload if hasattr(model.optimizer, "parameter_offload") \
+            else model.optimizer
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            for p in offload.module.parameters(recurse=True):
+                p.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield self.accelerator.unwrap_model(model)
+            finally:
+                coordinator = getattr(offload, "param_coordinator", None)
+                if coordinator is not None and not coordinator.is_invalid_trace():
+                    coordinator._invalidate_trace()  # the trace of training's forwards, not the sampling's
+                offload._register_deepspeed_module(offload.module)
+
+    def sampling_line(self) -> str:
+        return ("whole weights gathered once per sampling (ZeRO-3)" if self.stage == 3 else "whole weights")
 
     def check_prepared(self, model) -> None:
         import deepspeed

@@ -4,7 +4,7 @@ state sharded across ranks; a wrapped module unshards its parameters inside its 
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from ..errors import ToolkitError
@@ -55,6 +55,36 @@ class FSDP(Backend):
     @property
     def plugin(self):
         return self.accelerator.state.fsdp_plugin
+
+    @contextmanager
+    def sampling(self, model):
+        """Every FSDP module unsharded once and kept whole across the sampling's forwards (FSDP2
+        otherwise gathers each layer in each token's forward and frees it after), then resharded
+        and its reshard-after-forward setting put back as it was."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.accelerator.unwrap_model(model)
+        sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        # FSDP2 keeps the setting per parameter group (the root's differs from the layers'): saved
+        # as it is, since set_reshard_after_forward(True) would not give the root's back.
+        saved = [(m._get_fsdp_state(), [(g, g.post_forward_mesh_info) for g in m._get_fsdp_state()._fsdp_param_groups])
+                 for m in sharded]
+        autos = [state._auto_reshard_after_forward for state, _ in saved]
+        for m in sharded:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield module
+        finally:
+            for m in sharded:
+                m.reshard()
+            for (state, groups), auto in zip(saved, autos):
+                state._auto_reshard_after_forward = auto
+                for group, info in groups:
+                    group.post_forward_mesh_info = info
+
+    def sampling_line(self) -> str:
+        return "whole weights gathered once per sampling (FSDP modules unsharded for it)"
 
     def check_prepared(self, model) -> None:
         FSDPModule, FSDP1 = _fsdp_classes()

@@ -220,7 +220,7 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
         d = recipe.data
         sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
-        objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend.accelerator, recipe.seed, sources, held,
+        objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                                    adapter=model if recipe.lora.enabled else None)
     else:
         objective = objectives.for_recipe(recipe, model)

@@ -11,8 +11,9 @@ global count.
 
 A prompt's group is sampled, scored and normalised on the rank that holds the prompt: groups never
 straddle ranks. rl.scale_rewards=batch divides by the standard deviation of the whole global batch,
-reduced over the ranks. Evaluation answers each eval prompt greedily once and reports the mean
-reward (`eval_reward`): held-out accuracy where the reward is a correctness check.
+reduced over the ranks. Evaluation samples one answer per eval prompt (the same seeds at every
+evaluation) and reports the mean reward (`eval_reward`, and `eval_reward_<function>`): held-out
+accuracy where the reward is a correctness check.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class GroupRL(Objective):
     eval_metrics = ("reward",)
     has_eval_loss = False
 
-    def __init__(self, cfg, rewards: list, tokenizer, accelerator, seed: int, sources: list[str],
+    def __init__(self, cfg, rewards: list, tokenizer, backend, seed: int, sources: list[str],
                  eval_sources: list[str], adapter=None):
-        self.cfg, self.rewards, self.tokenizer, self.accelerator = cfg, rewards, tokenizer, accelerator
+        self.cfg, self.rewards, self.tokenizer, self.backend = cfg, rewards, tokenizer, backend
+        self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.unit = "completion tokens" if cfg.loss_type == "dapo" else "completions"
         self.names = {r.name: f"reward_{r.name.rpartition(':')[2]}" for r in rewards}  # reward_<function name>
@@ -67,7 +69,8 @@ class GroupRL(Objective):
                 + (f"; {c.num_iterations} optimizer steps per generated batch" if c.num_iterations > 1 else "")
                 + f"; the loss is a mean over {self.unit}",
                 f"rl: rewards {names}; groups stay on one rank"
-                + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")]
+                + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")
+                + f"; sampling from {self.backend.sampling_line()}"]
 
     def unsplittable(self) -> str | None:
         return "online RL samples and scores whole completions, not rows split across ranks"
@@ -93,13 +96,12 @@ class GroupRL(Objective):
         started = time.perf_counter()
         if step == 2:
             faults.at("generate")
-        module = self.accelerator.unwrap_model(model)
         prompts = [p for b in micro_batches for p in b["prompt_ids"]]
         keys = torch.cat([b["keys"] for b in micro_batches]).tolist()
         fields = [f for b in micro_batches for f in b["fields"]]
         g = self.cfg.num_generations
         seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
-        completions = self.generate(module, [p for p in prompts for _ in range(g)], seeds)
+        completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
         rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows)
         advantages = group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
@@ -152,18 +154,22 @@ class GroupRL(Objective):
 
     # ------------------------------------------------------------------ making the batch
 
-    def generate(self, module, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
-        if self.stops is None:
-            self.stops = stop_token_ids(module, self.tokenizer)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
-        was_training = module.training
-        module.eval()
-        try:
-            with self.accelerator.autocast():
-                return sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens, stop_ids=self.stops,
-                              pad_id=pad, temperature=self.cfg.temperature, top_p=self.cfg.top_p, synced=self.all_done)
-        finally:
-            module.train(was_training)
+    def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
+        """Each prompt's completion, sampled from the model as the backend holds it for sampling
+        (`Backend.sampling`), in eval mode (no dropout), in the run's precision."""
+        with self.backend.sampling(model) as module:
+            if self.stops is None:
+                self.stops = stop_token_ids(module, self.tokenizer)
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
+            was_training = module.training
+            module.eval()
+            try:
+                with self.accelerator.autocast():
+                    return sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens,
+                                  stop_ids=self.stops, pad_id=pad, temperature=self.cfg.temperature,
+                                  top_p=self.cfg.top_p, synced=self.all_done)
+            finally:
+                module.train(was_training)
 
     def all_done(self, done: bool) -> bool:
         """Whether every rank's completions have all stopped (each rank steps until then)."""
@@ -266,10 +272,9 @@ class GroupRL(Objective):
         evaluation (step -1), scored: the sum of rewards of the real prompts (the loss of an eval
         batch is 0; the reward is the metric). The mean reward of the policy's samples, not of its
         most likely answers, which sharpening does not change."""
-        module = self.accelerator.unwrap_model(model)
         keys = batch["keys"].cpu().tolist()
         seeds = [completion_seed(self.seed, -1, source, row, 0) for source, row in keys]
-        completions = self.generate(module, batch["prompt_ids"], seeds)
+        completions = self.generate(model, batch["prompt_ids"], seeds)
         valid = batch["valid"].cpu().tolist()
         rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding" for (s, r), v in zip(keys, valid)]
         rewards, per_function = self.score(batch["fields"], completions, 0, rows)

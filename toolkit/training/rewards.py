@@ -91,8 +91,9 @@ def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], row
             raise ToolkitError(f"{_where(reward, 0, rows[missing])}: {_no_column(reward.column)}")
     first = range(min(len(prompts), _CHECK_ROWS))
     picked = [i for i in first for _ in _CHECK_COMPLETIONS]
-    score(rewards, [prompts[i] for i in picked], [c for _ in first for c in _CHECK_COMPLETIONS],
-          [columns[i] for i in picked], step=0, rows=[rows[i] for i in picked])
+    tried = [c for _ in first for c in _CHECK_COMPLETIONS]
+    score(rewards, [prompts[i] for i in picked], tried, [columns[i] for i in picked], step=0,
+          rows=[rows[i] for i in picked], completion_ids=[[0] * len(c.split()) for c in tried])  # stand-in ids
 
 
 # --- loading
