@@ -446,3 +446,95 @@ def test_the_full_8b_recipes_launch_what_estimate_recommends(name, capsys, tmp_p
     also = re.search(r"\(also fits: ([^)]*)\)$", recommended)
     fitting = [recommended.split(" (accelerate_configs/")[0]] + (also.group(1).split(", ") if also else [])
     assert report["launched"] in fitting, (report["launched"], recommended)
+
+
+# ------------------------------------------------------------------ online RL
+
+
+def rl_recipe(tmp_path, **rl):
+    """tiny-llama (4 layers, 2 KV heads of 32) with LoRA, GRPO: 2 prompts x 8 completions a micro-batch,
+    4 accumulation steps, prompts up to 256 tokens and completions up to 128."""
+    return write_recipe(tmp_path / "rl.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
+                        lora={"enabled": True, "r": 8},
+                        data={"train_files": [str(tmp_path / "prompts.jsonl")], "format": "prompt",
+                              "max_seq_len": 256},
+                        rl={"method": "grpo", "num_generations": 8, "max_new_tokens": 128, "rewards": ["exact_match"],
+                            **rl},
+                        train={"micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 10,
+                               "precision": "bf16"})
+
+
+def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
+    """rl.method: a micro-batch trains on micro_batch_size x num_generations sequences of max_seq_len +
+    max_new_tokens tokens (the activations and logits of a supervised micro-batch of that shape); each
+    rank first samples all its prompts of the step at once, whose KV cache is 2 x layers x kv_heads x
+    head_dim x sequences x tokens x dtype bytes, freed before training (the total holds the larger);
+    the reference (rl.beta > 0: the adapter disabled) and the old log-probabilities (rl.num_iterations
+    > 1) are forwards, not a second model."""
+    from dataclasses import replace
+
+    from toolkit.backends.sizing import BY_NAME, Setup, estimate, kv_cache_bytes, rl_forwards, setup_from_recipe
+    from toolkit.config import load_recipe
+    from toolkit.verbs.estimate import render
+
+    rl = setup_from_recipe(load_recipe(rl_recipe(tmp_path, beta=0.04, num_iterations=2)))
+    assert (rl.micro_batch, rl.seq_len, rl.accumulation, rl.sampled) == (16, 384, 4, 64)
+    assert rl.batch_text() == ("micro-batch 16 sequences (2 prompts x 8 completions) x 384 tokens "
+                               "(prompt + up to 128 new)")
+    kv = 2 * 4 * 2 * 32 * 64 * 384 * 2  # layers, KV heads, head dim, 2 x 4 x 8 sequences, 256 + 128 tokens, bf16
+    assert kv_cache_bytes(rl.model, rl) == kv
+    assert rl_forwards(rl) == (1 + 1 + 1) / 2  # sampling, reference, old log-probabilities: once per 2 steps
+    assert rl_forwards(replace(rl, reference_forward=False, iterations=1)) == 1
+    supervised = Setup(model=rl.model, precision="bf16", base_dtype=rl.base_dtype, micro_batch=16, seq_len=384)
+    assert kv_cache_bytes(rl.model, supervised) == 0 and rl_forwards(supervised) == 0
+    for strategy in (BY_NAME["DDP"], BY_NAME["ZeRO-3"]):
+        got, plain = estimate(strategy, rl).gpu, estimate(strategy, supervised).gpu
+        assert got["kv_cache"] == kv and plain["kv_cache"] == 0
+        for key in ("params", "gradients", "optimizer", "buffers", "activations", "logits"):
+            assert got[key] == plain[key], (strategy.name, key)  # the reference is no second model
+        states = sum(got[k] for k in ("params", "gradients", "optimizer", "buffers"))
+        assert got["total"] == states + max(got["activations"] + got["logits"], kv)
+        long = estimate(strategy, replace(rl, accumulation=400)).gpu  # a cache larger than the activations
+        assert long["kv_cache"] == 100 * kv and long["total"] == states + 100 * kv
+
+    table = render(rl, [estimate(BY_NAME["DDP"], rl)], {"recommendation": "-", "epoch": None}, None)
+    assert "  kv cache   total  fits" in table
+    assert ("every GPU samples 64 completions at once (2 prompts x 4 accumulation steps x 8 generations), token by "
+            "token up to 128 new tokens; kv cache: 2 x 4 layers x 2 KV heads x 32 head dim x 64 sequences x 384 "
+            "tokens x 2 bytes = 24.0 MiB") in table
+    assert ("training 2 (forward and backward, LoRA), sampling 0.5, reference log-probabilities 0.5 (rl.beta > 0: "
+            "this model with its LoRA adapter disabled, no second model), old log-probabilities 0.5 "
+            "(rl.num_iterations 2); all but training once per generated batch of 2 steps") in table
+    plain_table = render(supervised, [estimate(BY_NAME["DDP"], supervised)], {"recommendation": "-", "epoch": None},
+                         None)
+    assert "kv cache" not in plain_table and "rl:" not in plain_table
+
+    report = estimate_json(capsys, "--recipe", rl_recipe(tmp_path), "--gpus", "2")
+    assert report["rl"] == {"completions_sampled_per_gpu": 64, "forwards_without_gradient_per_step": 1.0}
+    assert report["setup"]["micro_batch"] == 16 and report["setup"]["seq_len"] == 384
+    assert all(r["gpu_bytes"]["kv_cache"] == kv for r in report["strategies"])
+    supervised_report = estimate_json(capsys, "--model", "tiny-llama")
+    assert supervised_report["rl"] is None
+
+
+def test_online_rl_refusals_and_the_run_line(monkeypatch, tmp_path, capsys):
+    """Sequence parallelism cannot split an RL run's completions: refused as a launch would. The run's
+    `estimate` line gives the KV cache beside the activations."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from toolkit.backends.sizing import estimate_for_run
+    from toolkit.cli import main
+    from toolkit.config import load_recipe
+
+    path = rl_recipe(tmp_path)
+    assert main(["estimate", "--recipe", str(path), "--gpus", "2", "--sp-size", "2"]) == 2
+    assert "--sp-size is 2: online RL (rl.method) samples and scores whole completions" in capsys.readouterr().err
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "PARALLELISM_CONFIG_SP_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    line, warning = estimate_for_run(load_recipe(path), accelerator, None)
+    assert ("(micro-batch 16 sequences (2 prompts x 8 completions) x 384 tokens (prompt + up to 128 new)), KV cache "
+            "24.0 MiB (64 completions sampled at once; freed before training: the larger counts) = ") in line, line
+    assert warning is None

@@ -193,3 +193,51 @@ def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
     assert "chat.jsonl: row 1: every token is a target in 40 of 40 rows" in line
     assert "chat template probably renders no prompt" in line
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- online RL's generation
+
+
+def test_the_step_profile_names_generation_apart_from_data():
+    """Online RL samples its completions inside the step (`objective.step_batches`, lapped as `generate`,
+    not `data`): the profile names it with its own hint. A supervised run's `generate` is a call that
+    returns its batches: under half a percent, it stays out of the line (profile.json keeps it)."""
+    clock = observe.StepClock(torch.device("cpu"))
+    clock.totals = {"data": 0.05, "generate": 6.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.5, "sync": 0.2,
+                    "other": 0.25}
+    clock.steps, clock.step_seconds = 5, 10.0
+    line, profile = observe.profile_report(clock, {"eval": 1.0}, gradient_checkpointing=False)
+    assert profile["largest"] == "generate" and profile["shares"]["generate"] == pytest.approx(0.6)
+    assert line.startswith("step profile over 5 timed step(s), 2.000 s each: generate 60%, backward 20%, forward 10%")
+    assert line.endswith(f"Largest: generate: {observe.HINTS['generate']}")
+    assert "rl.max_new_tokens" in observe.HINTS["generate"] and "data.packing" not in observe.HINTS["generate"]
+
+    clock.totals = {"data": 4.0, "generate": 0.0004, "forward": 2.0, "backward": 3.9996, "sync": 0.0}
+    line, profile = observe.profile_report(clock, {}, gradient_checkpointing=False)
+    assert "generate" in profile["shares"] and "generate" not in line
+    assert "data 40%" in line and "sync 0%" in line  # the phases every run has stay, even at 0%
+    assert line.endswith(f"Largest: data: {observe.HINTS['data']}")
+
+
+def test_the_loop_laps_generation_as_its_own_phase():
+    """train_step wraps `objective.step_batches` (and only it) in the `generate` phase."""
+    import inspect
+
+    from toolkit.training.loop import train_step
+
+    source = inspect.getsource(train_step)
+    generate = source.split('monitor.phase("generate", step)')[1].split("with monitor.phase(")[0]
+    assert "run.objective.step_batches(" in generate and "next(batches)" not in generate
+    assert source.index('phase("data", step)') < source.index('phase("generate", step)')
+
+
+def test_the_watchdog_places_generation_between_data_and_counts():
+    def at(phase, step, micro=0):
+        return ((phase, step, "", micro), "train.py:1 in fit", False)
+
+    line = who_is_behind({0: at("counts", 3), 1: at("generate", 3)}, 2)
+    assert line.startswith("rank 1 is still in sampling and scoring completions (online RL) of step 3 while 0 is in "
+                           "the reduction of token counts"), line
+    assert who_is_behind({0: at("generate", 3), 1: at("data", 3)}, 2).startswith("rank 1 is still in waiting")
+    assert who_is_behind({0: at("backward", 3), 1: at("forward", 3, 1)}, 2).startswith("rank 0 is still")
+    assert who_is_behind({0: at("generate", 4), 1: at("sync", 3)}, 2).startswith("rank 1 is still")

@@ -136,3 +136,44 @@ def test_refusals(runs, tmp_path):
         assert str(named) in line and reason in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "only-eval"]
     assert [p.name for p in empty.iterdir()] == [] and [p.name for p in only_eval.iterdir()] == ["metrics.jsonl"]
+
+
+def rl_rows(steps: int = 6) -> list[dict]:
+    """metrics.jsonl of an online-RL run as the loop writes it (rl.method=grpo): eval_reward, no eval_loss."""
+    rows = [{"step": 0, "epoch": 0.0, "eval_reward": 0.1}]
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "epoch": s / steps, "loss": 0.01 * (-1) ** s, "reward": 0.1 * s, "reward_std": 0.3,
+                     "reward_exact_match": 0.1 * s, "completion_length": 20.0 - s, "completion_length_min": 2.0,
+                     "completion_length_max": 32.0, "clipped_completions": 0.3 / s, "zero_std_groups": 0.05 * s,
+                     "clip_ratio": 0.0, "entropy": 1.5, "generation_seconds": 0.4, "lr": 1e-5, "grad_norm": 0.5,
+                     "tokens": 900 * s, "tokens_per_second": 450.0, "target_tokens_per_second": 120.0,
+                     **({"eval_reward": 0.08 * s} if s % 3 == 0 else {})})
+    return rows
+
+
+def test_an_rl_run_gets_its_reward_panels(tmp_path, capsys):
+    """An online-RL run (metrics written by hand, no training): reward (train line, eval dots), completion
+    length and zero_std_groups panels beside the four of every run; a supervised run keeps its 2 x 2 of
+    those four, the RL panels left out; overlaid, the panels of either are drawn."""
+    from toolkit.cli import main
+    from toolkit.verbs.plot import shown_panels
+
+    rl, sft = tmp_path / "grpo", tmp_path / "sft"
+    write_jsonl(rl / "metrics.jsonl", rl_rows())
+    write_jsonl(sft / "metrics.jsonl", [{"step": 0, "epoch": 0.0, "eval_loss": 3.0}]
+                + [{"step": s, "epoch": s / 6, "loss": 3.0 - 0.2 * s, "lr": 1e-4, "grad_norm": 1.0 + s,
+                    "tokens_per_second": 100.0 + s} for s in range(1, 7)])
+    everyday = ["loss", "learning rate", "grad norm", "tokens/s"]
+    rl_titles = [title.split(" (")[0].split(",")[0] for title, _ in shown_panels([rl_rows()])]
+    assert rl_titles == ["loss", "reward", "completion length", "zero_std_groups", *everyday[1:]]
+    reward_keys = dict(shown_panels([rl_rows()]))["reward (line: train, dots: eval)"]
+    assert reward_keys == [("reward", "-"), ("eval_reward", "o:")]
+
+    assert main(["plot", str(rl)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {rl / 'plot.png'} (1 run, steps 0-6)"
+    assert check_drawn(rl / "plot.png").shape[:2] == (800, 2400)  # 7 panels: 4 columns x 2 rows
+    assert main(["plot", str(sft)]) == 0
+    assert check_drawn(sft / "plot.png").shape[:2] == (800, 1200)  # 4 panels: 2 x 2, as before
+    out = tmp_path / "both.png"
+    assert main(["plot", str(rl), str(sft), "--out", str(out)]) == 0
+    assert orange_pixels(check_drawn(out)) > 200 and check_drawn(out).shape[:2] == (800, 2400)

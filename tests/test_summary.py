@@ -45,3 +45,25 @@ def test_the_precision_line_says_it_on_a_cpu_host_only(monkeypatch):
         "precision bf16 (train.precision)"
     assert next(line for line in summary_of("fp32", "cpu") if line.startswith("precision ")) == \
         "precision fp32 (train.precision)"
+
+
+def test_an_rl_run_counts_prompts_and_completions(tmp_path):
+    """rl.method: micro_batch_size counts prompts; the batch line says prompts x num_generations completions
+    and the sequences trained on; the estimate line counts those sequences and the KV cache of sampling."""
+    from helpers import write_recipe
+
+    path = write_recipe(tmp_path / "rl.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
+                        data={"train_files": [str(tmp_path / "prompts.jsonl")], "format": "prompt", "max_seq_len": 64},
+                        rl={"method": "grpo", "num_generations": 8, "max_new_tokens": 16, "rewards": ["exact_match"]},
+                        train={"micro_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 10})
+    accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"))
+    backend = SimpleNamespace(accelerator=accelerator, describe=lambda: "DDP, 2 processes", sequence_parallel=1,
+                              data_parallel=lambda: (0, 2))
+    lines = run_summary(load_recipe(path), backend, None, rows=100, eval_rows=10, steps_per_epoch=6, total_steps=10)
+    batch = next(line for line in lines if line.startswith("batch "))
+    assert batch.startswith("batch 16 prompts x 8 completions (128 sequences of prompt + completion) per optimizer "
+                            "step = micro_batch_size 2 x gradient_accumulation_steps 4 x 2 processes; "), batch
+    estimate = next(line for line in lines if line.startswith("estimate per process"))
+    # 2 x 4 layers x 64 (2 KV heads of 32) x 64 sequences (2 x 4 x 8) x 80 tokens x 4 bytes (fp32) = 10 MiB
+    assert "(micro-batch 16 sequences (2 prompts x 8 completions) x 80 tokens (prompt + up to 16 new)), KV cache " \
+           "10.0 MiB (64 completions sampled at once" in estimate, estimate

@@ -68,6 +68,18 @@ train.loss_chunk_tokens with the chunked loss (one chunk recomputed at a time); 
 chunks a trainable output layer's weight gradient is summed across them, two such tensors alive
 (2 * vocab * h * gradient bytes; found measuring, not in the first version of this model).
 
+**Online RL** (rl.method): a micro-batch trains on micro_batch_size x rl.num_generations prompt +
+completion sequences of up to data.max_seq_len + rl.max_new_tokens tokens, so the activations and
+logits above are counted for those. Before that, each rank samples the completions of all its
+prompts of the step at once (micro_batch_size x gradient_accumulation_steps x num_generations
+sequences), token by token with a KV cache: 2 (keys, values) x layers x key/value heads x head dim x
+sequences x (prompt + new tokens) x e bytes, `kv_cache`. The cache is freed before the step's
+forwards, so the total holds the larger of it and activations + logits. The reference's
+log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter disabled (rl.beta
+needs LoRA): no second model, one more forward without gradient per generated batch, as the old
+policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they
+keep (4 bytes a token) are not counted.
+
 **Communication** per optimizer step, bytes each process sends over ring collectives (an
 all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N), once per
 optimizer step without gradient accumulation: DDP all-reduces the fp32 gradients (~2 x 4T);
@@ -140,11 +152,27 @@ class Setup:
     loss_chunk_tokens: int = 1024
     pairs: bool = False  # preference pairs: micro_batch counts their sequences, two per pair
     sequence_parallel: int = 1  # parallelism_config_sp_size: the ranks each row is split across (Ulysses)
+    # Online RL (rl.method): micro_batch counts prompt + completion sequences (micro_batch_size x
+    # num_generations) and seq_len their prompt and new tokens (data.max_seq_len + rl.max_new_tokens).
+    generations: int = 0  # rl.num_generations (0: no online RL)
+    new_tokens: int = 0  # rl.max_new_tokens
+    accumulation: int = 1  # train.gradient_accumulation_steps: online RL samples all of a step's prompts at once
+    reference_forward: bool = False  # rl.beta > 0: the reference's log-probabilities (the adapter disabled)
+    iterations: int = 1  # rl.num_iterations: optimizer steps per generated batch (> 1: the old log-probabilities)
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
+        if self.generations:
+            pairs = (f" sequences ({self.micro_batch // self.generations} prompts x {self.generations} "
+                     f"completions)")
         split = f", split across {self.sequence_parallel} ranks" if self.sequence_parallel > 1 else ""
-        return f"micro-batch {self.micro_batch}{pairs} x {self.seq_len} tokens{split}"
+        new = f" (prompt + up to {self.new_tokens} new)" if self.generations else ""
+        return f"micro-batch {self.micro_batch}{pairs} x {self.seq_len} tokens{new}{split}"
+
+    @property
+    def sampled(self) -> int:
+        """Online RL: the completions one rank samples at once (all of its prompts of a step x num_generations)."""
+        return self.micro_batch * self.accumulation if self.generations else 0
 
     @property
     def local_seq_len(self) -> int:
@@ -345,6 +373,22 @@ def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
     return 3 * setup.loss_chunk_tokens * m.vocab * 4 + 2 * m.head * grad_bytes
 
 
+def kv_cache_bytes(m: ModelCounts, setup: Setup) -> float:
+    """Online RL's generation: keys and values of every layer for each completion a rank samples at
+    once (`Setup.sampled`), over its prompt and new tokens, in the compute dtype; 0 without online RL."""
+    return 2 * m.layers * m.kv * setup.sampled * setup.seq_len * BYTES[setup.precision]
+
+
+def rl_forwards(setup: Setup) -> float:
+    """Online RL's forwards without gradient per trained token and optimizer step, besides training's
+    own: sampling (about one forward over each prompt and completion token, run token by token), the
+    reference's log-probabilities (rl.beta > 0) and the old policy's (rl.num_iterations > 1), all
+    once per generated batch of rl.num_iterations steps; 0 without online RL."""
+    if not setup.generations:
+        return 0.0
+    return (1 + setup.reference_forward + (setup.iterations > 1)) / setup.iterations
+
+
 def estimate(strategy: Strategy, setup: Setup) -> Row:
     """Per-GPU bytes, host RAM and NVMe per node, and communication of one strategy."""
     m, n = setup.model, setup.gpus
@@ -389,9 +433,11 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
             host = e * T / n + 16 * min(T / n, NVME_SUB_GROUP)
     activations = activation_bytes(m, setup, regime)
     logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
+    kv_cache = kv_cache_bytes(m, setup)
     gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
-           "activations": activations, "logits": logits}
-    gpu["total"] = sum(gpu.values())
+           "activations": activations, "logits": logits, "kv_cache": kv_cache}
+    # Online RL samples, and frees its cache, before the step's forwards: the larger of the two is held.
+    gpu["total"] = params + grads + optimizer + buffers + max(activations + logits, kv_cache)
     fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
     host += offloaded_activation_bytes(m, setup, regime)
@@ -510,15 +556,22 @@ def launched_strategy(env, ds_config: dict | None) -> Strategy:
 
 def setup_from_recipe(recipe, **kwargs) -> Setup:
     """The Setup a recipe trains with (model, LoRA, precision, micro-batch, sequence length,
-    checkpointing, attention); `kwargs` set the rest (GPUs, memory, the launch's sequence parallelism)."""
+    checkpointing, attention, online RL's generation); `kwargs` set the rest (GPUs, memory, the launch's
+    sequence parallelism)."""
     model = count_model(recipe_config(recipe), recipe.model.preset or recipe.model.path, recipe.lora)
     pairs = recipe.preference.method is not None  # a pair is two sequences in one forward
+    rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
+    per_row = 2 if pairs else rl.num_generations if rl else 1
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
-                 micro_batch=recipe.train.micro_batch_size * (2 if pairs else 1), seq_len=recipe.data.max_seq_len,
+                 micro_batch=recipe.train.micro_batch_size * per_row,
+                 seq_len=recipe.data.max_seq_len + (rl.max_new_tokens if rl else 0),
                  gradient_checkpointing=recipe.model.gradient_checkpointing, tiled_mlp=recipe.model.tiled_mlp,
                  activation_offload=recipe.model.activation_offload,
                  attention=recipe.model.attn_implementation, loss=recipe.train.loss,
-                 loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs, **kwargs)
+                 loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs,
+                 accumulation=recipe.train.gradient_accumulation_steps,
+                 **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
+                     "reference_forward": rl.beta > 0, "iterations": rl.num_iterations} if rl else {}), **kwargs)
 
 
 def recipe_config(recipe):
@@ -556,7 +609,9 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     name = "one process" if world == 1 and row.strategy.name == "DDP" else row.strategy.name
     line = (f"estimate per process ({name}, toolkit estimate): params {size_text(g['params'])}, gradients "
             f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, "
-            f"activations {size_text(g['activations'] + g['logits'])} ({setup.batch_text()}) = {size_text(g['total'])}")
+            f"activations {size_text(g['activations'] + g['logits'])} ({setup.batch_text()})"
+            + (f", KV cache {size_text(g['kv_cache'])} ({setup.sampled} completions sampled at once; freed before "
+               f"training: the larger counts)" if setup.generations else "") + f" = {size_text(g['total'])}")
     if row.host_per_node:
         line += f"; host RAM {size_text(row.host_per_node)} per node"
     if memory is None:

@@ -53,7 +53,7 @@ class Flops:
     attention: float  # times the sum over documents of length^2
 
     @classmethod
-    def of(cls, counts, lora: bool, extra_forwards: int = 0) -> "Flops":
+    def of(cls, counts, lora: bool, extra_forwards: float = 0) -> "Flops":
         dense = 4 * counts.matmul + 6 * counts.trainable if lora else 6 * counts.matmul
         dense += 2 * counts.matmul * extra_forwards
         return cls(dense=float(dense), attention=(6.0 + 2.0 * extra_forwards) * counts.layers * counts.query)
@@ -81,7 +81,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class StepClock:
-    """Wall time per phase of each step (data, forward, backward, optimizer, sync, ...). On CUDA the
+    """Wall time per phase of each step (data, generate, forward, backward, optimizer, sync, ...). On CUDA the
     work is asynchronous, so the device is synchronised at each lap only on the steps sampled
     (the first ten after the first, then one in 25); on CPU every step is timed as it runs."""
 
@@ -123,6 +123,11 @@ class StepClock:
 HINTS = {
     "data": "batches are read and collated in the training process: data.packing=true gives fewer, fuller "
             "rows; a slow file system or huge rows also show here",
+    "generate": "online RL's completions are sampled token by token (rl.num_generations per prompt, up to "
+                "rl.max_new_tokens), scored, and the old and reference log-probabilities taken "
+                "(rl.num_iterations > 1, rl.beta > 0): fewer or shorter completions shorten it, "
+                "rl.num_iterations > 1 trains more steps on each generated batch, and a slow reward function "
+                "shows here too",
     "forward": "the model's own compute: a bigger train.micro_batch_size uses the device better if memory allows",
     "backward": "the model's own compute (and, on several processes, the gradient all-reduce overlapped with "
                 "it): a bigger train.micro_batch_size uses the device better if memory allows",
@@ -132,6 +137,11 @@ HINTS = {
             "data.packing=true evens it) or the interconnect is slow (`toolkit doctor` measures it)",
     "other": "logging and bookkeeping between steps",
 }
+
+
+# Phases only some objectives spend time in (online RL's sampling): left out of the line where they took
+# under half a percent (a supervised run's `generate` is a call that returns its batches); kept in profile.json.
+OPTIONAL_PHASES = ("generate",)
 
 
 def profile_report(clock: StepClock, extra: dict[str, float], gradient_checkpointing: bool) -> tuple[str, dict]:
@@ -146,7 +156,7 @@ def profile_report(clock: StepClock, extra: dict[str, float], gradient_checkpoin
         hint = ("gradient checkpointing recomputes each layer's forward in backward (about a third more compute): "
                 "turn it off if memory allows, or raise train.micro_batch_size")
     per_step = clock.step_seconds / clock.steps
-    parts = ", ".join(f"{p} {100 * s:.0f}%" for p, s in shares.items())
+    parts = ", ".join(f"{p} {100 * s:.0f}%" for p, s in shares.items() if p not in OPTIONAL_PHASES or s >= 0.005)
     outside = "; ".join(f"{k} {v:.1f} s in all" for k, v in extra.items() if v > 0)
     line = (f"step profile over {clock.steps} timed step(s), {per_step:.3f} s each: {parts}"
             + (f"; {outside}" if outside else "") + f". Largest: {largest}: {hint}")

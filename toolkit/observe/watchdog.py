@@ -26,7 +26,7 @@ from pathlib import Path
 FLOOR_SECONDS = 120.0  # never sooner than this without a set limit: slow first steps are not hangs
 FACTOR = 20.0  # ... and not before this many times the recent median of the same kind of work
 FIRST_SECONDS = 600.0  # the first of a kind (compile, allocator warm-up, first save) has no history
-PHASE_ORDER = {"data": 0, "counts": 1, "forward": 2, "backward": 3, "optimizer": 4, "sync": 5}
+PHASE_ORDER = {"data": 0, "generate": 1, "counts": 2, "forward": 3, "backward": 4, "optimizer": 5, "sync": 6}
 GATHER_SECONDS = 10.0  # the main process waits this long for the other ranks' reports
 BUSY_SHARE = 0.1  # CPU seconds per second (a tenth of a core) that count as computing: a stuck
 #                   process uses next to none, a computing one on a crowded host still gets more
@@ -203,15 +203,16 @@ def who_is_behind(reports: dict[int, tuple], world: int) -> str:
 def position(where: tuple) -> tuple:
     phase, step, _, micro = where
     order = PHASE_ORDER.get(phase, 10)
-    bucket = 2 if phase in ("forward", "backward") else order  # forward and backward of each micro-batch in turn
-    return (step, bucket, micro if bucket == 2 else 0, order)
+    bucket = PHASE_ORDER["forward"] if phase in ("forward", "backward") else order  # each micro-batch's in turn
+    return (step, bucket, micro if bucket == PHASE_ORDER["forward"] else 0, order)
 
 
 def describe(where: tuple) -> str:
     phase, step, detail, micro = where
     what = {"forward": f"the forward of micro-batch {micro + 1}",
             "backward": f"the backward of micro-batch {micro + 1}",
-            "data": "waiting for data", "counts": "the reduction of token counts", "optimizer": "the optimizer step",
+            "data": "waiting for data", "generate": "sampling and scoring completions (online RL)",
+            "counts": "the reduction of token counts", "optimizer": "the optimizer step",
             "sync": "the reduction of the loss"}.get(phase, phase)
     return f"{what} of step {step}" + (f" ({detail})" if detail else "")
 

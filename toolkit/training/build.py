@@ -162,7 +162,7 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
             + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
                if recipe.lora.enabled else ""))
     flops = measure.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
-                             extra_forwards=int(recipe.preference.reference == "adapter"))
+                             extra_forwards=extra_forwards(recipe))
     # in the forward, where every backend has whole weights
     use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
@@ -191,6 +191,17 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
     if backend.accelerator.is_main_process and (warning := run_folder.check_free_space(out, recipe, trainable, total)):
         log(f"warning: {warning}")
     return BuiltModel(model, model_cfg, flops, packing, padding_free, preset_base)
+
+
+def extra_forwards(recipe: Recipe) -> float:
+    """Forwards without gradient per trained token besides training's own, for MFU: DPO's reference
+    through the disabled adapter; online RL's sampling (about one forward over the prompt and its
+    completion, with the KV cache), its reference (rl.beta) and old log-probabilities
+    (rl.num_iterations > 1), once per generated batch."""
+    rl = recipe.rl
+    if rl.method is not None:
+        return (1 + (rl.beta > 0) + (rl.num_iterations > 1)) / rl.num_iterations
+    return float(recipe.preference.reference == "adapter")
 
 
 def setup_lora(backend: backends.Backend, recipe: Recipe, model, rows: list[int], out: Path):

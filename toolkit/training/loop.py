@@ -111,7 +111,9 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     monitor.begin_step(step)
     with monitor.phase("data", step):
         epoch, seen, micro_batches = next(batches)
+    with monitor.phase("generate", step):  # online RL samples and scores here; other objectives return at once
         micro_batches = run.objective.step_batches(model, micro_batches, step)  # what the loss is taken on this step
+    with monitor.phase("data", step):
         # Exact accumulation: every unit of the global batch (all micro-batches, all ranks) weighs
         # the same, so the loss is a sum divided by the global count of units. Counted on the
         # host, before the batches move: no device synchronisation for it.

@@ -20,10 +20,13 @@ from ..backends.sizing import (
     Strategy,
     count_model,
     estimate_all,
+    kv_cache_bytes,
     launched_strategy,
     read_config,
     recommend,
+    rl_forwards,
     setup_from_recipe,
+    size_text,
 )
 from ..errors import ToolkitError, command
 
@@ -103,7 +106,9 @@ def run(args) -> int:
     rows = estimate_all(setup)
     report = {"model": asdict(setup.model), "setup": {k: v for k, v in asdict(setup).items() if k != "model"},
               "strategies": [r.as_json() for r in rows], "launched": launched.name if launched else None,
-              "recommendation": recommend(setup), "epoch": epoch_cost(setup, args.tokens, args.throughput, args.price)}
+              "recommendation": recommend(setup), "epoch": epoch_cost(setup, args.tokens, args.throughput, args.price),
+              "rl": {"completions_sampled_per_gpu": setup.sampled, "forwards_without_gradient_per_step":
+                     rl_forwards(setup)} if setup.generations else None}
     report["setup"]["gpus"] = setup.gpus
     if args.json:
         print(json.dumps(report, indent=1))
@@ -124,6 +129,9 @@ def _check_sequence_parallel(setup: Setup, source: str) -> None:
                            f"of {sp} GPUs (--gpus x --nodes)")
     if setup.pairs:
         raise ToolkitError(f"{key} is {sp}: sequence parallelism does not run preference training yet")
+    if setup.generations:
+        raise ToolkitError(f"{key} is {sp}: online RL (rl.method) samples and scores whole completions, not rows "
+                           "split across ranks; leave sequence parallelism out")
     if setup.attention == "eager":
         raise ToolkitError(f"{key} is {sp}: sequence parallelism needs attention without a dense mask; the recipe's "
                            "model.attn_implementation is eager (use sdpa or flash_attention_2)")
@@ -175,6 +183,32 @@ def _gib(b: float) -> str:
     return f"{b / GIB:.1f}" if b < 100 * GIB else f"{b / GIB:.0f}"
 
 
+def rl_lines(setup: Setup) -> list[str]:
+    """Online RL's generation and its forwards, below the table (none without rl.method)."""
+    if not setup.generations:
+        return []
+    m, g, k = setup.model, setup.generations, setup.iterations
+    kv_heads = m.kv_heads or m.heads
+    lora = m.trainable < m.params
+    once = 1 / k  # sampling and the fixed log-probabilities: once per generated batch of k optimizer steps
+    forwards = [f"training {2 if lora else 3} (forward and backward{', LoRA' if lora else ''})", f"sampling {once:g}"]
+    if setup.reference_forward:
+        forwards.append(f"reference log-probabilities {once:g} (rl.beta > 0: this model with its LoRA adapter "
+                        "disabled, no second model)")
+    if k > 1:
+        forwards.append(f"old log-probabilities {once:g} (rl.num_iterations {k})")
+    kv = kv_cache_bytes(m, setup)
+    return [f"rl: each generated batch, every GPU samples {setup.sampled} completions at once "
+            f"({setup.micro_batch // g} prompts x {setup.accumulation} accumulation steps x {g} generations), token "
+            f"by token up to {setup.new_tokens} new tokens; kv cache: 2 x {m.layers} layers x {kv_heads} KV heads x "
+            f"{m.kv // kv_heads} head dim x {setup.sampled} sequences x {setup.seq_len} tokens x "
+            f"{BYTES[setup.precision]} bytes = {size_text(kv)}, freed before training (total: the larger of it and "
+            "activ. + logits)",
+            "rl: forward passes per trained token and optimizer step: " + ", ".join(forwards)
+            + (f"; all but training once per generated batch of {k} steps" if k > 1 else "")
+            + "; sampling runs a token at a time, bound by memory bandwidth more than compute", ""]
+
+
 def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | None) -> str:
     m = setup.model
     tuned = "full fine-tuning" if m.trainable == m.params else f"LoRA, {_count(m.trainable)} trainable"
@@ -189,8 +223,13 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
              f"{f'; sequence parallel {setup.sequence_parallel} (Ulysses)' if setup.sequence_parallel > 1 else ''}"
              f"; attention {setup.attention}; loss {setup.loss}"
              + (f" ({setup.loss_chunk_tokens} tokens a chunk)" if setup.loss == "chunked" else ""),
-             "", "GiB per GPU                       params  grads  optim  buffers  activ.  logits   total  fits  "
-             "host/node  comm/step"]
+             ""]
+    columns = [("params", "params", 7), ("gradients", "grads", 7), ("optimizer", "optim", 7),
+               ("buffers", "buffers", 9), ("activations", "activ.", 8), ("logits", "logits", 8)]
+    columns += [("kv_cache", "kv cache", 10)] if setup.generations else []
+    columns += [("total", "total", 8)]
+    lines.append(f"{'GiB per GPU':<33}" + "".join(f"{title:>{w}}" for _, title, w in columns)
+                 + f"{'fits':>6}{'host/node':>11}{'comm/step':>11}")
     for r in rows:
         g = r.gpu
         fits = {True: "yes", False: "no", None: "?"}[r.fits]
@@ -198,11 +237,10 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
         host = _gib(r.host_per_node + r.nvme_per_node) if r.host_per_node else "-"
         if r.nvme_per_node:
             host = f"{_gib(r.host_per_node)}+{_gib(r.nvme_per_node)}n"
-        lines.append(f"{mark}{r.strategy.name:<32}" + "".join(
-            f"{_gib(g[k]):>{w}}" for k, w in (("params", 7), ("gradients", 7), ("optimizer", 7), ("buffers", 9),
-                                              ("activations", 8), ("logits", 8), ("total", 8)))
-            + f"{fits:>6}{host:>11}{_gib(r.comm_per_step):>11}")
+        lines.append(f"{mark}{r.strategy.name:<32}" + "".join(f"{_gib(g[k]):>{w}}" for k, _, w in columns)
+                     + f"{fits:>6}{host:>11}{_gib(r.comm_per_step):>11}")
     lines.append("")
+    lines += rl_lines(setup)
     if launched is not None:
         lines.append(f"* your launch config: {launched.name}")
     if setup.sequence_parallel > 1:

@@ -1,7 +1,9 @@
-"""`toolkit plot RUN_DIR [RUN_DIR ...] [--out FILE.png]`: one PNG of a run's metrics.jsonl, four panels
+"""`toolkit plot RUN_DIR [RUN_DIR ...] [--out FILE.png]`: one PNG of a run's metrics.jsonl, panels
 against the optimizer step: loss (train as a line, eval as dots on a dotted line, same axes), learning rate,
-grad norm and throughput (tokens/s, and target tokens/s dashed where logged). Several runs are
-overlaid, one color each, named by their folder.
+grad norm and throughput (tokens/s, and target tokens/s dashed where logged); for online RL (rl.method) also
+the reward (train as a line, eval_reward as dots), the completions' length, and the shares of groups without
+reward spread (zero_std_groups) and of completions cut at rl.max_new_tokens (clipped_completions). A panel
+no run has a value for is left out. Several runs are overlaid, one color each, named by their folder.
 
 Rows are read as they are: an unreadable line (a run killed mid-write) is skipped, and where a
 resumed run logged a step twice, the later row wins. Only the PNG is written: into a temporary
@@ -19,8 +21,14 @@ from pathlib import Path
 from ..errors import ToolkitError, command
 
 DEFAULT_COMPARE = "runs-compare.png"
-# (panel title, [(metrics key, matplotlib line style)]), drawn left to right, top to bottom.
+# (panel title, [(metrics key, matplotlib line style)]), drawn left to right, top to bottom; a panel
+# with no value in any run is left out (the RL panels of a supervised run).
 PANELS = [("loss (line: train, dots: eval)", [("loss", "-"), ("eval_loss", "o:")]),
+          ("reward (line: train, dots: eval)", [("reward", "-"), ("eval_reward", "o:")]),
+          ("completion length, tokens (dotted: min, max)",
+           [("completion_length", "-"), ("completion_length_min", ":"), ("completion_length_max", ":")]),
+          ("zero_std_groups (dashed: clipped_completions)",
+           [("zero_std_groups", "-"), ("clipped_completions", "--")]),
           ("learning rate", [("lr", "-")]),
           ("grad norm", [("grad_norm", "-")]),
           ("tokens/s (dashed: target tokens/s)", [("tokens_per_second", "-"), ("target_tokens_per_second", "--")])]
@@ -68,6 +76,12 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, v in points if v is not None], [v for s, v in points if v is not None]
 
 
+def shown_panels(runs_rows: list[list[dict]]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The PANELS some run has a value for, in their order."""
+    return [(title, keys) for title, keys in PANELS
+            if any(series(rows, key)[0] for rows in runs_rows for key, _ in keys)]
+
+
 def names(runs: list[Path]) -> list[str]:
     """Folder names; where two are equal, their parent's name too, then a number."""
     labels = [r.resolve().name for r in runs]
@@ -97,21 +111,28 @@ def run(args) -> int:
         raise ToolkitError("toolkit plot needs matplotlib: "
                            + command("python -m pip install 'toolkit[plot]'")) from None
 
-    fig = Figure(figsize=(12, 8), dpi=100, layout="constrained")
-    axes = list(fig.subplots(2, 2, sharex=True).flat)
+    panels = shown_panels([rows for rows, _ in read])
+    columns = 2 if len(panels) <= 4 else 3 if len(panels) <= 6 else 4
+    rows_of_panels = math.ceil(len(panels) / columns)
+    fig = Figure(figsize=(6 * columns, 4 * rows_of_panels), dpi=100, layout="constrained")
+    axes = list(fig.subplots(rows_of_panels, columns, sharex=True, squeeze=False).flat)
+    for ax in axes[len(panels):]:
+        ax.remove()
     for i, (label, (rows, _)) in enumerate(zip(names(runs), read)):
-        for ax, (title, keys) in zip(axes, PANELS):
+        for ax, (title, keys) in zip(axes, panels):
             for key, style in keys:
                 steps, values = series(rows, key)
                 if steps:
                     ax.plot(steps, values, style, color=f"C{i}", markersize=4,
                             label=label if key == "loss" else None)
-    for ax, (title, _) in zip(axes, PANELS):
+    for j, (ax, (title, keys)) in enumerate(zip(axes, panels)):
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    for ax in axes[2:]:
-        ax.set_xlabel("step")
-    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if j + columns >= len(panels):  # the lowest panel of its column
+            ax.set_xlabel("step")
+            ax.xaxis.set_tick_params(labelbottom=True)
+        if keys[0][0] == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     axes[0].legend()
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # beside the PNG: the rename stays on one disk
