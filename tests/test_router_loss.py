@@ -57,3 +57,19 @@ def test_preference_training_says_it_has_no_router_loss(tmp_path, asks_for_route
 def test_preference_training_without_a_router_loss_asked_says_nothing_of_it(tmp_path, model):
     lines = for_recipe(dpo(tmp_path), model()).describe()
     assert len(lines) == 1 and lines[0].startswith("preference: dpo") and "router" not in lines[0], lines
+
+
+def test_online_rl_says_it_has_no_router_loss(tmp_path, asks_for_router_loss):
+    from toolkit.backends.base import Backend
+    from toolkit.training.objectives import config_router_coef
+    from toolkit.training.online import GroupRL
+    from toolkit.training.rewards import load_rewards
+
+    r = recipe(tmp_path, data={"train_files": ["t.jsonl"], "format": "prompt"},
+               rl={"method": "grpo", "rewards": ["exact_match"]})
+    objective = GroupRL(r.rl, load_rewards(r.rl.rewards), None, Backend(), r.seed, ["t.jsonl"], ["t.jsonl"],
+                        router_coef=config_router_coef(asks_for_router_loss))
+    assert objective.describe()[-1] == ("router: no load-balancing loss: the model's config asks for one "
+                                        "(router_aux_loss_coef 0.02) but the policy loss has no router term")
+    quiet = GroupRL(r.rl, load_rewards(r.rl.rewards), None, Backend(), r.seed, ["t.jsonl"], ["t.jsonl"])
+    assert not any("router" in line for line in quiet.describe())

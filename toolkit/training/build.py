@@ -47,7 +47,7 @@ from ..stops import Preemption
 from ..storage import checkpoint, disk, run_folder
 from . import objectives, online, reference
 from .loop import Run
-from .loss import use_token_loss
+from .loss import has_router, use_token_loss
 from .samples import Samples
 from .summary import run_summary
 
@@ -232,7 +232,8 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
         sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
         objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
-                                   adapter=model if recipe.lora.enabled else None)
+                                   adapter=model if recipe.lora.enabled else None,
+                                   router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0)
     else:
         objective = objectives.for_recipe(recipe, model)
     backend.check_objective(objective)

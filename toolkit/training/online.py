@@ -39,10 +39,11 @@ class GroupRL(Objective):
     has_eval_loss = False
 
     def __init__(self, cfg, rewards: list, tokenizer, backend, seed: int, sources: list[str],
-                 eval_sources: list[str], adapter=None):
+                 eval_sources: list[str], adapter=None, router_coef: float = 0.0):
         self.cfg, self.rewards, self.tokenizer, self.backend = cfg, rewards, tokenizer, backend
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
+        self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
         self.unit = "completion tokens" if cfg.loss_type == "dapo" else "completions"
         self.names = {r.name: f"reward_{r.name.rpartition(':')[2]}" for r in rewards}  # reward_<function name>
         self.eval_metrics = ("reward", *self.names.values())
@@ -70,7 +71,9 @@ class GroupRL(Objective):
                 + f"; the loss is a mean over {self.unit}",
                 f"rl: rewards {names}; groups stay on one rank"
                 + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")
-                + f"; sampling from {self.backend.sampling_line()}"]
+                + f"; sampling from {self.backend.sampling_line()}"] \
+            + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
+                f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
 
     def unsplittable(self) -> str | None:
         return "online RL samples and scores whole completions, not rows split across ranks"
