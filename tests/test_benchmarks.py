@@ -57,3 +57,24 @@ def test_long_context_benchmark_runs():
                                                           ("checkpointing sp2", True), ("tiled_offload sp2", True)]
     assert all(len(r["peaks_gib"]) == r["sp"] for r in results)  # one peak per rank
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| tiled_offload sp2 |")
+
+
+def test_grpo_speed_benchmark_runs(tmp_path):
+    """benchmarks/grpo_speed.py --tiny: one GRPO setup trained by the toolkit and by TRL's GRPOTrainer,
+    each in its own process; the JSON holds both sides' step times, peak memory, completion lengths
+    (at most --max-new-tokens, as the script checks) and the ratios. No speed is asserted."""
+    pytest.importorskip("trl", reason="TRL is the benchmark's contender: pip install '.[test]'")
+    out = tmp_path / "grpo_speed.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grpo_speed.py"), "--tiny", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{"))) == result
+    for side in ("toolkit", "trl"):
+        s = result[side]
+        assert s["seconds_per_step"] > 0 and s["peak_rss_mib"] > 0, side
+        assert [len(steps) for steps in s["steps_seconds"]] == [result["steps"] - 1], side  # steps 2..N, 1 process
+        assert 0 < s["mean_completion_length"] <= s["max_completion_length_seen"] <= result["max_new_tokens"], side
+    assert result["toolkit"]["step_profile"].startswith("step profile")
+    assert result["ratio_seconds_per_step"] > 0 and result["ratio_peak_rss_mib"] > 0
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| ")  # the NOTES.md row

@@ -110,8 +110,9 @@ class ModelConfig:
     train.precision). Trainable parameters and optimizer states are always fp32."""
     load_in_4bit: bool = False
     """QLoRA: load the frozen base's linear layers in 4-bit NF4 (bitsandbytes, double quantization,
-    computing in train.precision) under a LoRA adapter. Needs a CUDA GPU and `pip install
-    bitsandbytes`, a model.path base and lora.enabled; refused in one line otherwise."""
+    computing in train.precision: fp32, bf16 or fp16) under a LoRA adapter. Trains on a CUDA GPU, and
+    on a CPU host with bitsandbytes 0.50 or later, on one process, DDP, FSDP2 and DeepSpeed ZeRO-3.
+    Needs `pip install bitsandbytes`, a model.path base and lora.enabled; refused in one line otherwise."""
     add_special_tokens: list[str] = field(default_factory=list)
     """Tokens to add to the tokenizer as special tokens (each one token, never split; a new
     end-of-turn or tool token, say). Where the model has no spare rows for them, its input
@@ -655,8 +656,9 @@ def validate(r: Recipe, source: str) -> None:
              "a 4-bit base cannot be trained itself: QLoRA needs lora.enabled=true")
         need(r.model.path is not None, "model.load_in_4bit",
              "QLoRA quantizes a model.path base while loading it; a preset is built in full precision")
-        need(r.train.precision in ("bf16", "fp16"), "model.load_in_4bit",
-             f"4-bit layers compute in bf16 or fp16: set train.precision, got {r.train.precision}")
+        need(importlib.util.find_spec("bitsandbytes") is not None, "model.load_in_4bit",
+             f"QLoRA's 4-bit layers come from bitsandbytes, which is not installed: "
+             f"{command('python -m pip install bitsandbytes')}")
     need(bool(r.data.train_files), "data.train_files", "required: at least one training file")
     for name in ("train_files", "eval_files"):
         for i, e in enumerate(getattr(r.data, name)):

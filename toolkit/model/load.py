@@ -193,6 +193,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                 trust_remote_code=cfg.trust_remote_code, **quantized)
         except (OSError, ValueError) as e:
             raise _load_error(cfg, folder, "a causal LM", e) from None
+        if cfg.load_in_4bit:
+            one_4bit_path(model)
     if cfg.attn_implementation == "varlen":
         from .varlen import check_model
 
@@ -204,21 +206,42 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
 
 
 def four_bit(compute_dtype: torch.dtype) -> dict:
-    """from_pretrained arguments for a QLoRA base (NF4, double quantization, on this rank's GPU),
-    or one line saying why this host cannot have one."""
-    import importlib.util
+    """from_pretrained arguments for a QLoRA base (NF4, double quantization, on this rank's GPU, or on
+    the CPU of a host without one: bitsandbytes runs NF4 there from 0.50 on), or one line saying why
+    this host cannot have one. The 4-bit weights are stored as `compute_dtype` elements
+    (bnb_4bit_quant_storage), so FSDP shards them as it shards the rest."""
+    from importlib import metadata
 
-    if not torch.cuda.is_available():
-        raise ToolkitError("model.load_in_4bit: QLoRA's 4-bit layers (bitsandbytes) need a CUDA GPU and this host "
-                           "has none; train the LoRA over a bf16 base instead (model.dtype=bf16)")
-    if importlib.util.find_spec("bitsandbytes") is None:
+    try:
+        version = metadata.version("bitsandbytes")
+    except metadata.PackageNotFoundError:
         raise ToolkitError("model.load_in_4bit: QLoRA needs bitsandbytes: "
-                           + command("python -m pip install bitsandbytes"))
+                           + command("python -m pip install bitsandbytes")) from None
+    if not torch.cuda.is_available() and tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < (0, 50):
+        raise ToolkitError(f"model.load_in_4bit: bitsandbytes {version} runs 4-bit layers on a CUDA GPU only and this "
+                           "host has none; from 0.50 on it runs them on a CPU: "
+                           + command("python -m pip install 'bitsandbytes>=0.50'"))
     from transformers import BitsAndBytesConfig
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                 bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)
-    return {"quantization_config": config, "device_map": {"": torch.cuda.current_device()}}
+    if is_deepspeed_zero3_enabled():  # transformers refuses a device_map there; DeepSpeed places the model
+        return {"quantization_config": config}
+    return {"quantization_config": config,
+            "device_map": {"": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"}}
+
+
+def one_4bit_path(model: torch.nn.Module) -> None:
+    """Every 4-bit layer computes as in training (dequantize, then matmul in the compute dtype), in
+    eval mode too. On a CPU with AVX512-BF16, bitsandbytes 0.50 otherwise repacks a layer's weight in
+    place the first time it runs in eval mode without gradients, for a bf16 kernel: eval losses then
+    depend on the host's CPU, the repacked weight is what later training steps read, and layers whose
+    output width is not a multiple of 32 fail ("N must be divisible by block_n", the tiny presets' MLPs;
+    tests/test_qlora.py)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> ToolkitError:
@@ -369,7 +392,12 @@ def adapter_coverage(model: torch.nn.Module, full_shape=lambda p: p.shape) -> tu
 
 
 def full_numel(p: torch.nn.Parameter) -> int:
-    """A parameter's size in the model: a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size."""
+    """A parameter's size in the model: a ZeRO-3 partitioned parameter is empty here; ds_numel is its full size.
+    A 4-bit weight (bitsandbytes' Params4bit) holds its values packed, several to an element: its
+    quantization state has the layer's shape."""
+    state = getattr(p, "quant_state", None)
+    if state is not None:
+        return state.shape.numel()
     return getattr(p, "ds_numel", p.numel())
 
 

@@ -32,6 +32,9 @@ LOG_RECORDS = [
     # (every rank, and single-process runs too, since accelerate imports DeepSpeed); the run's
     # `run: backend ..., N processes on cpu` line says where it trains.
     ("DeepSpeed", logging.WARNING, r"Setting accelerator to CPU\."),
+    # bitsandbytes 0.50 on a CPU with AVX512-BF16, once per process that imports peft: a kernel of the
+    # `kernels` hub it cannot fetch offline and that the toolkit never uses (model/load.py one_4bit_path).
+    ("bitsandbytes.backends.cpu.ops", logging.WARNING, r"Failed to load CPU gemm_4bit_forward from kernels-community"),
 ]
 
 

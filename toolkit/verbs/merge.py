@@ -7,6 +7,12 @@ is complete, so memory holds about one shard (plus the adapter), never the whole
 one model at a time, and compares the logits. Everything is written into DIR.tmp and renamed, so DIR
 is either complete or absent; an existing non-empty DIR is refused.
 
+A QLoRA adapter (trained over its base loaded in 4-bit, model.load_in_4bit) merges into the
+full-precision base like any other: the check compares against the adapter on that same base, which
+is what the merged weights are. The model the run trained differs from both by the base's NF4
+quantization error; for the final/ of such a run the check also measures that difference, and says
+it, without a tolerance (docs/models.md).
+
 torch, transformers and peft are imported inside the functions: `toolkit --help` stays fast.
 """
 
@@ -78,6 +84,7 @@ class Plan:
     whole: bool = False  # adapters on parameters (target_parameters) or trained token rows: merged by peft in memory
     grows: bool = False  # trained token rows (model.add_special_tokens): the base grows to the adapter's tokenizer
     overrides: dict = field(default_factory=dict)  # the run's base config changes (RoPE scaling), applied to the base
+    four_bit: bool = False  # trained over the base loaded in 4-bit (QLoRA), as the run's config.yaml says
 
 
 def run(args) -> int:
@@ -149,22 +156,46 @@ def plan_merge(adapter: Path, base_override: str | None = None) -> Plan:
     overrides = base_identity.config_overrides(adapter)
     if overrides:
         description += ", the run's " + " and ".join(f"{k} {v}" for k, v in overrides.items())
+    four_bit = trained_over_4bit(adapter)
+    if four_bit:
+        description += ", trained over the base in 4-bit (QLoRA)"
     return Plan(adapter, base, config, shards, index, modules, bias_deltas, replaced, description, whole,
-                bool(token_lists), overrides)
+                bool(token_lists), overrides, four_bit)
 
 
-def loaded_base(plan: Plan):
-    """The base as transformers loads it, with the run's config changes (RoPE scaling) when it made any."""
+def trained_over_4bit(adapter: Path) -> bool:
+    """Whether `adapter` is the final/ of a run (config.yaml and manifest.json beside it) that
+    trained it over its base loaded in 4-bit (model.load_in_4bit)."""
+    import yaml
+
+    run_dir = adapter.expanduser().resolve().parent
+    if not (run_dir / "manifest.json").is_file():
+        return False
+    try:
+        recipe = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    model = recipe.get("model") if isinstance(recipe, dict) else None
+    return isinstance(model, dict) and model.get("load_in_4bit") is True
+
+
+def loaded_base(plan: Plan, four_bit: bool = False):
+    """The base as transformers loads it, with the run's config changes (RoPE scaling) when it made any;
+    `four_bit`: its linear layers in NF4 as a QLoRA run loads them, computing in fp32."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..model.load import apply_config_overrides
+    from ..model import load
 
-    extra = {}
+    extra = load.four_bit(torch.float32) if four_bit else {}
     if plan.overrides:
         extra["config"] = AutoConfig.from_pretrained(plan.base, local_files_only=True)
-        apply_config_overrides(extra["config"], plan.overrides, where=f"merge: {plan.adapter}'s recorded rope_scaling")
-    return AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True, **extra)
+        load.apply_config_overrides(extra["config"], plan.overrides,
+                                    where=f"merge: {plan.adapter}'s recorded rope_scaling")
+    model = AutoModelForCausalLM.from_pretrained(plan.base, dtype=torch.float32, local_files_only=True, **extra)
+    if four_bit:
+        load.one_4bit_path(model)
+    return model
 
 
 def read_json(path: Path, missing: str) -> dict:
@@ -557,6 +588,7 @@ def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
             merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32, local_files_only=True)
             got = [merged.eval()(ids).logits for ids in inputs]
             del merged
+            trained = four_bit_logits(plan, tokenizer, inputs) if plan.four_bit else None
     except (OSError, ValueError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise ToolkitError(f"merge: check: cannot load the models to compare ({first}); "
@@ -572,4 +604,28 @@ def check(plan: Plan, merged_dir: Path, tokenizer, dtype: str) -> str:
             f"{diff:.2e} (tolerance {tolerance:.1e} for {dtype})")
     if not diff <= tolerance:  # NaN fails too
         raise ToolkitError(f"merge: {line}: too large; the merged files are left in {merged_dir} for inspection")
+    if plan.four_bit:
+        line += "\n" + (f"check: merged vs the adapter over the 4-bit (NF4) base it was trained on, in fp32: max "
+                        f"|logit difference| {max(float((a - b).abs().max()) for a, b in zip(trained, got)):.2e}, "
+                        "the base's quantization error (measured, not checked)" if trained is not None else
+                        "check: trained over a 4-bit base; the merged model's difference from it (the base's "
+                        "quantization error) is not measured here: no bitsandbytes that runs on this host")
     return line
+
+
+def four_bit_logits(plan: Plan, tokenizer, inputs: list) -> list | None:
+    """The logits of what a QLoRA run trained: the adapter over the base in 4-bit (None where this
+    host cannot load it so: no bitsandbytes, or one too old for a host without CUDA)."""
+    import importlib.util
+
+    from peft import PeftModel
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    try:
+        base = loaded_base(plan, four_bit=True)
+    except ToolkitError:
+        return None
+    model = PeftModel.from_pretrained(grown(plan, base, tokenizer), plan.adapter).eval()
+    device = next(model.parameters()).device
+    return [model(ids.to(device)).logits.float().cpu() for ids in inputs]
