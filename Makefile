@@ -44,6 +44,8 @@ docs: $(STAMP)
 	$(BIN)/python -c "from toolkit.config import key_reference; print(key_reference(), end='')" > docs/recipe-keys.md
 
 # Every GPU test and GPU benchmark, in pieces of under 10 minutes, figures appended to benchmarks/NOTES.md.
+# On a lent device (15 minutes a session): make gpu-check GPU_CHECK_ARGS="--budget 540" runs the most valuable pieces
+# that fit one call and names the rest for the next lease.
 # On a GPU host with `make setup` done it uses .venv; on a bare image (a lent device machine) its python3,
 # with the wheels `make gpu-wheels` put in .whl/. One piece: make gpu-check GPU_CHECK_ARGS="--only gpu-bf16".
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
@@ -53,7 +55,7 @@ gpu-check:
 
 # Wheels of the pinned versions of what a bare CUDA image (Python 3.12) lacks or holds in other versions
 # (its huggingface_hub 1.x satisfies transformers; the pinned 2.x would need httpx2 as well).
-GPU_WHEELS := accelerate transformers peft datasets deepspeed trl tokenizers safetensors multiprocess dill hjson fsspec pydantic pydantic_core annotated-types typing-inspection
+GPU_WHEELS := accelerate transformers peft datasets deepspeed trl bitsandbytes tokenizers safetensors multiprocess dill hjson fsspec pydantic pydantic_core annotated-types typing-inspection
 gpu-wheels: $(STAMP)
 	mkdir -p .whl
 	for name in $(GPU_WHEELS); do \
