@@ -105,6 +105,13 @@ class ModelConfig:
     """Long sequences, with gradient_checkpointing: the activations kept for backward (each decoder
     layer's inputs) wait in pinned host memory instead of GPU memory, copied back when backward
     reaches their layer. Same result; costs host memory and copies (on a CPU host only the copies)."""
+    kernels: Literal["none", "liger"] = "none"
+    """`liger`: Liger-Kernel's fused Triton kernels for the model's RMSNorm, RoPE and MLP activation
+    (SwiGLU; GEGLU in Gemma), on a CUDA GPU, for the model types Liger names (llama, mistral, mixtral,
+    qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3 and more; another is refused when the model
+    is built). The loss stays train.loss's (chunked never holds the full logits either), so Liger's fused
+    linear cross-entropy is not used; the start-of-run line says so. Needs `pip install liger-kernel`
+    (the `kernels` extra); refused in one line without it or without a CUDA GPU. Not with tiled_mlp."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
     train.precision). Trainable parameters and optimizer states are always fp32."""
@@ -639,6 +646,13 @@ def validate(r: Recipe, source: str) -> None:
          f"{r.model.max_position_embeddings} is shorter than data.max_seq_len={r.data.max_seq_len}")
     need(not r.model.activation_offload or r.model.gradient_checkpointing, "model.activation_offload",
          "offloads the activations that gradient checkpointing keeps; set model.gradient_checkpointing=true too")
+    if r.model.kernels == "liger":
+        need(importlib.util.find_spec("liger_kernel") is not None, "model.kernels",
+             "liger needs the liger-kernel package (Triton kernels, run on a CUDA GPU), which is not installed: "
+             + command("python -m pip install 'liger-kernel>=0.7'"))
+        need(not r.model.tiled_mlp, "model.kernels",
+             "liger replaces each MLP's forward with its fused SwiGLU, which model.tiled_mlp would leave untiled; "
+             "choose one of them")
     need(r.model.router_aux_loss_coef is None or r.model.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
          f"must be 0 or more, got {r.model.router_aux_loss_coef}")
     need(r.lora.r > 0, "lora.r", f"must be positive, got {r.lora.r}")

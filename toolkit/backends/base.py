@@ -53,7 +53,8 @@ class Backend:
         notes: list[str] = []
         launch_config.check(recipe, os.environ, self.cuda, notes=notes)
         kwargs = dict(
-            mixed_precision=MIXED_PRECISION[precision],
+            # mixed_precision: fp8 in the launch passed check() above only with train.precision=bf16
+            mixed_precision="fp8" if launch_config.fp8() else MIXED_PRECISION[precision],
             # The loop hands over exactly gradient_accumulation_steps micro-batches per optimizer step.
             gradient_accumulation_plugin=GradientAccumulationPlugin(
                 num_steps=recipe.train.gradient_accumulation_steps, sync_with_dataloader=False),

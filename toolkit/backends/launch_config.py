@@ -38,8 +38,8 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     precision = {"fp32": "no"}.get(recipe.train.precision, recipe.train.precision)
     mixed = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if mixed == "fp8":
-        raise ToolkitError(f"{source}: mixed_precision 'fp8' is not supported by this toolkit; use bf16")
-    if mixed != "no" and mixed != precision:
+        _check_fp8(recipe, env, kind, cuda, source, notes)
+    elif mixed != "no" and mixed != precision:
         raise ToolkitError(f"{source}: mixed_precision is {mixed!r} but the recipe's train.precision is "
                            f"{recipe.train.precision!r}; set train.precision={mixed} (or mixed_precision: 'no')")
     _check_parallelism(recipe, env, kind, source, notes)
@@ -61,6 +61,9 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
         if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
             notes.append(f"{source}: fsdp_offload_params has no effect on a CPU-only host (parameters already live "
                          "in CPU memory); training with FSDP without offload")
+    if recipe.model.kernels != "none" and not cuda:
+        raise ToolkitError(f"model.kernels: {recipe.model.kernels}'s Triton kernels run on a CUDA GPU and this host "
+                           "has none; set model.kernels=none")
     if recipe.train.precision == "fp16" and not cuda:
         raise ToolkitError("train.precision: fp16 needs dynamic loss scaling, which no backend provides on a "
                            "CPU-only host (accelerate runs fp16 unscaled, DeepSpeed's CPU accelerator has no "
@@ -68,6 +71,53 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
     if kind == "deepspeed" and env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none") not in ("", "none"):
         fields = [f for f in env.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",") if f in DS_FILE_IGNORES]
         _settle_yaml_ds_fields(recipe, env, fields, source, notes)
+
+
+def fp8(env=os.environ) -> bool:
+    """The launch asks for fp8 (mixed_precision: fp8): the Accelerator is built with it, once `check` passed."""
+    return env.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8"
+
+
+# accelerate's fp8 backends this loop trains with (fp8_config.backend), in the order it picks an installed one
+FP8_BACKENDS = {"AO": ("torchao", "torchao"), "TE": ("Transformer Engine", "'transformer_engine[pytorch]'")}
+
+
+def _check_fp8(recipe: Recipe, env, kind: str, cuda: bool, source: str, notes: list[str]) -> None:
+    """mixed_precision fp8, through accelerate's torchao or Transformer Engine backend: the linear layers
+    compute in fp8, the rest in bf16 autocast. Refused in one line, naming what is missing, where it cannot
+    run: accelerate itself would fall back to fp16 on an older GPU with only a warning."""
+    import torch
+    from accelerate.utils import is_torchao_available, is_transformer_engine_available
+
+    wanted = env.get("ACCELERATE_FP8_BACKEND", "NO").upper()
+    if wanted not in ("NO", *FP8_BACKENDS):
+        raise ToolkitError(f"{source}: fp8_config.backend is {wanted}: not supported here; use AO (torchao) or TE "
+                           "(Transformer Engine)")
+    installed = {"AO": is_torchao_available(), "TE": is_transformer_engine_available()}
+    backend = wanted if wanted != "NO" else next((b for b, ok in installed.items() if ok), "AO")
+    missing = []
+    if not cuda:
+        missing.append("a CUDA GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell), and this host has none")
+    elif torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):  # none: config show --assume-gpu
+        missing.append("a GPU of compute capability 8.9 or later, and the {} here has {}.{}".format(
+            torch.cuda.get_device_name(), *torch.cuda.get_device_capability()))
+    if not installed[backend]:
+        name, package = FP8_BACKENDS[backend]
+        either = " or Transformer Engine" if wanted == "NO" else ""
+        missing.append(f"{name}{either}, not installed ({command('python -m pip install ' + package)})")
+    if missing:
+        raise ToolkitError(f"{source}: mixed_precision 'fp8' needs " + "; and ".join(missing)
+                           + "; use mixed_precision: bf16")
+    if recipe.train.precision != "bf16":
+        raise ToolkitError(f"{source}: mixed_precision is 'fp8' but the recipe's train.precision is "
+                           f"{recipe.train.precision!r}; set train.precision=bf16 (fp8 computes the linear layers "
+                           "in fp8 and the rest in bf16)")
+    if kind in ("fsdp", "deepspeed"):  # fp8 weights sharded and saved by them: not yet run on a GPU here
+        raise ToolkitError(f"{source}: mixed_precision 'fp8' trains on one process or DDP here, not yet under "
+                           f"{'FSDP' if kind == 'fsdp' else 'DeepSpeed'}; use mixed_precision: bf16 with it")
+    notes.append(f"{source}: mixed_precision fp8 through {FP8_BACKENDS[backend][0]}: the linear layers compute in fp8 "
+                 "(accelerate keeps those with a size not a multiple of 16 in bf16"
+                 + (", and the first and the last" if backend == "AO" else "") + "), the rest in bf16 autocast")
 
 
 def sequence_parallel_size(env=os.environ) -> int:

@@ -287,6 +287,33 @@ def compile_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+def apply_kernels(model: torch.nn.Module, cfg: ModelConfig) -> str | None:
+    """model.kernels=liger: Liger-Kernel's RMSNorm, RoPE and MLP activation in place on the built model
+    (not its cross-entropy: the loss stays train.loss's). Returns what was applied, for the start-of-run
+    line (None without kernels). Call it after the checks that run the model on the CPU (the chunked
+    loss, packing isolation): Triton runs on CUDA only, and Liger also patches the family's transformers
+    module, so every model of that family built later in this process gets its kernels. A host without
+    CUDA was refused with the launch (`launch_config.check`)."""
+    if cfg.kernels == "none":
+        return None
+    from importlib import metadata
+
+    try:
+        from liger_kernel.transformers.monkey_patch import (
+            MODEL_TYPE_TO_APPLY_LIGER_FN,
+            _apply_liger_kernel_to_instance,
+        )
+    except ImportError as e:  # the package without triton, or not for this transformers
+        raise ToolkitError(f"model.kernels: liger-kernel cannot be imported here ({e}); "
+                           + command("python -m pip install 'liger-kernel>=0.7'")) from None
+    kind = model.config.model_type
+    if kind not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ToolkitError(f"model.kernels: liger has no kernels for model type {kind} (it has "
+                           f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set model.kernels=none")
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+    return f"liger-kernel {metadata.version('liger-kernel')} on {kind}: RMSNorm, RoPE and the MLP activation fused"
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far."""
     from torch._dynamo.utils import counters

@@ -31,6 +31,7 @@ from ..model.hub import is_hub_id
 from ..model.load import (
     DTYPES,
     adapter_coverage,
+    apply_kernels,
     apply_lora,
     build_model,
     build_tokenizer,
@@ -138,7 +139,7 @@ class BuiltModel:
 
 def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> BuiltModel:
     """The model in the run's dtype: attention, tiled MLPs, vocabulary, loss in the forward, packing
-    isolation, LoRA and compile, each said in a start-of-run line."""
+    isolation, fused kernels, LoRA and compile, each said in a start-of-run line."""
     t, model_cfg, out = recipe.train, recipe.model, Path(recipe.output_dir)
     split = backend.sequence_parallel > 1  # each row split across that many ranks (backends/sequence.py)
     if model_cfg.attn_implementation == "sdpa" and (recipe.data.padding_free or (split and recipe.data.packing)):
@@ -171,6 +172,8 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
         log("warning: this model lets packed documents attend to each other; padding instead of "
             + ("packing" if packing else "data.padding_free"))
         packing = padding_free = False
+    if (kernels := apply_kernels(model, recipe.model)) is not None:  # after the CPU forwards above: Triton needs CUDA
+        log(f"kernels: {kernels}; the loss stays train.loss={t.loss} (Liger's fused linear cross-entropy not used)")
     preset_base = None
     if recipe.lora.enabled:
         if recipe.model.preset is not None:
