@@ -416,6 +416,118 @@ def test_recipe_takes_dotted_overrides(capsys, tmp_path):
         assert out == "" and err.strip().splitlines()[-1].startswith(message), err
 
 
+# ------------------------------------------------------------------ QLoRA: a 4-bit base
+
+
+@pytest.fixture(scope="module")
+def full_precision_folder(tmp_path_factory):
+    """A local folder of the tiny-llama preset (4 layers, 28 linear layers but the output layer):
+    what model.load_in_4bit quantizes while loading it."""
+    from toolkit.config import ModelConfig
+    from toolkit.model.load import build_model
+
+    folder = tmp_path_factory.mktemp("base")
+    build_model(ModelConfig(preset="tiny-llama")).save_pretrained(folder)
+    return folder
+
+
+def qlora_recipe(tmp_path, folder, precision: str, load_in_4bit: bool = True):
+    name = f"{precision}-{'4bit' if load_in_4bit else 'full'}.yaml"
+    return write_recipe(tmp_path / name, output_dir=str(tmp_path / "run"),
+                        model={"path": str(folder), "load_in_4bit": load_in_4bit, "dtype": precision},
+                        lora={"enabled": True, "r": 8}, data={"train_files": [str(tmp_path / "train.jsonl")]},
+                        train={"precision": precision})
+
+
+def held_4bit_bytes(recipe) -> int:
+    """Every distinct tensor of the model as training builds it (build_model, then apply_lora): its
+    parameters (a Params4bit's packed storage), buffers and each 4-bit weight's quantization state."""
+    from toolkit.model.load import DTYPES, apply_lora, build_model
+
+    model = apply_lora(build_model(recipe.model, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision]),
+                       recipe.lora)
+    held = {}
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        tensors = [p] if state is None else [p, state.absmax, state.code, state.offset, state.state2.absmax,
+                                             state.state2.code]
+        held.update({t.data_ptr(): t.numel() * t.element_size() for t in tensors})
+    held.update({b.data_ptr(): b.numel() * b.element_size() for b in model.buffers()})
+    return sum(held.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_4bit_base_is_counted_as_loaded(precision, full_precision_folder, tmp_path, capsys):
+    """model.load_in_4bit: the estimate's parameter bytes are what the model built as training builds
+    it holds (tiny-llama, NF4 with double quantization, LoRA r 8): 982,976 bytes held, 982,820
+    estimated, in fp32 and bf16 alike, since peft casts the rest of the base to fp32 whatever
+    model.dtype says. It counted the whole base in model.dtype: 1.9 MB in bf16 (+94%). ZeRO-3 and FSDP
+    divide the packed weights by N, not the quantization state; autocast copies no 4-bit weight."""
+    pytest.importorskip("bitsandbytes")
+    from toolkit.backends.sizing import NF4_BYTES, NF4_LAYER_BYTES, NF4_STATE_BYTES
+    from toolkit.config import load_recipe
+
+    recipe = qlora_recipe(tmp_path, full_precision_folder, precision)
+    held = held_4bit_bytes(load_recipe(recipe))
+    report = estimate_json(capsys, "--recipe", recipe)
+    m, rows = report["model"], {r["strategy"]: r["gpu_bytes"] for r in report["strategies"]}
+    assert report["setup"]["four_bit"] and (m["quantized"], m["quantized_layers"]) == (737_280, 28)
+    with capsys.disabled():
+        print(f"\n{precision}: held {held:,} bytes, estimated {rows['DDP']['params']:,}")
+    assert rows["DDP"]["params"] == pytest.approx(held, rel=0.01)
+    plain = estimate_json(capsys, "--recipe", qlora_recipe(tmp_path, full_precision_folder, precision, False))
+    assert {r["strategy"]: r["gpu_bytes"] for r in plain["strategies"]}["DDP"]["params"] > 1.3 * held
+
+    two = estimate_json(capsys, "--recipe", recipe, "--gpus", "2")
+    two = {r["strategy"]: r["gpu_bytes"] for r in two["strategies"]}
+    q = m["quantized"]
+    state = NF4_STATE_BYTES * q + NF4_LAYER_BYTES * m["quantized_layers"]
+    rest = m["params"] - q  # the adapters and the fp32 rest of the base
+    e = 4 if precision == "fp32" else 2
+    assert two["DDP"]["params"] == rows["DDP"]["params"]  # DDP and ZeRO-1/2: the 4-bit weights whole on each rank
+    assert two["ZeRO-2"]["params"] == pytest.approx(e * rest + NF4_BYTES * q + state, abs=1)
+    assert two["FSDP full-shard"]["params"] == pytest.approx((4 * rest + NF4_BYTES * q) / 2 + state, abs=1)
+    assert two["ZeRO-3"]["params"] == pytest.approx((e * rest + NF4_BYTES * q) / 2 + state, abs=1)
+    # one process: no gradient buckets; under bf16 autocast's copies of the output layer and the
+    # adapters, and one 4-bit weight (the MLP's 128 x 352) dequantized in the compute dtype
+    copies = 2 * (m["matmul"] - q + m["trainable"]) if precision == "bf16" else 0
+    assert rows["DDP"]["buffers"] == copies + e * 128 * 352
+
+
+def test_load_in_4bit_on_the_command_line(full_precision_folder, tmp_path, capsys):
+    """--load-in-4bit implies --lora and says so in the table and the JSON; with --recipe it is the
+    recipe's model.load_in_4bit. A preset cannot be loaded in 4-bit: refused in one line, as training
+    refuses it."""
+    import importlib.util
+
+    from toolkit.cli import main
+
+    config = full_precision_folder / "config.json"
+    report = estimate_json(capsys, "--model", config, "--load-in-4bit", "--precision", "bf16")
+    assert report["setup"]["four_bit"] and report["model"]["trainable"] < report["model"]["params"]
+    lora = estimate_json(capsys, "--model", config, "--lora", "--precision", "bf16")
+    assert not lora["setup"]["four_bit"] and lora["model"] == report["model"]
+    params = [{r["strategy"]: r["gpu_bytes"]["params"] for r in x["strategies"]} for x in (report, lora)]
+    assert params[0]["DDP"] < params[1]["DDP"] and params[0]["ZeRO-3"] < params[1]["ZeRO-3"]
+    if importlib.util.find_spec("bitsandbytes"):  # a recipe with load_in_4bit needs it installed
+        recipe = estimate_json(capsys, "--recipe", qlora_recipe(tmp_path, full_precision_folder, "bf16", False),
+                               "--load-in-4bit")
+        assert recipe["setup"]["four_bit"] and recipe["strategies"] == report["strategies"]
+
+    assert main(["estimate", "--model", str(config), "--load-in-4bit"]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].endswith("(QLoRA: 0.74M of the base's weights in 4-bit NF4, 0.07M trainable); "
+                                          "4 layers, hidden 128, vocab 262"), table.splitlines()[0]
+    assert main(["estimate", "--model", "tiny-llama", "--load-in-4bit"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --load-in-4bit: tiny-llama is a preset, built in full precision; QLoRA quantizes a model folder "
+        "while loading it (give its folder or config.json)")
+    preset = write_recipe(tmp_path / "preset.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
+                          data={"train_files": [str(tmp_path / "train.jsonl")]})
+    assert main(["estimate", "--recipe", str(preset), "--load-in-4bit"]) == 2
+    assert "model.load_in_4bit: QLoRA quantizes a model.path base" in capsys.readouterr().err
+
+
 # The real configs' shapes (config.json of meta-llama/Llama-3.1-8B-Instruct and Qwen/Qwen3-8B).
 FULL_8B = {"llama3.1-8b-full": ("llama", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                                           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,

@@ -23,6 +23,15 @@ toolkit holds something else, and the estimate follows the toolkit:
 - LoRA: frozen base weights are stored in `model.dtype` (DeepSpeed casts them to the compute
   dtype), adapters in fp32; gradients and optimizer states exist for the adapters only. ZeRO-1/2 do
   not partition frozen weights; ZeRO-3 and FSDP do.
+- QLoRA (model.load_in_4bit): the linear layers but the output layer hold NF4 weights, 0.5 bytes each
+  (packed two to a byte), and a quantization state that is no parameter: with double quantization an
+  8-bit absmax per block of 64 weights and an fp32 one per 256 blocks (1/64 + 4/16384 bytes a weight),
+  plus per layer bitsandbytes' copies of the two code books and an offset (1092 bytes). ZeRO-3 and
+  FSDP divide the packed weights by N like the rest (FSDP2 shards them as `compute dtype` elements);
+  the quantization state is whole on every rank. peft's `prepare_model_for_kbit_training` casts the
+  other frozen weights (embeddings, norms, the output layer) to fp32 whatever `model.dtype` says, so
+  DDP and FSDP hold them in 4 bytes; about 0.52 bytes a quantized weight in all (the base's own
+  bytes, checked by tests/test_estimate.py against a model loaded in 4-bit).
 - Offload: optimizer states, fp32 master weights and their gradients (and the parameters, where
   they are offloaded too) live in host RAM or on NVMe instead of the GPU; the host RAM column is per
   node (N / nodes processes). NVMe still needs host RAM for DeepSpeed's swap buffers: counted as
@@ -31,7 +40,9 @@ toolkit holds something else, and the estimate follows the toolkit:
 
 **Buffers**, working memory beside the model states (approximate): DDP's gradient buckets, a second
 copy of the gradients (accelerate leaves `gradient_as_bucket_view` off); under bf16/fp16 DDP,
-autocast's 16-bit copies of the fp32 matmul weights, which backward keeps; the parameters gathered
+autocast's 16-bit copies of the fp32 matmul weights, which backward keeps (not of 4-bit ones); the
+largest 4-bit weight dequantized in the compute dtype (bitsandbytes dequantizes one layer's weight
+at a time, in forward and again in backward); the parameters gathered
 to compute: two decoder layers in flight for ZeRO-3 and FSDP full-shard, the whole model from
 forward to backward for FSDP shard-grad-op; DeepSpeed's fp32 copy of its gradient partition during
 a bf16/fp16 optimizer step. DeepSpeed's fixed-size buckets and the CUDA context are not counted;
@@ -44,8 +55,8 @@ the 2 RMSNorms keep their input and normalized output, q/k/v and the MLP keep th
 keeps gate, SiLU(gate), up and their product, SDPA/flash keep q, k, v, the output and a
 log-sum-exp (no s x s matrix):
     fp32:                       4 * (8h + 2kv + 4i + a)
-    bf16/fp16 autocast over fp32 weights (DDP): the residual stream and norms stay fp32 and each
-    of q/k/v and gate/up casts its own input: 4 * (4h + a) + 2 * (7h + 2kv + 4i)
+    bf16/fp16 autocast over fp32 weights (DDP, QLoRA's fp32 rest of the base): the residual stream and
+    norms stay fp32 and each of q/k/v and gate/up casts its own input: 4 * (4h + a) + 2 * (7h + 2kv + 4i)
     bf16/fp16 weights (DeepSpeed, FSDP's 16-bit gathers, a 16-bit LoRA base): HF's RMSNorm still
     upcasts its input: 4 * (2h + a) + 2 * (6h + 2kv + 4i)
 Eager attention also keeps the s x s probabilities (4 bytes, plus a 16-bit copy in bf16/fp16)
@@ -85,12 +96,12 @@ all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N
 optimizer step without gradient accumulation: DDP all-reduces the fp32 gradients (~2 x 4T);
 ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters (~2 x eT); ZeRO-3 and
 FSDP full-shard all-gather the parameters in forward and again in backward and reduce-scatter the
-gradients (~3 x e(T+F)); FSDP shard-grad-op gathers once (~2x). Offload adds host<->GPU copies of
-the same size, not counted. With accumulation the parameter gathers (ZeRO-3, FSDP) and ZeRO-2's
-reduce-scatter repeat for every micro-batch. Sequence parallelism adds, per micro-batch, layer and pass
-(forward, backward, and the recomputed forward under checkpointing), all-to-alls within the group of
-S of q, k, v and the attention output (or their gradients): (2 query + 2kv) x e per local position,
-each sending (S-1)/S.
+gradients (~3 x e(T+F), a 4-bit weight moving as its packed half byte); FSDP shard-grad-op gathers
+once (~2x). Offload adds host<->GPU copies of the same size, not counted. With accumulation the
+parameter gathers (ZeRO-3, FSDP) and ZeRO-2's reduce-scatter repeat for every micro-batch. Sequence
+parallelism adds, per micro-batch, layer and pass (forward, backward, and the recomputed forward under
+checkpointing), all-to-alls within the group of S of q, k, v and the attention output (or their
+gradients): (2 query + 2kv) x e per local position, each sending (S-1)/S.
 
 **Approximate**: peak memory is taken as the sum of all terms, an upper bound (activations peak
 when backward starts, gradients when it ends); the activation formulas are Llama-style layers
@@ -113,6 +124,12 @@ GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 USABLE_FRACTION = 0.9  # of the GPU's memory; the rest: CUDA context, fragmentation, workspaces
 NVME_SUB_GROUP = 1_000_000_000  # deepspeed_configs/zero3_offload_nvme.json's sub_group_size
+# QLoRA's NF4 with double quantization (bitsandbytes, blocksize 64): packed values, then per weight an
+# 8-bit absmax per 64 and an fp32 second-level absmax per 256 blocks, then per layer the 256-entry
+# dynamic code book (fp32), the 16 NF4 values (fp32) and the absmax offset that each layer copies.
+NF4_BYTES = 0.5
+NF4_STATE_BYTES = 1 / 64 + 4 / (64 * 256)
+NF4_LAYER_BYTES = 256 * 4 + 16 * 4 + 4
 
 
 @dataclass
@@ -132,6 +149,9 @@ class ModelCounts:
     head: int = 0  # trainable weights of the output layer (full fine-tuning: vocab x hidden)
     query: int = 0  # attention heads x head dim (the width attention's matrix products run over)
     kv_heads: int = 0  # key/value heads (0: as many as attention heads)
+    quantized: int = 0  # weights of the linear layers a 4-bit load quantizes (all but the output layer)
+    quantized_layers: int = 0  # those layers
+    widest: int = 0  # the largest of those weights (dequantized one at a time)
 
 
 @dataclass
@@ -142,6 +162,7 @@ class Setup:
     gpu_memory_gib: float | None = 80.0  # None: unknown (a CPU run)
     precision: str = "bf16"
     base_dtype: str = "fp32"  # storage of frozen LoRA base weights (model.dtype)
+    four_bit: bool = False  # model.load_in_4bit (QLoRA): the base's linear layers but the output layer in NF4
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = False
@@ -296,6 +317,7 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
     output = model.get_output_embeddings()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     matmul = sum(m.weight.numel() for _, m in linears)
+    quantizable = [m.weight.numel() for _, m in linears if m is not output]  # what load_in_4bit makes NF4
     layer_type = next(iter(getattr(model, "_no_split_modules", None) or []), None)
     layer = max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ == layer_type),
                 default=0)
@@ -314,7 +336,9 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
     return ModelCounts(name=name, params=total, trainable=trainable, matmul=matmul, layer=layer,
                        layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads, kv=kv_heads * head_dim,
                        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-                       vocab=text.vocab_size, head=head, query=heads * head_dim, kv_heads=kv_heads)
+                       vocab=text.vocab_size, head=head, query=heads * head_dim, kv_heads=kv_heads,
+                       quantized=sum(quantizable), quantized_layers=len(quantizable),
+                       widest=max(quantizable, default=0))
 
 
 # ----------------------------------------------------------------------------- the arithmetic
@@ -393,31 +417,40 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     """Per-GPU bytes, host RAM and NVMe per node, and communication of one strategy."""
     m, n = setup.model, setup.gpus
     T, F = m.trainable, m.params - m.trainable
+    Q = m.quantized if setup.four_bit else 0  # NF4 weights, frozen: counted in F at their full size
+    assert Q <= F, "a 4-bit base is frozen: model.load_in_4bit goes with LoRA"
+    state = NF4_STATE_BYTES * Q + NF4_LAYER_BYTES * m.quantized_layers if Q else 0.0  # no parameter: never sharded
     half = setup.precision != "fp32"
     e = BYTES[setup.precision]
+    layer = (m.layer - Q / m.layers) * e + NF4_BYTES * Q / m.layers  # one decoder layer gathered
     sharded = {"": 0, "optimizer": 1, "gradients": 2, "parameters": 3}[strategy.shards]
     per = {k: 1 / n if sharded >= level else 1 for k, level in (("optimizer", 1), ("gradients", 2), ("parameters", 3))}
     if strategy.deepspeed:
-        params = e * (T + F) * per["parameters"]
+        params = (e * (T + F - Q) + NF4_BYTES * Q) * per["parameters"]
         grads = e * T * per["gradients"]
         optimizer = 4 * T / n + 8 * T / n  # fp32 master partition, AdamW moments
         buffers = 4 * T / n if half else 0  # the fp32 gradient partition of the step
         if strategy.shards == "parameters":
-            buffers += 2 * m.layer * e
+            buffers += 2 * layer
         regime = "half" if half else "fp32"
     else:  # DDP, FSDP: the model as built, fp32 trainable weights; FSDP shards all of it
         div = n if strategy.shards else 1
-        params = (4 * T + BYTES[setup.base_dtype] * F) / div
+        frozen = 4 if setup.four_bit else BYTES[setup.base_dtype]  # QLoRA: peft casts the rest of the base to fp32
+        params = (4 * T + frozen * (F - Q) + NF4_BYTES * Q) / div
         grads = 4 * T / div
         optimizer = 8 * T / div
         if not strategy.shards:
             buffers = 4 * T if n > 1 else 0  # DDP's gradient buckets
-            fp32_weights = m.matmul if setup.base_dtype == "fp32" else T
+            if setup.four_bit:  # the fp32 output layer and the adapters; 4-bit weights are dequantized instead
+                fp32_weights = m.matmul - Q + T
+            else:
+                fp32_weights = m.matmul if setup.base_dtype == "fp32" else T
             buffers += 2 * fp32_weights if half else 0  # autocast's 16-bit weight copies
-            regime = "fp32" if not half else ("half" if setup.base_dtype != "fp32" else "autocast")
+            regime = "fp32" if not half else ("half" if frozen != 4 else "autocast")
         else:
-            buffers = e * (T + F) if strategy.gathers_all else 2 * m.layer * e
+            buffers = e * (T + F - Q) + NF4_BYTES * Q if strategy.gathers_all else 2 * layer
             regime = "half" if half else "fp32"
+    buffers += e * m.widest if Q else 0  # one 4-bit weight dequantized in the compute dtype
     host = nvme = 0.0
     if strategy.offload:
         if strategy.deepspeed:  # fp32 masters, moments and gradient, and the 16-bit gradient partition
@@ -431,6 +464,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
         if strategy.device == "nvme":  # parameters and optimizer states on NVMe, swapped in by sub-group
             nvme = host - 4 * T / n - e * T / n
             host = e * T / n + 16 * min(T / n, NVME_SUB_GROUP)
+    params += state  # the quantization state stays with the layers, on the GPU
     activations = activation_bytes(m, setup, regime)
     logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
     kv_cache = kv_cache_bytes(m, setup)
@@ -451,12 +485,14 @@ def communication(strategy: Strategy, setup: Setup) -> float:
         return 0.0
     ring = (n - 1) / n
     T, P, e = m.trainable, m.params, BYTES[setup.precision]
+    Q = m.quantized if setup.four_bit else 0
+    weights = e * (P - Q) + NF4_BYTES * Q  # what a gather of all parameters moves (4-bit ones packed)
     if not strategy.deepspeed and strategy.shards == "":
         return 2 * ring * 4 * T  # DDP: all-reduce of the fp32 gradients
     if strategy.shards == "parameters":
-        states = ring * (2 * e * P + e * T)  # gather in forward, gather in backward, reduce-scatter
+        states = ring * (2 * weights + e * T)  # gather in forward, gather in backward, reduce-scatter
     elif strategy.gathers_all:
-        states = ring * (e * P + e * T)
+        states = ring * (weights + e * T)
     else:
         states = ring * 2 * e * T  # ZeRO-1/2: reduce-scatter gradients, all-gather updated parameters
     return states + ulysses_bytes(setup)
@@ -555,7 +591,7 @@ def launched_strategy(env, ds_config: dict | None) -> Strategy:
 
 
 def setup_from_recipe(recipe, **kwargs) -> Setup:
-    """The Setup a recipe trains with (model, LoRA, precision, micro-batch, sequence length,
+    """The Setup a recipe trains with (model, LoRA, its 4-bit base, precision, micro-batch, sequence length,
     checkpointing, attention, online RL's generation); `kwargs` set the rest (GPUs, memory, the launch's
     sequence parallelism)."""
     model = count_model(recipe_config(recipe), recipe.model.preset or recipe.model.path, recipe.lora)
@@ -563,6 +599,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
     per_row = 2 if pairs else rl.num_generations if rl else 1
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
+                 four_bit=recipe.model.load_in_4bit,
                  micro_batch=recipe.train.micro_batch_size * per_row,
                  seq_len=recipe.data.max_seq_len + (rl.max_new_tokens if rl else 0),
                  gradient_checkpointing=recipe.model.gradient_checkpointing, tiled_mlp=recipe.model.tiled_mlp,

@@ -2,7 +2,7 @@
 arithmetic and its sources are in `toolkit/backends/sizing.py`; this is the command line and its table.
 `--recipe RECIPE.yaml [key=value ...]` reads the recipe as `toolkit train` would, dotted overrides
 included; `--model` with `--lora` stores the frozen base as the shipped LoRA recipes do (model.dtype
-= train.precision), the adapters in fp32."""
+= train.precision), the adapters in fp32; `--load-in-4bit` is QLoRA's (model.load_in_4bit) NF4 base."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def add_arguments(p) -> None:
                    help="LoRA on every linear layer instead of full fine-tuning; the frozen base stored in "
                         "--precision's dtype as the shipped LoRA recipes do (with --recipe: its model.dtype)")
     p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 8)")
+    p.add_argument("--load-in-4bit", action="store_true", default=None,
+                   help="QLoRA (model.load_in_4bit, implies --lora): the base's linear layers in 4-bit NF4, about "
+                        "0.52 bytes a weight; a model folder or config.json, not a preset")
     p.add_argument("--gradient-checkpointing", action="store_true", default=None)
     p.add_argument("--tiled-mlp", action="store_true", default=None, help="model.tiled_mlp")
     p.add_argument("--activation-offload", action="store_true", default=None,
@@ -89,10 +92,15 @@ def run(args) -> int:
         setup, launched = _from_recipe(args)
     else:
         from ..config import LoraConfig
+        from ..model.load import PRESETS
 
+        if args.load_in_4bit and (PRESETS / f"{args.model}.json").is_file() and not Path(args.model).exists():
+            raise ToolkitError(f"--load-in-4bit: {args.model} is a preset, built in full precision; QLoRA quantizes a "
+                               "model folder while loading it (give its folder or config.json)")
+        args.lora = args.lora or args.load_in_4bit
         lora = LoraConfig(enabled=bool(args.lora), r=args.lora_r or 8)
         setup = Setup(model=count_model(read_config(args.model), args.model, lora),
-                      gpus_per_node=args.gpus or 1, nodes=args.nodes)
+                      gpus_per_node=args.gpus or 1, nodes=args.nodes, four_bit=bool(args.load_in_4bit))
     overrides = {"precision": args.precision, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                  "gradient_checkpointing": args.gradient_checkpointing, "tiled_mlp": args.tiled_mlp,
                  "activation_offload": args.activation_offload, "loss": args.loss,
@@ -141,7 +149,9 @@ def _check_sequence_parallel(setup: Setup, source: str) -> None:
 def _from_recipe(args) -> tuple[Setup, Strategy | None]:
     from ..config import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    # --load-in-4bit as an override, so that the recipe's own checks judge it (a preset base is refused)
+    four_bit = ["model.load_in_4bit=true", "lora.enabled=true"] if args.load_in_4bit else []
+    recipe = load_recipe(args.recipe, [*args.overrides, *four_bit])
     if args.lora or args.lora_r:
         recipe.lora.enabled, recipe.lora.r = True, args.lora_r or recipe.lora.r
     launched, gpus, sequence_parallel = None, args.gpus, 1
@@ -212,6 +222,8 @@ def rl_lines(setup: Setup) -> list[str]:
 def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | None) -> str:
     m = setup.model
     tuned = "full fine-tuning" if m.trainable == m.params else f"LoRA, {_count(m.trainable)} trainable"
+    if setup.four_bit:
+        tuned = f"QLoRA: {_count(m.quantized)} of the base's weights in 4-bit NF4, {_count(m.trainable)} trainable"
     lines = [f"model: {m.name}: {_count(m.params)} parameters ({tuned}); {m.layers} layers, hidden {m.hidden}, "
              f"vocab {m.vocab}",
              f"setup: {setup.gpus} GPU{'s' if setup.gpus > 1 else ''} ({setup.gpus_per_node} per node x {setup.nodes} "
