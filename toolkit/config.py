@@ -31,7 +31,7 @@ class ConfigError(ToolkitError):
 ROPE_KEYS = {  # rope_type -> (keys it needs, keys it may have), as transformers' rope validation
     "linear": ({"factor"}, set()),
     "dynamic": ({"factor"}, {"original_max_position_embeddings"}),
-    "yarn": ({"factor"}, {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow"}),
+    "yarn": ({"factor", "original_max_position_embeddings"}, {"attention_factor", "beta_fast", "beta_slow"}),
     "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, set()),
 }
 
@@ -60,7 +60,7 @@ class RopeScaling:
     factor: Optional[float] = None
     """How many times longer the context becomes (required)."""
     original_max_position_embeddings: Optional[int] = None
-    """The context the model was trained on (yarn and dynamic may take it; llama3 needs it)."""
+    """The context the model was trained on (yarn and llama3 need it; dynamic may take it)."""
     attention_factor: Optional[float] = None
     """yarn: the attention scale (default: from the factor)."""
     beta_fast: Optional[float] = None
@@ -632,13 +632,24 @@ def validate(r: Recipe, source: str) -> None:
         needed, allowed = ROPE_KEYS[rope.rope_type]
         given = set(rope.parameters()) - {"rope_type"}
         missing, extra = needed - given, given - needed - allowed
+        # the values of what is given first; transformers only warns about them and builds the model with them
+        need(rope.factor is None or rope.factor > 0, "model.rope_scaling.factor",
+             f"must be positive, got {rope.factor}")
+        need(rope.factor is None or rope.factor >= 1, "model.rope_scaling.factor",
+             f"must be at least 1 (how many times longer the context becomes), got {rope.factor}")
+        for key in ("original_max_position_embeddings", "attention_factor"):
+            value = getattr(rope, key)
+            need(value is None or value > 0, f"model.rope_scaling.{key}", f"must be positive, got {value}")
+        fast = rope.beta_fast if rope.beta_fast is not None else 32.0
+        slow = rope.beta_slow if rope.beta_slow is not None else 1.0
+        need(fast > slow, "model.rope_scaling.beta_fast",
+             f"must be above beta_slow (defaults 32 and 1), got beta_fast={fast:g}, beta_slow={slow:g}")
+        low, high = rope.low_freq_factor, rope.high_freq_factor
+        need(low is None or high is None or low < high, "model.rope_scaling.low_freq_factor",
+             f"must be below high_freq_factor, got {low} and {high}")
         need(not missing, f"model.rope_scaling.{min(missing) if missing else ''}",
              f"required for rope_type {rope.rope_type}")
         need(not extra, f"model.rope_scaling.{min(extra) if extra else ''}", f"not a {rope.rope_type} setting")
-        need(rope.factor > 0, "model.rope_scaling.factor", f"must be positive, got {rope.factor}")
-        for key in ("original_max_position_embeddings",):
-            value = getattr(rope, key)
-            need(value is None or value > 0, f"model.rope_scaling.{key}", f"must be positive, got {value}")
     need(r.model.max_position_embeddings is None or r.model.max_position_embeddings > 0,
          "model.max_position_embeddings", f"must be positive, got {r.model.max_position_embeddings}")
     need(r.model.max_position_embeddings is None or r.model.max_position_embeddings >= r.data.max_seq_len,
@@ -729,6 +740,9 @@ def validate(r: Recipe, source: str) -> None:
          f"must be non-negative, got {r.checkpoint.every_steps}")
     need(r.checkpoint.keep_last > 0, "checkpoint.keep_last", f"must be positive, got {r.checkpoint.keep_last}")
     need(not (r.resume and r.overwrite), "resume", "resume and overwrite=true contradict each other")
+    need(r.preference.method is None or r.rl.method is None, "preference.method",
+         f"one objective per run: preference.method={r.preference.method} and rl.method={r.rl.method} contradict "
+         "each other; remove one")
     validate_preference(r, need)
     validate_rl(r, need)
 
@@ -761,9 +775,7 @@ def validate_preference(r: Recipe, need) -> None:
     formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
                                  if isinstance(e, DataSource) and e.format}
     if p.method is None:
-        if r.rl.method is not None:
-            return
-        need("preference" not in formats, "data.format",
+        need("preference" not in formats or r.rl.method is not None, "data.format",
              "preference pairs train only with a preference.method (dpo, orpo or simpo)")
         changed = [f.name for f in dataclasses.fields(PreferenceConfig)
                    if getattr(p, f.name) != getattr(PreferenceConfig(), f.name)]
@@ -815,7 +827,6 @@ def validate_rl(r: Recipe, need) -> None:
     need(formats == {"prompt"}, "data.format",
          f"rl.method={rl.method} samples completions for prompts: data.format (and every entry's format) must be "
          f"prompt, got {', '.join(sorted(formats))}")
-    need(r.preference.method is None, "preference.method", "one objective per run: remove it or rl.method")
     need(rl.num_generations >= 2, "rl.num_generations",
          f"at least 2 (advantages compare the completions of a prompt), got {rl.num_generations}")
     need(rl.epsilon > 0, "rl.epsilon", f"must be positive, got {rl.epsilon}")
@@ -846,6 +857,11 @@ def validate_rl(r: Recipe, need) -> None:
         name, sep, attr = e.function.rpartition(":")
         if e.function in BUILT_IN_REWARDS:
             need(e.function != "regex" or bool(e.pattern), f"{key}.pattern", "the regex reward needs a pattern")
+            need(e.function == "regex" or e.pattern is None, f"{key}.pattern",
+                 f"only the built-in regex reward takes a pattern; {e.function} compares with the row's "
+                 f"{e.column!r} column")
+            need(e.function == "regex" or e.column.strip() != "", f"{key}.column",
+                 f"empty: {e.function} needs the name of the column holding the expected answer")
             if e.pattern:
                 try:
                     re.compile(e.pattern)
@@ -858,8 +874,12 @@ def validate_rl(r: Recipe, need) -> None:
              f"({', '.join(BUILT_IN_REWARDS)})")
         if name.endswith(".py"):
             need(Path(name).expanduser().is_file(), f"{key}.function", f"file not found: {name}")
+    need(any(e.weight != 0 for e in rl.rewards), "rl.rewards",
+         "every weight is 0: every completion would get the same reward and nothing would be learned")
     need(not r.data.packing and not r.data.padding_free, "data.packing" if r.data.packing else "data.padding_free",
          "prompt rows are not packed: each step makes its own completions")
+    need(not r.data.train_on_prompt, "data.train_on_prompt",
+         "prompt rows have no targets: the sampled completions are what trains; remove the key")
     need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
          "not with rl.method: the policy loss has no router term")
 

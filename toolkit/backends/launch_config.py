@@ -154,6 +154,9 @@ def _check_parallelism(recipe: Recipe, env, kind: str, source: str, notes: list[
     if recipe.preference.method is not None:
         raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism does not run preference training "
                            f"(preference.method={recipe.preference.method}) yet; remove sp_size")
+    if recipe.rl.method is not None:  # as the launch's check_objective would, once the model is built
+        raise ToolkitError(f"{source}: {key('sp')} is {sp}: online RL (rl.method={recipe.rl.method}) samples and "
+                           "scores whole completions, not rows split across ranks; remove sp_size")
     if recipe.model.attn_implementation == "eager":
         raise ToolkitError(f"{source}: {key('sp')} is {sp}: sequence parallelism needs attention without a dense "
                            "mask; set model.attn_implementation=sdpa (or flash_attention_2, varlen)")

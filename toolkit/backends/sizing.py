@@ -594,7 +594,11 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     """The Setup a recipe trains with (model, LoRA, its 4-bit base, precision, micro-batch, sequence length,
     checkpointing, attention, online RL's generation); `kwargs` set the rest (GPUs, memory, the launch's
     sequence parallelism)."""
-    model = count_model(recipe_config(recipe), recipe.model.preset or recipe.model.path, recipe.lora)
+    config = recipe_config(recipe)
+    if recipe.model.tiled_mlp:
+        check_dense(config)
+    check_positions(recipe, config)
+    model = count_model(config, recipe.model.preset or recipe.model.path, recipe.lora)
     pairs = recipe.preference.method is not None  # a pair is two sequences in one forward
     rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
     per_row = 2 if pairs else rl.num_generations if rl else 1
@@ -609,6 +613,28 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  accumulation=recipe.train.gradient_accumulation_steps,
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
                      "reference_forward": rl.beta > 0, "iterations": rl.num_iterations} if rl else {}), **kwargs)
+
+
+def check_dense(config) -> None:
+    """model.tiled_mlp is refused on a mixture-of-experts model, as the launch refuses it
+    (model/activations.tile_mlps), so that `estimate` does not size what cannot run."""
+    text = config.get_text_config()
+    if getattr(text, "num_local_experts", 0) or getattr(text, "num_experts", 0):
+        raise ToolkitError("model.tiled_mlp: for dense models; this one's MLPs are mixture-of-experts layers")
+
+
+def check_positions(recipe, config) -> None:
+    """Online RL: a prompt of up to data.max_seq_len tokens and its completion of up to rl.max_new_tokens
+    fit the model's positions (the launch refuses it once the model is built, `estimate` before)."""
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if recipe.model.max_position_embeddings is not None:
+        positions = recipe.model.max_position_embeddings
+    longest = recipe.data.max_seq_len + recipe.rl.max_new_tokens
+    if recipe.rl.method is not None and positions and longest > positions:
+        raise ToolkitError(f"rl.max_new_tokens: a prompt of up to data.max_seq_len={recipe.data.max_seq_len} tokens "
+                           f"and a completion of up to rl.max_new_tokens={recipe.rl.max_new_tokens} make {longest:,} "
+                           f"positions, more than the model's max_position_embeddings={positions}; lower them (or "
+                           "extend the context: model.rope_scaling and model.max_position_embeddings)")
 
 
 def recipe_config(recipe):

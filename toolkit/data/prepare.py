@@ -33,7 +33,7 @@ from .packing import best_fit_decreasing, pack_stats
 from .sources import Source, cache_root, load_rows, resolve_sources
 from .tokenize import Report, tokenize_source
 
-TOKENIZE_VERSION = 6  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 7  # bump when tokenization or preparation changes what it produces
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,
@@ -232,8 +232,8 @@ def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = N
         lines.append(f"{report.truncated:,} of {report.rows:,} rows truncated to data.max_seq_len "
                      f"({report.targets_lost:,} target tokens lost; data.overlong=drop drops them instead)")
     if report.dropped_overlong:
-        lines.append(f"{report.dropped_overlong:,} of {report.rows:,} rows longer than data.max_seq_len dropped "
-                     f"({report.targets_lost:,} target tokens lost)")
+        lines.append(f"{report.dropped_overlong:,} of {report.rows:,} rows longer than data.max_seq_len dropped"
+                     + (f" ({report.targets_lost:,} target tokens lost)" if report.targets_lost else ""))
     lines += report.lines
     return Datasets(train=train, eval=evaluation or Examples(None, None), fingerprint=fp, lines=lines,
                     warnings=report.warnings, train_fingerprint=train_fp or fp, folder=folder)

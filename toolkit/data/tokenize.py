@@ -81,7 +81,8 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     if cfg.overlong == "drop" or source.format == "prompt":  # a cut prompt would lose where the answer starts
         keep &= ~overlong
         report.dropped_overlong += int(overlong.sum())
-        report.targets_lost += int(full_targets[overlong].sum())
+        if source.format != "prompt":  # a prompt row has no targets (its completions are sampled in training)
+            report.targets_lost += int(full_targets[overlong].sum())
     else:
         report.truncated += int(overlong.sum())
         report.targets_lost += int((full_targets - n_targets)[overlong].sum())
@@ -108,7 +109,10 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
                                "renders earlier assistant turns differently once later turns follow (as Qwen3 drops "
                                "earlier <think> blocks), so each turn is trained as rendered at its point")
     if not keep.any():
-        raise ToolkitError(f"{source.name}: no rows left after dropping overlong rows (data.overlong=drop)")
+        why = ("prompts longer than data.max_seq_len are dropped, never cut" if source.format == "prompt"
+               else "data.overlong=drop")
+        raise ToolkitError(f"{source.name}: no rows left after dropping the {int(overlong.sum())} rows longer than "
+                           f"data.max_seq_len={cfg.max_seq_len} ({why}); raise data.max_seq_len")
     return tokenized, np.flatnonzero(keep)
 
 
@@ -422,6 +426,8 @@ def prompt_example(row: dict, tokenizer) -> tuple[str, list[tuple[int, int]], bo
     value = row.get("prompt")
     if value is None or (isinstance(value, list) and not value):
         raise MissingField("prompt")
+    if isinstance(value, str) and not value.strip():  # a BOS alone would be sampled from, as if it were a prompt
+        raise MissingField("prompt", "is empty")
     if not isinstance(value, list):
         return text_value(row, "prompt"), [], False
     for i, m in enumerate(value):

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import backends, faults
-from ..backends.sizing import count_model
+from ..backends.sizing import check_positions, count_model
 from ..config import ModelConfig, Recipe
 from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
@@ -231,6 +231,7 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
     """The recipe's objective for the built model (after LoRA: DPO's and RL's reference may be the
     model with its adapter disabled), checked by the backend and said at the start of the run."""
     if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks, scores with the rewards
+        check_positions(recipe, model.config)
         d = recipe.data
         sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources

@@ -42,7 +42,15 @@ def run(args) -> int:
         raise ToolkitError(f"checkpoint convert: --out {out} exists and is not empty; choose another folder "
                            "(earlier results are never overwritten)")
     if not source.is_dir():
-        raise ToolkitError(f"checkpoint convert: {source}: folder not found")
+        raise ToolkitError(f"checkpoint convert: {source}: "
+                           + ("a file, not a checkpoint folder" if source.exists() else "folder not found"))
+    if not checkpoint.is_complete(source) and (source / "config.yaml").is_file():  # a run folder given
+        done = checkpoint.complete_checkpoints(source)
+        raise ToolkitError(f"checkpoint convert: {source} is a run folder, not a checkpoint; give one of its "
+                           + (f"checkpoints (the latest complete one: {done[-1]})" if done else
+                              "checkpoints (it has no complete one)")
+                           + (", or use its final/ as it is (a Hugging Face folder already)"
+                              if (source / "final").is_dir() else ""))
     if not checkpoint.is_complete(source):
         raise ToolkitError(f"checkpoint convert: {source} is not a complete checkpoint (no {checkpoint.MARKER} marker)")
     portable = source / "portable" / "weights.safetensors"

@@ -18,6 +18,7 @@ from ..backends.sizing import (
     Row,
     Setup,
     Strategy,
+    check_dense,
     count_model,
     estimate_all,
     kv_cache_bytes,
@@ -99,7 +100,10 @@ def run(args) -> int:
                                "model folder while loading it (give its folder or config.json)")
         args.lora = args.lora or args.load_in_4bit
         lora = LoraConfig(enabled=bool(args.lora), r=args.lora_r or 8)
-        setup = Setup(model=count_model(read_config(args.model), args.model, lora),
+        config = read_config(args.model)
+        if args.tiled_mlp:
+            check_dense(config)
+        setup = Setup(model=count_model(config, args.model, lora),
                       gpus_per_node=args.gpus or 1, nodes=args.nodes, four_bit=bool(args.load_in_4bit))
     overrides = {"precision": args.precision, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                  "gradient_checkpointing": args.gradient_checkpointing, "tiled_mlp": args.tiled_mlp,
@@ -152,6 +156,7 @@ def _from_recipe(args) -> tuple[Setup, Strategy | None]:
     # --load-in-4bit as an override, so that the recipe's own checks judge it (a preset base is refused)
     four_bit = ["model.load_in_4bit=true", "lora.enabled=true"] if args.load_in_4bit else []
     recipe = load_recipe(args.recipe, [*args.overrides, *four_bit])
+    recipe.model.tiled_mlp = recipe.model.tiled_mlp or bool(args.tiled_mlp)  # judged with the model (check_dense)
     if args.lora or args.lora_r:
         recipe.lora.enabled, recipe.lora.r = True, args.lora_r or recipe.lora.r
     launched, gpus, sequence_parallel = None, args.gpus, 1
