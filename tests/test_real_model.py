@@ -313,3 +313,58 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path, real_model_dir):
     evaluated = run_toolkit("eval", str(out / "final"), "--data", str(evaluation), "--json")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout)["preference"]["reward_accuracy"] == pytest.approx(last["eval_reward_accuracy"])
+
+
+# 96 nouns: after a seeded shuffle, 64 train and 32 are held out.
+NOUNS = """apple bread chair drum eagle flame grape house igloo jelly kite lemon mango nest olive piano queen
+river snake tiger umbrella violin whale yacht zebra anchor basket candle dragon engine forest garden hammer island
+jacket kettle ladder magnet needle orange pencil quilt rabbit saddle tomato uncle valley window yellow zipper
+arrow banana castle desert elbow feather guitar helmet insect jungle kitten lizard marble napkin ocean parrot
+rocket silver tunnel velvet wagon butter cotton donkey finger goose honey lamp mirror nose pillow ribbon spoon
+tooth vase wheel bottle carpet dinner fabric gravel hero ink juice knife lake""".split()
+
+
+def first_letter_prompts(words: list[str]) -> list[dict]:
+    """One-shot chat prompts: the first letter of a word, to be answered with the letter alone."""
+    return [{"prompt": [{"role": "system", "content": "Answer with one letter."},
+                        {"role": "user", "content": "First letter of 'duck'?"}, {"role": "assistant", "content": "d"},
+                        {"role": "user", "content": f"First letter of '{w}'?"}], "answer": w[0]} for w in words]
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_reward(tmp_path, real_model_dir):
+    """LoRA GRPO (r 16, all-linear) with a verifiable reward: exact_match of the sampled answer against
+    the word's first letter. 12 steps of 4 prompts x 8 completions on 64 words. On 32 held-out words
+    (one answer each, sampled at temperature 1, the same seeds at every evaluation), eval_reward rises
+    well above the base model's, and the train reward of the last steps is above the first steps'.
+    The base model answers with the letter alone about a quarter of the time; otherwise it gives a
+    word ('capsules.'), a mix ('b2ASANTA') or a sentence, so at step 1 every group has reward spread.
+    Measured 2026-11-27 (2 shared CPU cores, one thread; 230 s, 15 s a step): eval_reward 0.219 ->
+    0.969 at step 6 and at step 12; train reward 0.312, 0.469, 0.844 in steps 1-3 and 0.938, 1.0, 0.969
+    in steps 10-12. Before sampling drew by inverse CDF: 0.281 -> 0.969, and 0.281,
+    0.312, 0.812 against 0.969, 1.0, 0.969 (benchmarks/NOTES.md)."""
+    words = list(NOUNS)
+    random.Random(0).shuffle(words)
+    train = write_jsonl(tmp_path / "train.jsonl", first_letter_prompts(words[:64]))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", first_letter_prompts(words[64:]))
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "grpo.yaml", output_dir=str(out), seed=3, model={"path": str(real_model_dir)},
+                        lora={"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"},
+                        data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "prompt",
+                              "max_seq_len": 128},
+                        rl={"method": "grpo", "num_generations": 8, "max_new_tokens": 6, "temperature": 1.0,
+                            "rewards": ["exact_match"]},
+                        train={"micro_batch_size": 4, "max_steps": 12, "learning_rate": 5e-4, "warmup_steps": 2,
+                               "precision": "fp32", "eval_every_steps": 6, "log_every_steps": 1})
+    # One thread, as test_qlora.py: with two threads on the 2 shared cores a step waited on a thread
+    # another process had preempted (68 s of sampling where the step before took 4 s).
+    proc = run_toolkit("train", path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    evals = {r["step"]: r["eval_reward"] for r in rows if "eval_reward" in r}
+    assert list(evals) == [0, 6, 12], evals
+    assert 0.1 < evals[0] < 0.5, evals  # the base model is sometimes right: there is something to learn
+    assert evals[12] > evals[0] + 0.34, evals  # half the rise measured (0.69 and 0.75)
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    assert len(rewards) == 12 and rows[1]["reward_std"] > 0, rewards
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards  # half the rise measured (0.43 and 0.51)
