@@ -83,7 +83,8 @@ def main() -> int:
         initial_model(recipe, Path(tmp) / "initial")
         print("scoring the untrained model on the held-out prompts ...", flush=True)
         before = evaluate(Path(tmp) / "initial", data, recipe.data.max_seq_len, Path(tmp) / "before.json", quiet=True)
-        code = toolkit_main(["train", recipe_path, *overrides])
+        (out / "eval.json").unlink(missing_ok=True)  # this script's own file from a run before: overwrite=true
+        code = toolkit_main(["train", recipe_path, *overrides])  # replaces only a toolkit run's files
         if code != 0:
             return code
         print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
@@ -118,7 +119,8 @@ def reinforce(recipe, recipe_path: str, overrides: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
         print(f"scoring {start} (the SFT result) on the held-out prompts ...", flush=True)
         before = evaluate(start, data, recipe.data.max_seq_len, Path(tmp) / "before.json", quiet=True)
-        code = toolkit_main(["train", recipe_path, *overrides])
+        (out / "eval.json").unlink(missing_ok=True)  # this script's own file from a run before: overwrite=true
+        code = toolkit_main(["train", recipe_path, *overrides])  # replaces only a toolkit run's files
         if code != 0:
             return code
         print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
