@@ -5,6 +5,17 @@ documents and number of optimizer steps, reported as ratios.
     python benchmarks/loop_speed.py                                  # CPU-sized defaults
     python benchmarks/loop_speed.py --hidden 1024 --layers 8 --seq 1024 --micro 8 --precision bf16   # a GPU
     python benchmarks/loop_speed.py --hidden 64 --layers 2 --seq 64 --micro 2 --steps 6 --warmup 2 --repeats 1  # CI
+    python benchmarks/loop_speed.py --model $(bash tests/fetch_real_model.sh) [--lora] --seq 128 --micro 2 \
+        --steps 6 --warmup 2 --threads 1 --only toolkit plain_pytorch trl        # the real SmolLM2-135M
+
+Model. The random Llama of --hidden x --layers with a byte tokenizer, or with --model a local Hugging
+Face folder (its config and weights linked, its tokenizer saved with a padding token other than the
+end-of-turn one where they coincide, as in SmolLM2, because the counts read padding as "not a
+document token"; the documents are then made of words that are one token each, so their token counts
+come out as planned, the chat template's own tokens measured from the tokenizer). --lora: the same
+LoRA adapter (LORA below) in every contender: the toolkit's recipe `lora`, TRL's peft_config, peft on
+the hand-written loop and the Trainer. --threads N: N torch threads in every contender's process
+(on this shared 2-core host, 1 keeps the CPU seconds per step, reported beside wall time, clean).
 
 Data. Chat documents (`messages`: one user turn, one assistant turn, byte tokenizer and chat
 template of toolkit/model/load.py) whose token lengths are uniform between seq/8 and seq, seeded; only
@@ -79,27 +90,29 @@ TEMPLATE_TOKENS = 9  # <s> <|user|> \n ... </s> \n <|assistant|> \n ... </s> \n 
 TARGETS_AFTER_REPLY = 2  # the reply's </s> and \n are targets too
 IGNORE = -100
 SEED = 0
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}  # --lora, every contender
 
 
 # ----------------------------------------------------------------------------- data
 
 
-def document_lengths(a, rows: int, with_trl: bool) -> list[tuple[int, int]]:
-    """(user, reply) content lengths in bytes (= tokens) of documents of seq/8..seq tokens, seeded,
-    as many as best-fit-decreasing packs into exactly `rows` rows of a.seq tokens (the most such)."""
+def document_lengths(a, rows: int, with_trl: bool, template: int = TEMPLATE_TOKENS) -> list[tuple[int, int]]:
+    """(user, reply) content lengths in tokens (bytes, or --model's one-token words) of documents of
+    seq/8..seq tokens, `template` of them the chat template's, seeded, as many as best-fit-decreasing
+    packs into exactly `rows` rows of a.seq tokens (the most such)."""
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
     from toolkit.data.packing import best_fit_decreasing
 
     rng = random.Random(SEED)
-    shortest = max(a.seq // 8, TEMPLATE_TOKENS + 3)
+    shortest = max(a.seq // 8, template + 3)
     pool = []
     for _ in range(int(rows * a.seq / ((shortest + a.seq) / 2) * 1.5) + 20):
-        content = rng.randint(shortest, a.seq) - TEMPLATE_TOKENS
+        content = rng.randint(shortest, a.seq) - template
         user = rng.randint(1, content // 2)
         pool.append((user, content - user))
-    lengths = np.array([u + r + TEMPLATE_TOKENS for u, r in pool])
+    lengths = np.array([u + r + template for u, r in pool])
 
     def packed_rows(n: int) -> int:
         return len(best_fit_decreasing(lengths[:n], a.seq, SEED))
@@ -126,14 +139,44 @@ def trl_rows(lengths, seq: int) -> int:
     return len(pack_dataset(datasets.Dataset.from_dict({"input_ids": [[3] * int(n) for n in lengths]}), seq, "bfd"))
 
 
-def prepare(work: Path, a) -> dict:
-    """Model folder, tokenizer, documents, the toolkit's recipe and its prepared data; returns the
-    plan: the toolkit's per-step counts that every contender is checked against."""
+def real_model(work: Path, a) -> tuple[list[str], int]:
+    """--model: its config and weights linked into work/model, its tokenizer saved there with
+    <|endoftext|> (or <unk>) as padding where padding is the end-of-turn token (SmolLM2: the counts
+    read document tokens as non-padding ids, and padding is masked for every contender alike).
+    Returns one-token words (" word" is one token after any other) and the chat template's tokens
+    around a user and an assistant turn (a default system prompt included)."""
+    from transformers import AutoTokenizer
+
+    (work / "model").mkdir()
+    for f in Path(a.model).iterdir():
+        if f.name == "config.json" or f.name == "generation_config.json" or f.suffix == ".safetensors" or (
+                f.name.endswith(".safetensors.index.json")):
+            (work / "model" / f.name).symlink_to(f.resolve())
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    if tokenizer.pad_token is None or tokenizer.pad_token == tokenizer.eos_token:
+        tokenizer.pad_token = next(t for t in ("<|endoftext|>", "<unk>") if t in tokenizer.get_vocab())
+    tokenizer.save_pretrained(work / "model")
+    vocab = [w[1:] for w in tokenizer.get_vocab() if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower()
+             and 3 <= len(w) - 1 <= 6]
+    words = [w for w in sorted(vocab)[::10] if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1][:300]
+    assert len(words) >= 50, "no one-token words found in --model's vocabulary (expected a byte-level BPE)"
+
+    def tokens(user: int, reply: int) -> int:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": " " + " ".join(words[:user])},
+                                              {"role": "assistant", "content": " " + " ".join(words[:reply])}],
+                                             tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    template = tokens(3, 5) - 8
+    assert tokens(11, 2) - 13 == template, "the chat template's length depends on the contents"
+    return words, template
+
+
+def random_model(work: Path, a) -> None:
+    """The random Llama of --hidden x --layers with the toolkit's byte tokenizer (vocabulary 262)."""
     import torch
-    import yaml
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(ROOT))
     from toolkit.model.load import build_byte_tokenizer
 
     torch.manual_seed(SEED)
@@ -143,14 +186,27 @@ def prepare(work: Path, a) -> dict:
                          pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(work / "model")
     build_byte_tokenizer().save_pretrained(work / "model")
+
+
+def prepare(work: Path, a) -> dict:
+    """Model folder, tokenizer, documents, the toolkit's recipe and its prepared data; returns the
+    plan: the toolkit's per-step counts that every contender is checked against."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT))
     rows = a.steps * a.micro * a.accumulation
     rng = random.Random(SEED + 1)
-    alphabet = "abcdefghijklmnopqrstuvwxyz ,."
+    if a.model:  # words of one token each, so a document's token count is set exactly as with bytes
+        words, template = real_model(work, a)
+        content = lambda n: "".join(" " + rng.choice(words) for _ in range(n))  # noqa: E731
+    else:
+        random_model(work, a)
+        template, alphabet = TEMPLATE_TOKENS, "abcdefghijklmnopqrstuvwxyz ,."
+        content = lambda n: "".join(rng.choice(alphabet) for _ in range(n))  # noqa: E731
     with open(work / "train.jsonl", "w") as f:
-        for user, reply in document_lengths(a, rows, "trl" in a.only):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": "".join(rng.choice(alphabet) for _ in range(user))},
-                {"role": "assistant", "content": "".join(rng.choice(alphabet) for _ in range(reply))}]}) + "\n")
+        for user, reply in document_lengths(a, rows, "trl" in a.only, template):
+            f.write(json.dumps({"messages": [{"role": "user", "content": content(user)},
+                                             {"role": "assistant", "content": content(reply)}]}) + "\n")
     recipe = {
         "output_dir": str(work / "toolkit_run"), "overwrite": True, "seed": SEED,
         "model": {"path": str(work / "model"), "attn_implementation": a.attn},
@@ -160,6 +216,8 @@ def prepare(work: Path, a) -> dict:
                   "learning_rate": 1e-4, "warmup_steps": 2, "precision": a.precision, "max_grad_norm": 1.0,
                   "log_every_steps": 10},
     }
+    if a.lora:
+        recipe["lora"] = {"enabled": True, **LORA}
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
 
     examples, steps, tokenizer = toolkit_steps(work, a)  # prepares the toolkit's data once, here
@@ -253,23 +311,47 @@ def stamp(device: str) -> float:
     return time.time()
 
 
-def write_result(work: Path, who: str, stamps: list[float], per_micro: list, accumulation: int, device: str) -> None:
-    """Per optimizer step: end time, document tokens, target tokens; and the process's peak memory."""
+def peft_config():
+    """--lora's adapter as a peft config (the toolkit builds the same from its recipe's `lora`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                      target_modules=LORA["target_modules"], task_type="CAUSAL_LM", bias="none")
+
+
+def load_model(work: Path, a):
+    """The contender's model from work/model, with --lora's adapter for the hand-written loop and the Trainer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn)
+    if a.lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config())
+    return model
+
+
+def write_result(work: Path, who: str, stamps: list[float], per_micro: list, accumulation: int, device: str,
+                 cpu: list[float]) -> None:
+    """Per optimizer step: end time, CPU seconds of the process so far, document tokens, target tokens;
+    and the process's peak memory."""
     import torch
 
     flat = torch.stack([c.cpu() for c in per_micro]).view(-1, accumulation, 2).sum(1).tolist() if per_micro else []
     peak, kind = peak_memory(device)
     (work / f"result_{who}.json").write_text(json.dumps({
-        "stamps": stamps, "tokens": [int(t) for t, _ in flat], "targets": [int(g) for _, g in flat],
+        "stamps": stamps, "cpu": cpu, "tokens": [int(t) for t, _ in flat], "targets": [int(g) for _, g in flat],
         "peak_bytes": peak, "memory": kind}))
 
 
 def run_toolkit(work: Path, a) -> None:
     cmd = [sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml"), f"train.max_steps={a.steps}",
            *a.toolkit]
-    with open(work / "toolkit.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
+    from grpo_speed import launch  # polls the process's CPU time as each metrics row appears
+
+    (work / "toolkit_run" / "metrics.jsonl").unlink(missing_ok=True)  # an earlier repeat's
+    code, _, child_peak, cpu = launch(cmd, work / "toolkit.log", work / "toolkit_run" / "metrics.jsonl")
+    if code != 0:
         sys.exit(f"toolkit train failed:\n{(work / 'toolkit.log').read_text()[-3000:]}")
     rows = [json.loads(line) for line in (work / "toolkit_run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
@@ -284,11 +366,13 @@ def run_toolkit(work: Path, a) -> None:
     assert processed == expected, ("toolkit tokens differ from its rows", processed)
     if rows and max(rows[-1]["peak_memory_gib"]) and device_and_dtype(a)[0] == "cuda":
         peak, kind = int(max(max(r["peak_memory_gib"]) for r in rows) * 2**30), "cuda_max_allocated"
-    else:  # the toolkit's own process, from start to exit (this one has no other child)
-        peak, kind = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "rss"
+    else:  # the toolkit's own process, from start to exit
+        peak, kind = child_peak, "rss"
+    profile = next((line for line in (work / "toolkit.log").read_text().splitlines()
+                    if line.startswith("step profile")), "")
     (work / "result_toolkit.json").write_text(json.dumps({
-        "stamps": [r["time"] for r in rows], "tokens": [s["tokens"] for s in plan], "targets": targets,
-        "peak_bytes": peak, "memory": kind}))
+        "stamps": [r["time"] for r in rows], "cpu": cpu, "tokens": [s["tokens"] for s in plan], "targets": targets,
+        "peak_bytes": peak, "memory": kind, "profile": profile}))
 
 
 def run_plain_pytorch(work: Path, a) -> None:
@@ -297,7 +381,6 @@ def run_plain_pytorch(work: Path, a) -> None:
     import math
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from toolkit.data.batching import Collator
 
@@ -305,11 +388,12 @@ def run_plain_pytorch(work: Path, a) -> None:
     device, dtype = device_and_dtype(a)
     examples, steps, tokenizer = toolkit_steps(work, a)
     collate = Collator(tokenizer.pad_token_id, packed=True)
-    model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    model = load_model(work, a).to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]  # all, or --lora's adapters
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / max(1, a.steps - 2))))
-    stamps, per_micro = [], []
+    stamps, cpu, per_micro = [], [], []
     for step in steps:
         micro_batches = [collate([examples[i] for i in rows]) for rows in step]
         micro_counts = [counts(b, tokenizer.pad_token_id) for b in micro_batches]  # on the host
@@ -321,14 +405,15 @@ def run_plain_pytorch(work: Path, a) -> None:
                 # document bounds from position_ids and packed documents would attend to each other.
                 loss = model(**batch, use_cache=False).loss  # mean over this micro-batch's targets
             (loss * (int(c[1]) / step_targets)).backward()  # -> sum over the step's targets / their count
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
         per_micro += micro_counts
         stamps.append(stamp(device))
-    write_result(work, "plain_pytorch", stamps, per_micro, a.accumulation, device)
+        cpu.append(time.process_time())  # this process's CPU seconds, every thread
+    write_result(work, "plain_pytorch", stamps, per_micro, a.accumulation, device, cpu)
 
 
 def counting(trainer_class, pad_id: int):
@@ -354,19 +439,20 @@ def trainer_arguments(a, device: str) -> dict:
                 dataloader_num_workers=0, disable_tqdm=True, seed=SEED)
 
 
-def stamp_callback(stamps: list, device: str):
+def stamp_callback(stamps: list, cpu: list, device: str):
     from transformers import TrainerCallback
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             stamps.append(stamp(device))
+            cpu.append(time.process_time())
 
     return Stamp()
 
 
 def run_hf_trainer(work: Path, a) -> None:
     """The stock Trainer: each micro-batch holds the documents of the toolkit's micro-batch, padded."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     device, _ = device_and_dtype(a)
     examples, steps, tokenizer = toolkit_steps(work, a)
@@ -376,13 +462,13 @@ def run_hf_trainer(work: Path, a) -> None:
     args = TrainingArguments(output_dir=str(work / "trainer_run"), remove_unused_columns=False,
                              train_sampling_strategy="sequential",
                              **{**trainer_arguments(a, device), "per_device_train_batch_size": 1})
-    model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn)
-    stamps = []
+    model = load_model(work, a)
+    stamps, cpu = [], []
     trainer = counting(Trainer, pad_id)(model=model, args=args, train_dataset=items,
                                         data_collator=lambda batch: pad(batch[0]["docs"], pad_id),
-                                        callbacks=[stamp_callback(stamps, device)])
+                                        callbacks=[stamp_callback(stamps, cpu, device)])
     trainer.train()
-    write_result(work, "hf_trainer", stamps, trainer.counted, a.accumulation, device)
+    write_result(work, "hf_trainer", stamps, trainer.counted, a.accumulation, device, cpu)
 
 
 def run_trl(work: Path, a) -> None:
@@ -398,13 +484,14 @@ def run_trl(work: Path, a) -> None:
     args = SFTConfig(output_dir=str(work / "trl_run"), max_length=a.seq, packing=True, packing_strategy="bfd",
                      padding_free=True, completion_only_loss=True, **trainer_arguments(a, device))
     model = AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=a.attn)
-    stamps = []
+    stamps, cpu = [], []
     trainer = counting(SFTTrainer, tokenizer.pad_token_id)(model=model, args=args, train_dataset=ds,
                                                            processing_class=tokenizer,
-                                                           callbacks=[stamp_callback(stamps, device)])
+                                                           peft_config=peft_config() if a.lora else None,
+                                                           callbacks=[stamp_callback(stamps, cpu, device)])
     assert len(trainer.train_dataset) == a.steps * a.micro * a.accumulation, len(trainer.train_dataset)
     trainer.train()
-    write_result(work, "trl", stamps, trainer.counted, a.accumulation, device)
+    write_result(work, "trl", stamps, trainer.counted, a.accumulation, device, cpu)
 
 
 RUNNERS = {"toolkit": run_toolkit, "plain_pytorch": run_plain_pytorch, "hf_trainer": run_hf_trainer, "trl": run_trl}
@@ -434,13 +521,18 @@ def measure(work: Path, a, who: str, plan: dict) -> dict:
         sys.exit(f"same-tokens check failed: {who} trained on {sum(targets):,} target / {sum(tokens):,} document "
                  f"tokens, the toolkit's rows hold {plan['targets']:,} / {plan['tokens']:,}")
     window = stamps[-1] - stamps[a.warmup - 1]  # steps warmup+1 .. steps
+    cpu = r["cpu"]  # CPU seconds at each step's end (the toolkit's: polled, may miss a step on a fast run)
+    cpu_s = statistics.median(b - a_ for a_, b in zip(cpu[a.warmup - 1:], cpu[a.warmup:])) if len(
+        cpu) == a.steps else None
     return {"step_s": statistics.median(b - a_ for a_, b in zip(stamps[a.warmup - 1:], stamps[a.warmup:])),
+            "cpu_step_s": cpu_s, "profile": r.get("profile", ""),
             "target_tps": sum(targets[a.warmup:]) / window, "tps": sum(tokens[a.warmup:]) / window,
             "peak_mib": r["peak_bytes"] / 2**20, "memory": r["memory"], "wall": wall}
 
 
 def forwarded(a) -> list[str]:
-    return ["--hidden", str(a.hidden), "--layers", str(a.layers), "--seq", str(a.seq), "--micro", str(a.micro),
+    return ["--model", a.model or "", *(["--lora"] if a.lora else []), "--threads", str(a.threads or 0),
+            "--hidden", str(a.hidden), "--layers", str(a.layers), "--seq", str(a.seq), "--micro", str(a.micro),
             "--accumulation", str(a.accumulation), "--precision", a.precision, "--attn", a.attn,
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--toolkit", *a.toolkit]
 
@@ -466,7 +558,8 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
         "precision": a.precision, "attn": a.attn, "toolkit_overrides": a.toolkit,
-        "model": f"llama hidden {a.hidden} x {a.layers} layers",
+        "model": a.model or f"llama hidden {a.hidden} x {a.layers} layers", "lora": LORA if a.lora else None,
+        "threads": a.threads or "default", "load_average": [round(x, 2) for x in os.getloadavg()],
         "seq": a.seq, "micro": a.micro, "accumulation": a.accumulation, "rows_per_step": a.micro * a.accumulation,
         "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
         "same_tokens": {"check": "passed", "documents": plan["documents"], "target_tokens": plan["targets"],
@@ -474,6 +567,8 @@ def summarize(a, plan: dict, runs: dict) -> dict:
                         "identical_in_total": sorted(runs)},
         "ms_per_step": {w: round(med(w, "step_s") * 1000, 1) for w in runs},
         "ms_per_step_best": {w: round(best(w, "step_s", min) * 1000, 1) for w in runs},
+        "cpu_ms_per_step": {w: round(statistics.median(c) * 1000, 1) if (
+            c := [r["cpu_step_s"] for r in runs[w] if r["cpu_step_s"] is not None]) else None for w in runs},
         "target_tokens_per_second": {w: round(med(w, "target_tps")) for w in runs},
         "target_tokens_per_second_best": {w: round(best(w, "target_tps", max)) for w in runs},
         "target_tokens_per_second_all_repeats": {w: [round(r["target_tps"]) for r in runs[w]] for w in runs},
@@ -482,6 +577,8 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "peak_memory_kind": runs[next(iter(runs))][0]["memory"],
         "process_seconds": {w: round(med(w, "wall"), 1) for w in runs},
     }
+    if "toolkit" in runs:  # the toolkit's step profile of its fastest repeat
+        result["toolkit_step_profile"] = min(runs["toolkit"], key=lambda r: r["step_s"])["profile"]
     if "toolkit" in runs:  # > 1: the toolkit trains more useful tokens per second; memory < 1: it needs less
         for other in [w for w in CONTENDERS if w in runs and w != "toolkit"]:
             tps, tps_best = result["target_tokens_per_second"], result["target_tokens_per_second_best"]
@@ -489,12 +586,21 @@ def summarize(a, plan: dict, runs: dict) -> dict:
             result[f"speed_vs_{other}_best"] = round(tps_best["toolkit"] / tps_best[other], 3)
             mem = result["peak_memory_mib"]
             result[f"memory_vs_{other}"] = round(mem["toolkit"] / mem[other], 3)
+            cpu = result["cpu_ms_per_step"]
+            if cpu["toolkit"] and cpu[other]:  # < 1: the toolkit spends less CPU time per step
+                result[f"cpu_per_step_vs_{other}"] = round(cpu["toolkit"] / cpu[other], 3)
     return result
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (benchmarks/gpu_check.py checks its pieces' arguments with this)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="", help="a local Hugging Face model folder (config, tokenizer, weights) "
+                                                "for every contender, instead of the random --hidden x --layers one")
+    p.add_argument("--lora", action="store_true", help=f"train a LoRA adapter ({LORA}) in every contender "
+                                                        "(TRL via peft_config, the loop and the Trainer via peft)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in each contender's process (default: "
+                                                          "torch's, one per core); 1 on a shared, loaded host")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
@@ -519,7 +625,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     a = parse()
+    if a.threads:  # read by torch (OpenMP) at the start of every process started from here, the toolkit's too
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(a.threads)
     if a._run:
+        if a.threads:
+            import torch
+
+            torch.set_num_threads(a.threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sys.path.insert(0, str(ROOT))
         RUNNERS[a._run](Path(a._work), a)
@@ -542,9 +654,12 @@ def main() -> None:
                 m = measure(work, a, who, plan)
                 runs[who].append(m)
                 print(f"repeat {r + 1}/{a.repeats} {who}: {m['step_s'] * 1000:.1f} ms/step, "
+                      f"CPU {round(m['cpu_step_s'] * 1000) if m['cpu_step_s'] else '-'} ms/step, "
                       f"{m['target_tps']:,.0f} target tok/s, peak {m['peak_mib']:,.0f} MiB, process {m['wall']:.1f} s",
                       file=sys.stderr)
     result = summarize(a, plan, runs)
+    if result.get("toolkit_step_profile"):
+        print(result["toolkit_step_profile"], file=sys.stderr)
     print(json.dumps(result))
     tps, mem = result["target_tokens_per_second"], result["peak_memory_mib"]
     print(f"| {result['date']} | {result['device']} | {result['model']}, seq {a.seq}, {a.micro} x {a.accumulation} "

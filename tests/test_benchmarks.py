@@ -78,3 +78,28 @@ def test_grpo_speed_benchmark_runs(tmp_path):
     assert result["toolkit"]["step_profile"].startswith("step profile")
     assert result["ratio_seconds_per_step"] > 0 and result["ratio_peak_rss_mib"] > 0
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| ")  # the NOTES.md row
+
+
+@pytest.mark.real_model
+def test_loop_speed_benchmark_runs_on_a_model_folder_with_lora(tmp_path, real_model_dir):
+    """loop_speed.py --model --lora --threads on a folder with SmolLM2's tokenizer (chat template with a
+    system prompt, end-of-turn padding) and a tiny random Llama of its vocabulary: the one-token-word
+    documents tokenize to the planned lengths for every contender, and CPU time per step is reported."""
+    pytest.importorskip("trl", reason="TRL is the benchmark's contender: pip install '.[test]'")
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    AutoTokenizer.from_pretrained(real_model_dir).save_pretrained(tmp_path / "model")
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                 num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=2)).save_pretrained(tmp_path / "model")
+    model = str(tmp_path / "model")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loop_speed.py"), "--model", model, "--lora",
+                           "--threads", "1", "--seq", "128", "--micro", "1", "--steps", "4", "--warmup", "1",
+                           "--repeats", "1", "--only", "toolkit", "plain_pytorch", "trl"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert result["same_tokens"]["check"] == "passed" and result["lora"]["r"] == 16 and result["threads"] == 1
+    assert result["model"] == model
+    assert all(v is None or v > 0 for v in result["cpu_ms_per_step"].values())
+    assert result["toolkit_step_profile"].startswith("step profile")
