@@ -172,7 +172,7 @@ def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_fi
 
 @pytest.mark.launch
 def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
-    """Every token a target in a prompt format: the audit refuses it in one line naming the file and row."""
+    """A template that renders no prompt: refused in one line naming the file, row and field it leaves out."""
     from test_bad_input import tiny_model_folder
     from transformers import AutoTokenizer
 
@@ -190,8 +190,9 @@ def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
     recipe["data"]["format"] = "messages"
     proc = run_toolkit("train", write_recipe(tmp_path / "run.yaml", **recipe), timeout=300)
     line = user_error_line(proc)
-    assert "chat.jsonl: row 1: every token is a target in 40 of 40 rows" in line
-    assert "chat template probably renders no prompt" in line
+    # The rendering check (data/tokenize.py check_rendered) names the field the template leaves out, before the
+    # every-token-a-target audit would see the rows.
+    assert "chat.jsonl: row 1: messages[0].content" in line and "would not train as written" in line, line
     assert not (tmp_path / "run").exists()
 
 
