@@ -49,12 +49,13 @@ FAMILIES = {
 }
 
 
-def family_tokenizer(name: str):
-    """A byte-level BPE tokenizer (every byte a token, no merges) with the family's tokens and template."""
+def family_tokenizer(name: str | dict):
+    """A byte-level BPE tokenizer (every byte a token, no merges) with the family's tokens and template;
+    `name` may also be a token table of FAMILIES' shape for a family not listed there."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    f = FAMILIES[name]
+    f = FAMILIES[name] if isinstance(name, str) else name
     vocab = {tok: i for i, tok in enumerate(f["special"] + f["added"])}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)

@@ -166,6 +166,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def kill_after_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> None:
+    """SIGKILL a run started with `start` (it and every process it started) once its metrics.jsonl has
+    logged `step`, or once it ended or `timeout` passed; reaped."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if max(r["step"] for r in read_metrics(run_dir)) >= step:
+                break
+        except (FileNotFoundError, ValueError, json.JSONDecodeError):
+            pass
+        time.sleep(0.05)
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    finish(proc)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

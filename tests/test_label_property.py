@@ -24,7 +24,7 @@ from toolkit.data.tokenize import tokenize_examples
 from toolkit.errors import ToolkitError
 from toolkit.model.load import build_byte_tokenizer
 
-from families import CHAT_TEMPLATES, FAMILIES, family_tokenizer
+from families import FAMILIES, family_tokenizer
 
 PROMPT = "αβγδεζηθικλμνξοπρστυφχψω"
 COMPLETION = "абвгдежзийклмнопрстуфхцчшщэюя"
@@ -50,29 +50,11 @@ TEMPLATES = {  # name: (system, tools and tool calls, a reasoning field, text be
 }
 
 
-def byte_tokenizer(f: dict):
-    """families.family_tokenizer for a token table that is not a family there (gpt-oss)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(f["special"] + f["added"])}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in f["special"]])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f["bos"], eos_token=f["eos"],
-                                        pad_token=f["pad"])
-    tokenizer.chat_template = (CHAT_TEMPLATES / f["template"]).read_text()
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
 def tokenizers():
     made = {name: family_tokenizer(name) for name in TEMPLATES if name in FAMILIES}
     made["preset"] = build_byte_tokenizer()
-    made["gpt-oss"] = byte_tokenizer(GPT_OSS)
+    made["gpt-oss"] = family_tokenizer(GPT_OSS)
     return made
 
 

@@ -7,10 +7,7 @@ settings each end in one line, with the last checkpoint intact."""
 
 import json
 import math
-import os
-import signal
 import sys
-import time
 
 import pytest
 import torch
@@ -18,8 +15,8 @@ import torch
 from helpers import (
     ROOT,
     accelerate_launch,
-    descendants,
     finish,
+    kill_after_step,
     launch_config_for,
     load_weights,
     read_metrics,
@@ -149,21 +146,7 @@ def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
     killed; its step-1 checkpoint resumed under FSDP on 2 processes ends within 1e-4."""
     path = recipe(workdir, "killed")
     run = workdir / "killed"
-    proc = start(command(workdir, "single", path))
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if max(r["step"] for r in read_metrics(run)) >= 1:
-                break
-        except (FileNotFoundError, ValueError, json.JSONDecodeError):
-            pass
-        time.sleep(0.05)
-    for p in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    finish(proc)
+    kill_after_step(start(command(workdir, "single", path)), run, 1)
     assert not (run / "final").exists(), "the kill came after the run finished"
     rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
     assert rc == 0, err[-3000:]
