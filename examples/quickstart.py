@@ -28,7 +28,7 @@ from pathlib import Path
 
 from toolkit.cli import main as toolkit_main
 from toolkit.config import load_recipe
-from toolkit.errors import command
+from toolkit.errors import ToolkitError, command
 
 
 def initial_model(recipe, folder: Path) -> None:
@@ -61,6 +61,32 @@ def per_task(result: dict) -> tuple[Counter, Counter]:
     return right, total
 
 
+def train_and_score(start: Path, what: str, data: str, recipe, recipe_path: str, overrides: list[str], tmp: Path,
+                    quiet: bool):
+    """(`toolkit eval` of `start`, of the trained final/) on the held-out `data`, around `toolkit train`;
+    or train's exit code when it fails."""
+    out = Path(recipe.output_dir)
+    print(f"scoring {what} on the held-out prompts ...", flush=True)
+    before = evaluate(start, data, recipe.data.max_seq_len, tmp / "before.json", quiet=True)
+    (out / "eval.json").unlink(missing_ok=True)  # this script's own file from a run before: overwrite=true
+    code = toolkit_main(["train", recipe_path, *overrides])  # replaces only a toolkit run's files
+    if code != 0:
+        return code
+    print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
+    return before, evaluate(out / "final", data, recipe.data.max_seq_len, out / "eval.json", quiet=quiet)
+
+
+def print_answers(before: dict, after: dict, then: str, now: str, kind: str = "") -> None:
+    """Held-out answers right before and after, in all and per task."""
+    b, a = before["answers"], after["answers"]
+    print(f"held-out {kind}answers right: {b['correct']} of {b['scored']} ({b['accuracy']:.0%}) {then} -> "
+          f"{a['correct']} of {a['scored']} ({a['accuracy']:.0%}) {now}")
+    (rb, _), (ra, total) = per_task(before), per_task(after)
+    width = max(map(len, total))
+    for task in sorted(total):
+        print(f"  {task:{width}}  {rb[task]:3} -> {ra[task]:3} of {total[task]}")
+
+
 def ask_yourself(out: Path, prompt: str, chat: bool) -> str:
     """The `toolkit generate` command the quickstart ends with, as it runs from here: `make setup` does
     not activate .venv, so it names .venv/bin/toolkit (`python -m toolkit` failed with the system
@@ -72,7 +98,11 @@ def ask_yourself(out: Path, prompt: str, chat: bool) -> str:
 def main() -> int:
     args = sys.argv[1:] or ["examples/recipes/quickstart_full.yaml"]
     recipe_path, overrides = args[0], args[1:] + ["overwrite=true"]
-    recipe = load_recipe(recipe_path, overrides)
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+    except ToolkitError as e:  # one line, as `toolkit train` says it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if recipe.rl.method is not None:
         return reinforce(recipe, recipe_path, overrides)
     if recipe.model.preset is None:
@@ -81,26 +111,17 @@ def main() -> int:
     data, out = str(recipe.data.eval_files[0]), Path(recipe.output_dir)
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
         initial_model(recipe, Path(tmp) / "initial")
-        print("scoring the untrained model on the held-out prompts ...", flush=True)
-        before = evaluate(Path(tmp) / "initial", data, recipe.data.max_seq_len, Path(tmp) / "before.json", quiet=True)
-        (out / "eval.json").unlink(missing_ok=True)  # this script's own file from a run before: overwrite=true
-        code = toolkit_main(["train", recipe_path, *overrides])  # replaces only a toolkit run's files
-        if code != 0:
-            return code
-        print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
-        after = evaluate(out / "final", data, recipe.data.max_seq_len, out / "eval.json", quiet=False)
-
-    b, a = before["answers"], after["answers"]
+        scored = train_and_score(Path(tmp) / "initial", "the untrained model", data, recipe, recipe_path, overrides,
+                                 Path(tmp), quiet=False)
+    if isinstance(scored, int):
+        return scored
+    before, after = scored
     print(f"\nheld-out eval loss: {before['loss']:.3f} before training -> {after['loss']:.3f} after")
-    print(f"held-out answers right: {b['correct']} of {b['scored']} ({b['accuracy']:.0%}) before training -> "
-          f"{a['correct']} of {a['scored']} ({a['accuracy']:.0%}) after")
-    (rb, _), (ra, total) = per_task(before), per_task(after)
-    width = max(map(len, total))
-    for task in sorted(total):
-        print(f"  {task:{width}}  {rb[task]:3} -> {ra[task]:3} of {total[task]}")
+    print_answers(before, after, "before training", "after")
     if importlib.util.find_spec("matplotlib") is not None:  # `make setup` installs it; a bare install may not
         toolkit_main(["plot", str(out)])
-    example = a["records"][0]["prompt"] if a["records"] else "..."
+    records = after["answers"]["records"]
+    example = records[0]["prompt"] if records else "..."
     print(f"\nall answers: {out / 'eval.json'}; ask it yourself:\n  "
           + ask_yourself(out, example, chat=recipe.data.format == "messages"))
     return 0
@@ -117,26 +138,17 @@ def reinforce(recipe, recipe_path: str, overrides: list[str]) -> int:
             return 1
     data = str(recipe.data.eval_files[0]).replace("_prompts_", "_messages_")  # the same rows as chats
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
-        print(f"scoring {start} (the SFT result) on the held-out prompts ...", flush=True)
-        before = evaluate(start, data, recipe.data.max_seq_len, Path(tmp) / "before.json", quiet=True)
-        (out / "eval.json").unlink(missing_ok=True)  # this script's own file from a run before: overwrite=true
-        code = toolkit_main(["train", recipe_path, *overrides])  # replaces only a toolkit run's files
-        if code != 0:
-            return code
-        print(f"\nscoring {out / 'final'} on the same prompts:", flush=True)
-        after = evaluate(out / "final", data, recipe.data.max_seq_len, out / "eval.json", quiet=True)
-    b, a = before["answers"], after["answers"]
+        scored = train_and_score(start, f"{start} (the SFT result)", data, recipe, recipe_path, overrides, Path(tmp),
+                                 quiet=True)
+    if isinstance(scored, int):
+        return scored
+    before, after = scored
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r for r in rows if r.get("eval_reward") is not None]
     first, last = rewards[0], rewards[-1]
     print(f"\nheld-out reward of sampled answers (temperature {recipe.rl.temperature:g}, the run's eval_reward): "
           f"{first['eval_reward']:.3f} at step 0 -> {last['eval_reward']:.3f} at step {last['step']}")
-    print(f"held-out greedy answers right: {b['correct']} of {b['scored']} ({b['accuracy']:.0%}) after SFT -> "
-          f"{a['correct']} of {a['scored']} ({a['accuracy']:.0%}) after GRPO")
-    (rb, _), (ra, total) = per_task(before), per_task(after)
-    width = max(map(len, total))
-    for task in sorted(total):
-        print(f"  {task:{width}}  {rb[task]:3} -> {ra[task]:3} of {total[task]}")
+    print_answers(before, after, "after SFT", "after GRPO", "greedy ")
     if importlib.util.find_spec("matplotlib") is not None:
         toolkit_main(["plot", str(out)])
     return 0
