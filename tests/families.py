@@ -6,6 +6,8 @@ loads like any downloaded model."""
 
 from pathlib import Path
 
+from toolkit.data.formats import IGNORE
+
 CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -95,3 +97,20 @@ def build_family(name: str, folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def target_runs(tokenizer, examples) -> list[str]:
+    """The decoded runs of consecutive target tokens (a target predicts its token: the label at i is ids[i])."""
+    runs = []
+    for ex in examples:
+        current = []
+        for token, label in zip(ex["input_ids"], ex["labels"]):
+            if label != IGNORE:
+                assert label == token
+                current.append(token)
+            elif current:
+                runs.append(tokenizer.decode(current))
+                current = []
+        if current:
+            runs.append(tokenizer.decode(current))
+    return runs

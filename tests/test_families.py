@@ -9,7 +9,7 @@ from toolkit.data.formats import IGNORE
 from toolkit.data.tokenize import tokenize_examples
 from toolkit.errors import ToolkitError
 
-from families import FAMILIES, build_family, family_tokenizer
+from families import FAMILIES, build_family, family_tokenizer, target_runs
 from helpers import run_toolkit, write_jsonl, write_recipe
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"},
@@ -38,23 +38,6 @@ REWRITES_EARLIER_THINK = {"qwen3", "qwen3-moe"}
 # turns is 2 examples: Qwen3 writes an (empty) <think> block only in turns after the last user message,
 # Phi-3 ends only the whole conversation with its eos token.
 ONE_EXAMPLE_PER_TURN = REWRITES_EARLIER_THINK | {"phi3"}
-
-
-def target_runs(tokenizer, examples) -> list[str]:
-    """The decoded runs of consecutive target tokens (a target predicts its token: the label at i is ids[i])."""
-    runs = []
-    for ex in examples:
-        current = []
-        for token, label in zip(ex["input_ids"], ex["labels"]):
-            if label != IGNORE:
-                assert label == token
-                current.append(token)
-            elif current:
-                runs.append(tokenizer.decode(current))
-                current = []
-        if current:
-            runs.append(tokenizer.decode(current))
-    return runs
 
 
 def assert_labels_on_turns(family, messages, tools=None, expect=None):

@@ -19,12 +19,11 @@ from collections import Counter
 import pytest
 from jinja2 import TemplateError
 
-from toolkit.data.formats import IGNORE
 from toolkit.data.tokenize import tokenize_examples
 from toolkit.errors import ToolkitError
 from toolkit.model.load import build_byte_tokenizer
 
-from families import FAMILIES, family_tokenizer
+from families import FAMILIES, family_tokenizer, target_runs
 
 PROMPT = "αβγδεζηθικλμνξοπρστυφχψω"
 COMPLETION = "абвгдежзийклмнопрстуфхцчшщэюя"
@@ -170,16 +169,8 @@ def letters(text: str, alphabet: str) -> Counter:
 
 
 def target_text(tokenizer, example: dict) -> str:
-    """The decoded runs of target tokens (a label is its token's id where it trains)."""
-    runs, current = [], []
-    for token, label in zip(example["input_ids"], example["labels"]):
-        if label != IGNORE:
-            assert label == token
-            current.append(token)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return "\n".join(runs + ([tokenizer.decode(current)] if current else []))
+    """The decoded runs of target tokens of one example, a line each."""
+    return "\n".join(target_runs(tokenizer, [example]))
 
 
 def check_row(tokenizer, row: dict, fmt: str) -> str | None:
