@@ -55,7 +55,10 @@ gpu-check:
 
 # Wheels of the pinned versions of what a bare CUDA image (Python 3.12) lacks or holds in other versions
 # (its huggingface_hub 1.x satisfies transformers; the pinned 2.x would need httpx2 as well).
-GPU_WHEELS := accelerate transformers peft datasets deepspeed trl bitsandbytes tokenizers safetensors multiprocess dill hjson fsspec pydantic pydantic_core annotated-types typing-inspection
+# The lent machine's image is CUDA 13: bitsandbytes keeps its CUDA 13 and CPU libraries only (43 MB -> 9 MB), so the
+# wheels fit the 64 MiB that travels with a call.
+GPU_WHEEL_CUDA ?= 13
+GPU_WHEELS := accelerate transformers peft datasets deepspeed trl bitsandbytes liger-kernel tokenizers safetensors multiprocess dill hjson fsspec pydantic pydantic_core annotated-types typing-inspection
 gpu-wheels: $(STAMP)
 	mkdir -p .whl
 	for name in $(GPU_WHEELS); do \
@@ -64,6 +67,7 @@ gpu-wheels: $(STAMP)
 	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $$pin \
 	  || $(BIN)/python -m pip wheel -q --no-deps -w .whl $$pin || exit 1; \
 	done
+	$(BIN)/python benchmarks/gpu_check.py --slim-wheels $(GPU_WHEEL_CUDA)
 
 # After a deliberate upgrade in .venv: record the versions for the next setup (and CI) to use.
 constraints: $(STAMP)

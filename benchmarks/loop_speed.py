@@ -64,7 +64,10 @@ data loading; not imports, model loading or data preparation) it reports the med
 target (and document) tokens per second = the window's tokens / the window's seconds (per-step
 token counts vary with packing, so tokens/s is taken over the whole window, not from the median).
 Memory: the peak RSS of the contender's process (ru_maxrss; the toolkit's own process), or on
-CUDA torch.cuda.max_memory_allocated. Medians over --repeats processes are reported, with the
+CUDA torch.cuda.max_memory_allocated. Model TFLOP/s per contender: the window's FLOPs as the toolkit counts
+them for its own MFU (6 per weight per document token, attention per document; `step_flops`) over the
+window's seconds; on a GPU the table of toolkit/observe/measure.py gives the dense peak and so the MFU
+(`mfu`). Medians over --repeats processes are reported, with the
 best; contenders are interleaved so drift in the machine's speed hits all alike. Results go to
 stdout as one JSON line and a Markdown row for benchmarks/NOTES.md.
 """
@@ -227,12 +230,29 @@ def prepare(work: Path, a) -> dict:
         plan["steps"].append(
             {"targets": sum(int((r["labels"][1:] != IGNORE).sum()) for r in rows_of_step),  # [1:] per row: a row
              "tokens": sum(len(r["input_ids"]) for r in rows_of_step),  # starts a document (never a target)
-             "padded_tokens": sum(len(micro) * max(len(examples[i]["input_ids"]) for i in micro) for micro in step)})
+             "padded_tokens": sum(len(micro) * max(len(examples[i]["input_ids"]) for i in micro) for micro in step),
+             "squared": sum(len(d["input_ids"]) ** 2 for i in (j for micro in step for j in micro)
+                            for d in row_documents(examples, i))})  # attention's share of the step's FLOPs
     lengths = examples.table.select_columns(["length"]).with_format("numpy")[:]["length"]
     assert sum(s["tokens"] for s in plan["steps"]) == int(lengths.sum()), "not every document is in a step"
     assert set(lengths.tolist()) <= set(range(a.seq // 8, a.seq + 1)), "documents did not tokenize as intended"
+    plan["flops"] = step_flops(work, a, plan["steps"])
     (work / "plan.json").write_text(json.dumps(plan))
     return plan
+
+
+def step_flops(work: Path, a, steps: list[dict]) -> list[float]:
+    """Each step's model FLOPs as the toolkit counts them for its MFU (observe/measure.Flops: 6 per
+    weight per document token, 4 + 6 per adapter weight under LoRA, causal attention per document)."""
+    from transformers import AutoConfig
+
+    from toolkit.backends.sizing import count_model
+    from toolkit.config import LoraConfig
+    from toolkit.observe.measure import Flops
+
+    lora = LoraConfig(enabled=True, **LORA) if a.lora else None
+    flops = Flops.of(count_model(AutoConfig.from_pretrained(work / "model"), "model", lora), a.lora)
+    return [flops.of_batch(s["tokens"], s["squared"]) for s in steps]
 
 
 def toolkit_steps(work: Path, a):
@@ -527,7 +547,9 @@ def measure(work: Path, a, who: str, plan: dict) -> dict:
     return {"step_s": statistics.median(b - a_ for a_, b in zip(stamps[a.warmup - 1:], stamps[a.warmup:])),
             "cpu_step_s": cpu_s, "profile": r.get("profile", ""),
             "target_tps": sum(targets[a.warmup:]) / window, "tps": sum(tokens[a.warmup:]) / window,
-            "peak_mib": r["peak_bytes"] / 2**20, "memory": r["memory"], "wall": wall}
+            "peak_mib": r["peak_bytes"] / 2**20, "memory": r["memory"], "wall": wall,
+            # TRL trains other rows in each step: the plan's FLOPs over the same steps stand in for its own
+            "tflops": sum(plan["flops"][a.warmup:]) / window / 1e12}
 
 
 def forwarded(a) -> list[str]:
@@ -573,10 +595,16 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "target_tokens_per_second_best": {w: round(best(w, "target_tps", max)) for w in runs},
         "target_tokens_per_second_all_repeats": {w: [round(r["target_tps"]) for r in runs[w]] for w in runs},
         "tokens_per_second": {w: round(med(w, "tps")) for w in runs},
+        "tflops": {w: float(f"{med(w, 'tflops'):.4g}") for w in runs},
         "peak_memory_mib": {w: round(med(w, "peak_mib"), 1) for w in runs},
         "peak_memory_kind": runs[next(iter(runs))][0]["memory"],
         "process_seconds": {w: round(med(w, "wall"), 1) for w in runs},
     }
+    from toolkit.observe.measure import peak_tflops
+
+    if peak := peak_tflops(a.precision, None):  # model FLOPs utilisation against the GPU's dense datasheet peak
+        result["peak_tflops"] = peak
+        result["mfu"] = {w: round(t / peak, 3) for w, t in result["tflops"].items()}
     if "toolkit" in runs:  # the toolkit's step profile of its fastest repeat
         result["toolkit_step_profile"] = min(runs["toolkit"], key=lambda r: r["step_s"])["profile"]
     if "toolkit" in runs:  # > 1: the toolkit trains more useful tokens per second; memory < 1: it needs less

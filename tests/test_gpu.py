@@ -56,6 +56,10 @@ def record(**figures):
             f.write(json.dumps(figures) + "\n")
 
 
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"  # the bodies run on CPU by hand too
+
+
 def train(workdir, backend, mode, precision, name, **train_overrides):
     shutil.rmtree(workdir / name, ignore_errors=True)
     recipe = recipe_for(workdir, "full" if mode == "full" else "lora", name, micro=4)
@@ -344,3 +348,90 @@ def test_fp8_trains_close_to_bf16_on_cuda(workdir):  # noqa: F811
     assert len(got) == len(want) == 8
     assert 0 < rel <= 5e-2, (want, got)
     assert got[-1] < got[0]
+
+
+def test_grpo_lora_with_kl_and_two_iterations_on_cuda(tmp_path):
+    """GRPO on CUDA with what runs the model outside the loss's forward: rl.beta > 0 (the reference
+    through the disabled LoRA adapter) and rl.num_iterations 2 (the old policy's log-probabilities), bf16,
+    one process and ZeRO-3 launched with one process. `sequences()` builds each batch on the host: the
+    fixed log-probabilities must be taken on the device (a device mismatch here stopped step 1 before
+    the fix, found by reading; issue 49). The adapter starts at zero, so step 1's KL is 0; step 2 trains on
+    the same generated batch (same reward) after an update, so its KL is positive."""
+    from test_rl_train import REWARDS, prompts
+
+    from helpers import write_jsonl
+
+    write_jsonl(tmp_path / "train.jsonl", prompts(16))
+    write_jsonl(tmp_path / "eval.jsonl", prompts(4, skip=100))
+    (tmp_path / "grader.py").write_text(REWARDS)
+    runs = {}
+    for name, backend in (("single", None), ("zero3", "zero3")):
+        path = write_recipe(tmp_path / f"{name}_recipe.yaml", output_dir=str(tmp_path / name), seed=5,
+                            model={"preset": "tiny-llama-mini"}, lora={"enabled": True, "r": 4, "alpha": 8},
+                            data={"train_files": [str(tmp_path / "train.jsonl")],
+                                  "eval_files": [str(tmp_path / "eval.jsonl")], "format": "prompt", "max_seq_len": 64},
+                            rl={"method": "grpo", "num_generations": 4, "max_new_tokens": 8, "beta": 0.04,
+                                "num_iterations": 2, "temperature": 0.9, "top_p": 0.95,
+                                "rewards": [f"{tmp_path / 'grader.py'}:shorter"]},
+                            train={"micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
+                                   "learning_rate": 1e-2, "eval_every_steps": 4, "log_every_steps": 1,
+                                   "precision": "bf16"})
+        launcher = None if backend is None else accelerate_launch(launch_config_for(backend, tmp_path), num_processes=1)
+        proc = run_toolkit("train", path, launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+    for name, rows in runs.items():
+        record(case=f"grpo_lora_kl_{name}_bf16", loss=[r["loss"] for r in rows], kl=[r["kl"] for r in rows],
+               reward=[r["reward"] for r in rows], generation_seconds=[r.get("generation_seconds") for r in rows],
+               peak_memory_gib=rows[-1].get("peak_memory_gib"), gpu=device_name())
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[1]["kl"] > 0, rows
+        assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+def test_lora_zero3_gradient_checkpointing_bf16_on_cuda(tmp_path):
+    """LoRA + ZeRO-3 (one process) + model.gradient_checkpointing in bf16 (transformers 47254; AgileRL pins
+    DeepSpeed 0.19.2 because later versions left ZeRO-3's frozen parameters gathered after recompute; we
+    pin 0.19.8): learns what the same run without checkpointing learns (recompute is exact: losses within
+    bf16 rounding), and checkpointing lowers the peak (were the frozen base left gathered after each
+    recompute, the peak would grow by the base's bf16 weights instead). Hidden 512 x 8 layers, 1,024-token
+    packed rows, so activations outweigh the weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers import write_jsonl
+    from toolkit.model.load import build_byte_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=262, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    build_byte_tokenizer().save_pretrained(tmp_path / "model")
+    rng = __import__("random").Random(1)
+    words = lambda n: " ".join("".join(rng.choice("abcdefgh") for _ in range(5)) for _ in range(n))  # noqa: E731
+    write_jsonl(tmp_path / "train.jsonl", [{"instruction": words(40), "output": words(100)} for _ in range(96)])
+    runs = {}
+    for checkpointing in (False, True):
+        name = f"ckpt_{checkpointing}".lower()
+        path = write_recipe(tmp_path / f"{name}_recipe.yaml", output_dir=str(tmp_path / name), seed=5,
+                            model={"path": str(tmp_path / "model"), "gradient_checkpointing": checkpointing},
+                            lora={"enabled": True, "r": 8, "alpha": 16},
+                            data={"train_files": [str(tmp_path / "train.jsonl")], "format": "alpaca",
+                                  "max_seq_len": 1024, "packing": True},
+                            train={"micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 4,
+                                   "learning_rate": 1e-3, "precision": "bf16", "log_every_steps": 1})
+        proc = run_toolkit("train", path,
+                           launcher=accelerate_launch(launch_config_for("zero3", tmp_path), num_processes=1))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[checkpointing] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+    plain, ckpt = runs[False], runs[True]
+    peaks = [max(rows[-1]["peak_memory_gib"]) for rows in (plain, ckpt)]
+    record(case="lora_zero3_checkpointing_bf16", losses_plain=[r["loss"] for r in plain],
+           losses_checkpointing=[r["loss"] for r in ckpt], peak_gib_plain=peaks[0], peak_gib_checkpointing=peaks[1],
+           gpu=device_name())
+    assert len(plain) == len(ckpt) == 4
+    for a, b in zip(plain, ckpt):
+        assert b["loss"] == pytest.approx(a["loss"], rel=BF16_LOSS_RTOL), (a, b)
+    assert ckpt[-1]["loss"] < ckpt[0]["loss"]
+    assert peaks[1] < peaks[0], peaks

@@ -3,9 +3,11 @@ model's own forward, in which each completion draws from its own seeded generato
 
 `generate` (transformers) draws every row from one global random stream, so a completion would
 depend on which rows share its batch, how many ranks split the batch, and what drew before it. Here
-completion i draws only from `torch.Generator().manual_seed(seeds[i])`, on the host, from its own
-probabilities: the same seed and logits give the same tokens whatever the batch, the backend, the
-number of ranks or a resume. `synced`: a callable that says whether every rank is done; a backend
+completion i draws only from `torch.Generator().manual_seed(seeds[i])` (one uniform number a token,
+drawn on the host and moved to the model's device), from its own probabilities: the same seed and
+logits give the same tokens whatever the batch, the backend, the number of ranks or a resume. The
+logits, the draw and the tokens stay on the model's device; one flag a token (whether every row has
+stopped) comes back to the host. `synced`: a callable that says whether every rank is done; a backend
 whose forward is a collective (ZeRO-3 and FSDP gather each layer in it) needs all ranks to run the
 same number of forward passes, so each keeps stepping until all are done.
 """
@@ -44,16 +46,16 @@ def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_
     taken = inspect.signature(type(base).forward).parameters
     keep_last = {"logits_to_keep": 1} if "logits_to_keep" in taken else {}
     cache_key = "cache" if "cache" in taken else "past_key_values"  # transformers 5.x renamed it
-    stops = torch.tensor(stop_ids, dtype=torch.long)
-    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long)
-    done = torch.zeros(n, dtype=torch.bool)
-    lengths = torch.zeros(n, dtype=torch.long)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
     cache, step_ids = None, ids
     for t in range(max_new_tokens):
         result = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                        **{cache_key: cache}, **keep_last)
         cache = result.past_key_values
-        logits = result.logits[:, -1].float().cpu()
+        logits = result.logits[:, -1].float()
         chosen = pick(logits, generators, temperature, top_p)
         chosen[done] = pad_id
         out[:, t] = chosen
@@ -61,9 +63,10 @@ def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_
         done |= torch.isin(chosen, stops)
         if synced(bool(done.all())) if synced is not None else bool(done.all()):
             break
-        step_ids = chosen[:, None].to(device)
+        step_ids = chosen[:, None]
         mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
         positions = positions[:, -1:] + 1
+    out, lengths = out.cpu(), lengths.cpu()
     return [out[i, :int(lengths[i])].tolist() for i in range(n)]
 
 
@@ -82,6 +85,6 @@ def pick(logits: torch.Tensor, generators: list[torch.Generator] | None, tempera
     # Inverse CDF: one uniform number from each row's own generator, one batched search (a multinomial
     # call per row per token took 3x the time of the whole draw; benchmarks/grpo_speed.py).
     cdf = logits.softmax(-1).cumsum(-1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=cdf.dtype) for g in generators])
+    u = torch.cat([torch.rand(1, generator=g, dtype=cdf.dtype) for g in generators]).to(cdf.device)
     chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return chosen.clamp(max=cdf.shape[-1] - 1)  # a token of probability 0 is never chosen

@@ -227,13 +227,16 @@ class GroupRL(Objective):
     @torch.no_grad()
     def add_fixed_logps(self, model, made: list[dict]) -> None:
         """The old policy's log-probabilities (rl.num_iterations > 1) and the reference's (rl.beta > 0:
-        the model with its LoRA adapter disabled), taken once per generated batch."""
+        the model with its LoRA adapter disabled), taken once per generated batch, on the run's device
+        (`sequences` builds the batch on the host; the loop moves it only before the loss)."""
+        device = self.accelerator.device
         for batch in made:
+            inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels", "completion_mask")}
             if self.iterations > 1:
-                batch["old_logps"] = self.per_token(model, batch)[0]
+                batch["old_logps"] = self.per_token(model, inputs)[0]
             if self.cfg.beta > 0:
                 with self.adapter.disable_adapter():
-                    batch["ref_logps"] = self.per_token(model, batch)[0]
+                    batch["ref_logps"] = self.per_token(model, inputs)[0]
 
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
         """Reward mean and std (total and per function), completion lengths, the share cut at
