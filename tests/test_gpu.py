@@ -399,8 +399,9 @@ def test_lora_zero3_gradient_checkpointing_bf16_on_cuda(tmp_path):
     packed rows, so activations outweigh the weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from helpers import write_jsonl
     from toolkit.model.load import build_byte_tokenizer
+
+    from helpers import write_jsonl
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=262, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
