@@ -82,6 +82,38 @@ def test_varlen_gives_the_masked_loss_and_gradients(adapter):
     assert_same(expected, loss_and_grads(model, with_bounds))
 
 
+def test_under_16_bit_autocast_the_flash_kernel_is_chosen_for_the_fp32_query_that_arrives():
+    """The H200, 2026-11-27: bf16 training of fp32 weights ran one SDPA call per document (0.27x a
+    hand-written loop), because the query reaches the attention in fp32 under autocast (the rotary
+    embedding's fp32 cos/sin promote it). Here, on the CPU under bf16 autocast, the query that arrives
+    is fp32, and for it on CUDA the kernel choice is the autocast dtype; outside autocast, for dropout,
+    and off CUDA it is per document."""
+    _, model = pair()
+    seen = []
+    original = varlen.flash_dtype
+
+    def spy(device_type, dtype, dropout, autocast):
+        seen.append((dtype, autocast))
+        return original(device_type, dtype, dropout, autocast)
+
+    b = flattened(batch(packed=True))
+    varlen.flash_dtype = spy
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**{k: v for k, v in b.items() if k != "labels"}, use_cache=False)
+    finally:
+        varlen.flash_dtype = original
+    assert seen and all(s == (torch.float32, torch.bfloat16) for s in seen), seen
+    choose = varlen.flash_dtype
+    assert choose("cuda", torch.float32, 0.0, torch.bfloat16) == torch.bfloat16
+    assert choose("cuda", torch.float32, 0.0, torch.float16) == torch.float16
+    assert choose("cuda", torch.bfloat16, 0.0, None) == torch.bfloat16
+    assert choose("cuda", torch.float32, 0.0, None) is None
+    assert choose("cuda", torch.float32, 0.1, torch.bfloat16) is None
+    assert choose("cpu", torch.float32, 0.0, torch.bfloat16) is None
+    assert varlen.KERNEL_CALLS["per_document"] > 0
+
+
 def test_documents_do_not_see_each_other():
     """A document's logits packed behind another equal its logits alone; sdpa without the
     document bounds (one causal row) would differ, so the comparison can fail."""

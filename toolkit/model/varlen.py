@@ -6,8 +6,9 @@ block-diagonal mask over the whole row (rows x length^2, and no flash kernel). T
 the document bounds instead (`cu_seq_lens_q` and `max_length_q`, computed on the host by the
 collator, or from `position_ids`) and attends within each document only:
 
-- on CUDA in bf16/fp16, with PyTorch's flash-attention varlen kernel
-  (`torch.nn.attention.varlen.varlen_attn`): no mask, no padding, nothing computed across documents;
+- on CUDA in bf16/fp16 (16-bit tensors, or fp32 ones under 16-bit autocast, cast as SDPA casts them), with
+  PyTorch's flash-attention varlen kernel (`torch.nn.attention.varlen.varlen_attn`): no mask, no padding,
+  nothing computed across documents;
 - elsewhere (CPU, fp32, attention dropout) with one causal SDPA call per document: the same result,
   slower.
 
@@ -92,14 +93,35 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         cu, longest = bounds_of(kwargs["position_ids"].expand(batch, length))
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
     gqa = k.shape[1] != heads
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0:
+    autocast = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else None
+    if (half := flash_dtype(q.device.type, q.dtype, dropout, autocast)) is not None:
         from torch.nn.attention.varlen import varlen_attn
 
+        KERNEL_CALLS["flash"] += 1
         cu = cu.to(q.device, torch.int32, non_blocking=True)
+        q, k, v = (x.to(half) for x in (q, k, v))  # as SDPA under autocast: it computes in the autocast dtype
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
     else:
+        KERNEL_CALLS["per_document"] += 1
         out = per_document(q, k, v, cu, dropout, scaling, gqa)
     return out.view(batch, length, heads, dim), None
+
+
+# How often each path ran in this process (tests/test_gpu.py checks that bf16 training takes the flash kernel).
+KERNEL_CALLS = {"flash": 0, "per_document": 0}
+
+
+def flash_dtype(device_type: str, dtype: torch.dtype, dropout: float, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The 16-bit dtype the flash varlen kernel runs in, or None where it cannot run (not CUDA, attention
+    dropout, fp32 without autocast). Under bf16/fp16 autocast the query arrives in fp32 from a model
+    with fp32 weights (Llama's rotary embedding multiplies the 16-bit projection by fp32 cos/sin, and
+    type promotion wins), so the autocast dtype decides, as it does for SDPA. Before this the H200 ran
+    one SDPA call per document in fp32 there: 0.27x a hand-written loop (benchmarks/NOTES.md)."""
+    if device_type != "cuda" or dropout != 0.0:
+        return None
+    if dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    return autocast if autocast in (torch.float16, torch.bfloat16) else None
 
 
 @torch.compiler.disable  # a Python loop over documents: train.compile compiles around it
