@@ -45,7 +45,7 @@ LOOP = ["benchmarks/loop_speed.py"]
 # A ~1B-parameter Llama (hidden 2048 x 16 layers), bf16, 2,048-token rows: the size of the GPU goals.
 ONE_B = ["--hidden", "2048", "--layers", "16", "--seq", "2048", "--micro", "4", "--precision", "bf16",
          "--steps", "20", "--warmup", "5", "--repeats", "1"]
-TEST = [PY, "-m", "pytest", "-s", "-q", "-m", "gpu", "tests/test_gpu.py"]
+TEST = [PY, "-m", "pytest", "-s", "-q", "-rs", "-m", "gpu", "tests/test_gpu.py"]  # -rs: each skip with its reason
 FEWER_STEPS = {"--steps": ["12"], "--warmup": ["4"]}  # 8 steps of steady state
 XDIST = {"-n": ["8"], "--dist": ["load"]}  # 8 test processes sharing the one GPU
 

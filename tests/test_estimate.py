@@ -47,6 +47,75 @@ def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
     assert [gpu[k] / psi for k in ("params", "gradients", "optimizer")] == pytest.approx([2 / n, 2 / n, 12 / n])
 
 
+def saved_bytes_per_token_layer(shape: dict, lora: bool, regime: str, tokens: int = 128) -> float:
+    """Bytes autograd saves per token in one decoder layer (a 2-layer model's minus a 1-layer one's,
+    parameters left out), counted with saved_tensors_hooks on the CPU: the toolkit's LoRA (peft, all
+    linear layers, adapters in fp32 as toolkit/model/load.py keeps them), the base fp32 or bf16, bf16
+    compute under autocast or (regime half_plain, as DeepSpeed runs) without it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    counted = []
+    for layers in (1, 2):
+        config = LlamaConfig(vocab_size=262, num_hidden_layers=layers, max_position_embeddings=1024,
+                             tie_word_embeddings=False, **shape)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        if regime.startswith("half"):
+            model = model.to(torch.bfloat16)
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=shape["r"], lora_alpha=16, target_modules="all-linear",
+                                                     task_type="CAUSAL_LM"))
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(3, 262, (1, tokens), generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime in ("autocast", "half")):
+            model(input_ids=ids, use_cache=False)
+        counted.append(sum(seen.values()))
+    return (counted[1] - counted[0]) / tokens
+
+
+LORA_SHAPES = [{"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2, "r": 8},
+               {"hidden_size": 384, "intermediate_size": 1024, "num_attention_heads": 6, "num_key_value_heads": 3,
+                "r": 16}]
+
+
+@pytest.mark.parametrize("regime", ["fp32", "autocast", "half", "half_plain"])
+@pytest.mark.parametrize("shape", LORA_SHAPES, ids=["h256", "h384"])
+def test_lora_changes_the_saved_activations_as_the_estimate_counts(shape, regime, tmp_path):
+    """What LoRA adds to (16-bit base) or takes from (fp32 base) the tensors a decoder layer saves, per
+    token: the estimate's term (sizing.lora_activation_bytes) equals what the hooks count, on two shapes
+    and every regime. Without it, the estimate said 0.65 GiB for a LoRA + ZeRO-3 bf16 run that peaked at
+    1.16 GiB on the H200 (2026-11-27): fp32 adapters over a bf16 base each keep an fp32 copy of their
+    input. The adapters' own 16-bit copies under autocast are weights (buffers), not counted here."""
+    from transformers import LlamaConfig
+
+    from toolkit.backends import sizing
+    from toolkit.config import LoraConfig
+
+    config = LlamaConfig(vocab_size=262, num_hidden_layers=2, **{k: v for k, v in shape.items() if k != "r"})
+    m = sizing.count_model(config, "model", LoraConfig(enabled=True, r=shape["r"], target_modules="all-linear"))
+    base_regime = "half" if regime.startswith("half") else regime
+    predicted = sizing.lora_activation_bytes(m, base_regime, autocast=regime != "half_plain")
+    measured = saved_bytes_per_token_layer(shape, True, regime) - saved_bytes_per_token_layer(shape, False, regime)
+    if regime in ("autocast", "half"):  # autocast's bf16 copies of the fp32 adapters: weights, not activations
+        measured -= 2 * m.trainable / m.layers / 128
+    assert measured == pytest.approx(predicted, abs=1.0), (measured, predicted)
+    assert (predicted > 0) == base_regime.startswith("half")
+
+
 def test_lora_trainable_parameters_match_peft():
     """The adapters are counted by arithmetic on the meta model; peft on the real preset agrees."""
     from toolkit.backends.sizing import count_model, read_config

@@ -172,8 +172,10 @@ def assert_same_run(tmp_path, a: str, b: str, rows_a, rows_b, fewer_tokens: bool
     assert tokens_b < tokens_a if fewer_tokens else tokens_b == tokens_a  # packed rows' padding is counted
     wa, wb = load_weights(tmp_path / a / "final"), load_weights(tmp_path / b / "final")
     assert wa.keys() == wb.keys() and wa
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=TOL, atol=TOL, msg=k)
+    for k in wa:  # 2026-11-27, this host: packed rows 1.17e-5 apart at most (up_proj), the losses within 1e-7:
+        # per-document SDPA and the masked one sum in other orders, and AdamW's early steps move a weight by about
+        # the learning rate whatever its gradient's size, so rounding-level gradient differences show at 1e-5
+        torch.testing.assert_close(wb[k], wa[k], rtol=TOL, atol=5 * TOL, msg=k)
 
 
 def messages_recipe(tmp_path, out, packing):

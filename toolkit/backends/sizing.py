@@ -59,6 +59,13 @@ log-sum-exp (no s x s matrix):
     norms stay fp32 and each of q/k/v and gate/up casts its own input: 4 * (4h + a) + 2 * (7h + 2kv + 4i)
     bf16/fp16 weights (DeepSpeed, FSDP's 16-bit gathers, a 16-bit LoRA base): HF's RMSNorm still
     upcasts its input: 4 * (2h + a) + 2 * (6h + 2kv + 4i)
+LoRA (adapters in fp32, the base frozen; r the rank, I the adapted layers' input widths summed per
+layer, n their count per layer), added per token and layer, counted with the same hooks on three
+shapes for `all-linear` (tests/test_estimate.py; QLoRA's 4-bit layers not yet measured, left out):
+    fp32: 4 * n * r - 8h;   bf16/fp16 autocast over fp32 weights: 2 * n * r - 6h
+    16-bit base: c * (I + n * r) - (8h + 2i), c = 2 under autocast, 4 without it (DeepSpeed: each
+    adapter keeps its own fp32 copy of its input). This was the gap found on the H200 (2026-11-27):
+    LoRA + ZeRO-3 in bf16 peaked at 1.16 GiB where the estimate without this term said 0.65.
 Eager attention also keeps the s x s probabilities (4 bytes, plus a 16-bit copy in bf16/fp16)
 and repeated k/v: the SDPA part e * (2h + 2kv) + 4a becomes e * 4h + a * s * (4 or 6). This is
 Korthikanti et al.'s ("Reducing Activation Recomputation", 2022) 34sbh + 5as^2b per layer, redone
@@ -152,6 +159,9 @@ class ModelCounts:
     quantized: int = 0  # weights of the linear layers a 4-bit load quantizes (all but the output layer)
     quantized_layers: int = 0  # those layers
     widest: int = 0  # the largest of those weights (dequantized one at a time)
+    lora_r: int = 0  # LoRA's rank (0: full fine-tuning)
+    adapted: int = 0  # linear layers with an adapter, over all decoder layers
+    adapted_inputs: int = 0  # the sum of their input widths
 
 
 @dataclass
@@ -338,15 +348,35 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
                        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
                        vocab=text.vocab_size, head=head, query=heads * head_dim, kv_heads=kv_heads,
                        quantized=sum(quantizable), quantized_layers=len(quantizable),
-                       widest=max(quantizable, default=0))
+                       widest=max(quantizable, default=0),
+                       lora_r=lora.r if lora is not None and lora.enabled else 0,
+                       adapted=len(adapted) if lora is not None and lora.enabled else 0,
+                       adapted_inputs=sum(m.in_features for m in adapted) if lora is not None and lora.enabled else 0)
 
 
 # ----------------------------------------------------------------------------- the arithmetic
 
 
-def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
+def lora_activation_bytes(m: ModelCounts, regime: str, autocast: bool) -> float:
+    """What LoRA changes in a decoder layer's saved tensors per token (see the module docstring): the
+    adapters (fp32 in every regime, toolkit/model/load.py) keep their input and their rank-r middle,
+    in fp32 over a 16-bit base without autocast (DeepSpeed: each adapter casts its own copy), in 16
+    bits under autocast; the frozen base no longer keeps what only its weight gradients needed."""
+    if not m.lora_r or not m.layers:
+        return 0.0
+    h, i = m.hidden, m.intermediate
+    inputs, middles = m.adapted_inputs / m.layers, m.adapted * m.lora_r / m.layers
+    if regime == "half":
+        return (2 if autocast else 4) * (inputs + middles) - (8 * h + 2 * i)
+    if regime == "autocast":
+        return 2 * middles - 6 * h
+    return 4 * middles - 8 * h
+
+
+def activation_bytes(m: ModelCounts, setup: Setup, regime: str, autocast: bool = True) -> float:
     """Bytes autograd keeps for backward in the decoder layers (see the module docstring).
-    regime: "fp32", "autocast" (16-bit compute over fp32 weights) or "half" (16-bit weights)."""
+    regime: "fp32", "autocast" (16-bit compute over fp32 weights) or "half" (16-bit weights);
+    autocast: whether 16-bit compute runs under torch.autocast (DeepSpeed's does not)."""
     h, kv, i, a, s = m.hidden, m.kv, m.intermediate, m.heads, setup.local_seq_len
     # Ulysses gives each rank a/S heads of the whole sequence: per local position as many as without
     # it, but key/value heads are repeated up to S where there are fewer
@@ -370,7 +400,7 @@ def activation_bytes(m: ModelCounts, setup: Setup, regime: str) -> float:
         attention = e * 4 * h + a * setup.seq_len * (4 + (2 if e == 2 else 0))  # a/S heads x the whole s
     else:
         attention = e * (2 * h + 2 * kv) + 4 * a
-    per_token_layer = rest + attention
+    per_token_layer = rest + attention + (0.0 if setup.four_bit else lora_activation_bytes(m, regime, autocast))
     head = 3 * h * stream  # final norm and the lm_head's input
     if setup.gradient_checkpointing:
         kept = 2 if setup.activation_offload else m.layers  # offloaded: the layer in backward and the next one
@@ -465,7 +495,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
             nvme = host - 4 * T / n - e * T / n
             host = e * T / n + 16 * min(T / n, NVME_SUB_GROUP)
     params += state  # the quantization state stays with the layers, on the GPU
-    activations = activation_bytes(m, setup, regime)
+    activations = activation_bytes(m, setup, regime, autocast=not strategy.deepspeed)
     logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
     kv_cache = kv_cache_bytes(m, setup)
     gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
