@@ -87,7 +87,8 @@ def saved_bytes_per_token_layer(shape: dict, lora: bool, regime: str, tokens: in
     return (counted[1] - counted[0]) / tokens
 
 
-LORA_SHAPES = [{"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2, "r": 8},
+LORA_SHAPES = [{"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "r": 8},
                {"hidden_size": 384, "intermediate_size": 1024, "num_attention_heads": 6, "num_key_value_heads": 3,
                 "r": 16}]
 

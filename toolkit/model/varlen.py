@@ -111,7 +111,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 KERNEL_CALLS = {"flash": 0, "per_document": 0}
 
 
-def flash_dtype(device_type: str, dtype: torch.dtype, dropout: float, autocast: torch.dtype | None) -> torch.dtype | None:
+def flash_dtype(device_type: str, dtype: torch.dtype, dropout: float,
+                autocast: torch.dtype | None) -> torch.dtype | None:
     """The 16-bit dtype the flash varlen kernel runs in, or None where it cannot run (not CUDA, attention
     dropout, fp32 without autocast). Under bf16/fp16 autocast the query arrives in fp32 from a model
     with fp32 weights (Llama's rotary embedding multiplies the 16-bit projection by fp32 cos/sin, and
