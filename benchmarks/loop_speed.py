@@ -176,18 +176,32 @@ def real_model(work: Path, a) -> tuple[list[str], int]:
 
 
 def random_model(work: Path, a) -> None:
-    """The random Llama of --hidden x --layers with the toolkit's byte tokenizer (vocabulary 262)."""
+    """The random Llama of --hidden x --layers (--intermediate, --heads, --kv-heads where given) with the
+    toolkit's byte tokenizer (vocabulary 262), built (on the GPU where there is one: an 8B model's
+    random init takes minutes on a host) and saved in --model-dtype."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from toolkit.model.load import build_byte_tokenizer
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(vocab_size=262, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75) // 8 * 8,
-                         num_hidden_layers=a.layers, num_attention_heads=max(1, a.hidden // 64),
-                         num_key_value_heads=max(1, a.hidden // 128), max_position_embeddings=a.seq,
+    config = LlamaConfig(vocab_size=262, hidden_size=a.hidden,
+                         intermediate_size=a.intermediate or int(a.hidden * 2.75) // 8 * 8,
+                         num_hidden_layers=a.layers, num_attention_heads=a.heads or max(1, a.hidden // 64),
+                         num_key_value_heads=a.kv_heads or max(1, a.hidden // 128), max_position_embeddings=a.seq,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(work / "model")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.model_dtype]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(work / "model")
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     build_byte_tokenizer().save_pretrained(work / "model")
 
 
@@ -554,7 +568,9 @@ def measure(work: Path, a, who: str, plan: dict) -> dict:
 
 def forwarded(a) -> list[str]:
     return ["--model", a.model or "", *(["--lora"] if a.lora else []), "--threads", str(a.threads or 0),
-            "--hidden", str(a.hidden), "--layers", str(a.layers), "--seq", str(a.seq), "--micro", str(a.micro),
+            "--hidden", str(a.hidden), "--layers", str(a.layers), "--intermediate", str(a.intermediate),
+            "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--model-dtype", a.model_dtype,
+            "--seq", str(a.seq), "--micro", str(a.micro),
             "--accumulation", str(a.accumulation), "--precision", a.precision, "--attn", a.attn,
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--toolkit", *a.toolkit]
 
@@ -580,7 +596,8 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
         "precision": a.precision, "attn": a.attn, "toolkit_overrides": a.toolkit,
-        "model": a.model or f"llama hidden {a.hidden} x {a.layers} layers", "lora": LORA if a.lora else None,
+        "model": a.model or f"llama hidden {a.hidden} x {a.layers} layers", "model_dtype": a.model_dtype,
+        "lora": LORA if a.lora else None,
         "threads": a.threads or "default", "load_average": [round(x, 2) for x in os.getloadavg()],
         "seq": a.seq, "micro": a.micro, "accumulation": a.accumulation, "rows_per_step": a.micro * a.accumulation,
         "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
@@ -631,6 +648,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                                           "torch's, one per core); 1 on a shared, loaded host")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=0, help="MLP width (default hidden x 2.75)")
+    p.add_argument("--heads", type=int, default=0, help="attention heads (default hidden / 64)")
+    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default hidden / 128)")
+    p.add_argument("--model-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the random model's saved dtype, which the hand-written loop, the Trainer and TRL load "
+                        "(transformers' dtype=auto); the toolkit's is model.dtype (--toolkit model.dtype=bf16)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro", type=int, default=8, help="rows per micro-batch")
     p.add_argument("--accumulation", type=int, default=1)

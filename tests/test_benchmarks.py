@@ -21,14 +21,19 @@ TINY = ["--hidden", "64", "--layers", "2", "--seq", "64", "--micro", "2", "--ste
 # runs the toolkit and the hand-written loop it is checked against step by step (the Trainer and TRL
 # would train exactly as in the packed case).
 CASES = {"packed": ([], ["toolkit", "plain_pytorch", "hf_trainer", "trl"]),
-         "padding_free": (["data.padding_free=true"], ["toolkit", "plain_pytorch"])}
+         "padding_free": (["data.padding_free=true"], ["toolkit", "plain_pytorch"]),
+         # the 8B LoRA piece of gpu_check.py at a tiny size: the shape options, a bf16 base, LoRA
+         "lora_bf16_base": (["model.dtype=bf16", "data.padding_free=true"], ["toolkit", "plain_pytorch"])}
+EXTRA = {"lora_bf16_base": ["--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--model-dtype", "bf16",
+                            "--lora", "--precision", "bf16"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loop_speed_benchmark_runs(case):
     toolkit, contenders = CASES[case]
     pytest.importorskip("trl", reason="TRL is the benchmark's contender: pip install '.[test]'")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loop_speed.py"), *TINY, "--only", *contenders,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loop_speed.py"), *TINY, *EXTRA.get(case, []),
+                           "--only", *contenders,
                            *(["--toolkit", *toolkit] if toolkit else [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -40,6 +45,8 @@ def test_loop_speed_benchmark_runs(case):
     for other in contenders[1:]:
         assert result[f"speed_vs_{other}"] > 0 and result[f"memory_vs_{other}"] > 0
     assert result["toolkit_overrides"] == toolkit
+    assert all(t > 0 for t in result["tflops"].values()) and "mfu" not in result  # MFU needs a GPU's peak
+    assert result["model_dtype"] == ("bf16" if case == "lora_bf16_base" else "fp32")
     assert lines[-1].startswith("| ") and lines[-1].count("|") == 16  # the NOTES.md row
 
 
