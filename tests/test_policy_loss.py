@@ -160,6 +160,18 @@ def test_group_advantages_equal_trl(scale):
     assert torch.equal(advantages[4:8], torch.zeros(4))
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_an_unscorable_completion_gets_advantage_zero_as_in_trl(scale):
+    """A completion every reward function said None for (reward NaN) is left out of its group's mean and std
+    and gets advantage 0 under every scale_rewards, as TRL's nan_to_num after all three; under `none` ours
+    returned NaN before (issue 49), which made the loss NaN and skipped the step."""
+    rewards = torch.randn(12, generator=torch.Generator().manual_seed(2))
+    rewards[1] = rewards[7] = float("nan")
+    advantages = group_advantages(rewards, 4, scale)
+    assert not advantages.isnan().any() and advantages[1] == 0 and advantages[7] == 0
+    torch.testing.assert_close(advantages, trl_advantages(rewards, 4, scale))
+
+
 def test_batch_scale_over_ranks_uses_the_global_std():
     """Each rank holds whole groups; with the std of every rank's rewards passed in, the ranks' advantages
     together are those of the whole batch."""

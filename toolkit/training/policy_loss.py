@@ -36,10 +36,12 @@ def group_advantages(
         std = nanstd(grouped).repeat_interleave(group_size)
     elif scale == "batch":
         std = nanstd(rewards[None])[0] if batch_std is None else batch_std
-    else:
-        return advantages
-    # a std over one reward is NaN: TRL zeroes those advantages (and counts that std as 0 where it can)
-    return torch.nan_to_num(advantages / (std + STD_EPSILON), nan=0.0)
+    else:  # an unscorable completion's NaN still becomes 0 below, as in TRL
+        std = None
+    if std is not None:
+        advantages = advantages / (std + STD_EPSILON)
+    # a std over one reward is NaN, and so is an unscorable completion: TRL zeroes those advantages in every mode
+    return torch.nan_to_num(advantages, nan=0.0)
 
 
 def nanstd(x: torch.Tensor) -> torch.Tensor:
