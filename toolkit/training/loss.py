@@ -51,12 +51,16 @@ def token_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_row=sequence_index(batch))
 
 
-def token_logps_each(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps_each(model, batch: dict[str, torch.Tensor],
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(the log-probability of each target token (labels != IGNORE), the entropy of the model's
     distribution at it (detached)), flat, in the order of the targets (row after row): an online-RL
-    objective's per-token terms, through the chunked output layer where train.loss=chunked."""
+    objective's per-token terms, through the chunked output layer where train.loss=chunked. Both of the
+    distribution the completions were sampled from: the logits divided by `temperature`, as TRL's
+    fused head divides them (issue 49: at T = 0.7 the loss followed log pi_1 while sampling pi_T)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_token=True)
+    return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_token=True,
+                 token_loss_temperature=temperature)
 
 
 def sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -88,16 +92,17 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
     def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None,
-                token_loss_shifted=False, token_loss_per_token=False, **kwargs):
+                token_loss_shifted=False, token_loss_per_token=False, token_loss_temperature=1.0, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
         if token_loss_router_aux:
             kwargs["output_router_logits"] = True
         if token_loss_per_token:
             if kind == "full":
-                return full_token_logps(original(*args, **{**kwargs, "use_cache": False}).logits, token_loss_labels)
+                return full_token_logps(original(*args, **{**kwargs, "use_cache": False}).logits, token_loss_labels,
+                                        token_loss_temperature)
             return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls, per_token=True,
-                                    **kwargs)
+                                    temperature=token_loss_temperature, **kwargs)
         if kind == "full":
             outputs = original(*args, **{**kwargs, "use_cache": False})
             loss = (full_loss_sum(outputs.logits, token_loss_labels, token_loss_shifted) if token_loss_per_row is None
@@ -150,10 +155,11 @@ def full_row_logps(logits: torch.Tensor, labels: torch.Tensor,
                                                                            torch.ones_like(sequences.flatten()[kept])))
 
 
-def full_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def full_token_logps(logits: torch.Tensor, labels: torch.Tensor,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each target token's log-probability and the entropy at it (detached), flat, as `token_logps_each`."""
     targets = labels[:, 1:] != IGNORE
-    logps = logits[:, :-1][targets].float().log_softmax(-1)
+    logps = (logits[:, :-1][targets].float() / temperature).log_softmax(-1)
     with torch.no_grad():
         entropy = -(logps.exp() * logps).sum(-1)
     return logps.gather(-1, labels[:, 1:][targets][:, None])[:, 0], entropy
@@ -161,7 +167,7 @@ def full_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
 
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
                      return_outputs: bool = False, per_row: torch.Tensor | None = None, shifted: bool = False,
-                     per_token: bool = False, **kwargs):
+                     per_token: bool = False, temperature: float = 1.0, **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
@@ -169,7 +175,8 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     outputs). `per_row` (each target position's sequence, as `sequence_index`): instead of the sum,
     (each sequence's sum of target log-probabilities, its count of targets), as `full_row_logps`.
     `shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`).
-    `per_token`: (each target's log-probability, the entropy there, detached), as `token_logps_each`."""
+    `per_token`: (each target's log-probability, the entropy there, detached), as `token_logps_each`, of
+    the logits divided by `temperature`."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
@@ -186,7 +193,7 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
         if cap:
             logits = torch.tanh(logits / cap) * cap
         if per_token:
-            logps = logits.float().log_softmax(-1)
+            logps = (logits.float() / temperature).log_softmax(-1)
             return logps.gather(-1, y[:, None])[:, 0], -(logps.exp() * logps).sum(-1).detach()
         return F.cross_entropy(logits.float(), y, reduction="sum" if per_row is None else "none")
 

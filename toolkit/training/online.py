@@ -219,7 +219,7 @@ class GroupRL(Objective):
     def per_token(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T-1) log-probabilities of the completion tokens and the entropy there (0 elsewhere)."""
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
-        flat, entropy = token_logps_each(model, inputs)
+        flat, entropy = token_logps_each(model, inputs, self.cfg.temperature)  # of the distribution sampled from
         where = batch["completion_mask"] > 0
         logps = flat.new_zeros(where.shape).masked_scatter(where, flat)
         return logps, entropy.new_zeros(where.shape).masked_scatter(where, entropy)
