@@ -116,8 +116,9 @@ def flash_dtype(device_type: str, dtype: torch.dtype, dropout: float,
     """The 16-bit dtype the flash varlen kernel runs in, or None where it cannot run (not CUDA, attention
     dropout, fp32 without autocast). Under bf16/fp16 autocast the query arrives in fp32 from a model
     with fp32 weights (Llama's rotary embedding multiplies the 16-bit projection by fp32 cos/sin, and
-    type promotion wins), so the autocast dtype decides, as it does for SDPA. Before this the H200 ran
-    one SDPA call per document in fp32 there: 0.27x a hand-written loop (benchmarks/NOTES.md)."""
+    type promotion wins), so the autocast dtype decides, as it does for SDPA. Before this, bf16 training
+    of fp32 weights took the per-document loop: on the H200 the ~1B benchmark ran at 0.27x a hand-written
+    loop, host-bound (benchmarks/NOTES.md)."""
     if device_type != "cuda" or dropout != 0.0:
         return None
     if dtype in (torch.float16, torch.bfloat16):
