@@ -62,9 +62,11 @@ class Piece:
     # processes gpu-bf16 took 185 s (NOTES.md); the loop benchmarks have not run on a GPU.
 
 
-# Tests no GPU has run yet (their own piece, first in a short lease): GRPO with the fixed log-probabilities, LoRA +
-# ZeRO-3 + gradient checkpointing in bf16, QLoRA (bitsandbytes among the wheels), Liger's kernels, fp8.
-FIRST = "grpo or gradient_checkpointing or qlora or liger or fp8"
+# Tests no GPU has passed yet (their own piece, first in a short lease): QLoRA under ZeRO-3 / FSDP2 and a GPU run's
+# checkpoints (read back across devices since the H200 run of 2026-11-27), the varlen kernel's assertion that the
+# flash path ran, GRPO after the temperature change, fp8; and those that passed once there (LoRA + ZeRO-3 +
+# gradient checkpointing, QLoRA, Liger's kernels), cheap to keep here.
+FIRST = "grpo or gradient_checkpointing or qlora or liger or fp8 or checkpoints_read_back or varlen"
 
 PIECES = [
     Piece("gpu-first", [*TEST, "-k", FIRST, "-n", "4", "--dist", "load"], 240,
