@@ -97,18 +97,24 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if (half := flash_dtype(q.device.type, q.dtype, dropout, autocast)) is not None:
         from torch.nn.attention.varlen import varlen_attn
 
-        KERNEL_CALLS["flash"] += 1
+        count("flash")
         cu = cu.to(q.device, torch.int32, non_blocking=True)
         q, k, v = (x.to(half) for x in (q, k, v))  # as SDPA under autocast: it computes in the autocast dtype
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
     else:
-        KERNEL_CALLS["per_document"] += 1
+        count("per_document")
         out = per_document(q, k, v, cu, dropout, scaling, gqa)
     return out.view(batch, length, heads, dim), None
 
 
-# How often each path ran in this process (tests/test_gpu.py checks that bf16 training takes the flash kernel).
+# How often each path ran in this process, outside torch.compile (tests/test_gpu.py checks that bf16 training takes
+# the flash kernel); under train.compile nothing is counted, so the compiled graph has no side effect.
 KERNEL_CALLS = {"flash": 0, "per_document": 0}
+
+
+def count(path: str) -> None:
+    if not torch.compiler.is_compiling():
+        KERNEL_CALLS[path] += 1
 
 
 def flash_dtype(device_type: str, dtype: torch.dtype, dropout: float,
