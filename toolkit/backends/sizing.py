@@ -61,7 +61,8 @@ log-sum-exp (no s x s matrix):
     upcasts its input: 4 * (2h + a) + 2 * (6h + 2kv + 4i)
 LoRA (adapters in fp32, the base frozen; r the rank, I the adapted layers' input widths summed per
 layer, n their count per layer), added per token and layer, counted with the same hooks on three
-shapes for `all-linear` (tests/test_estimate.py; QLoRA's 4-bit layers not yet measured, left out):
+shapes for `all-linear` (two of them in tests/test_estimate.py; QLoRA's 4-bit layers not yet
+measured, left out):
     fp32: 4 * n * r - 8h;   bf16/fp16 autocast over fp32 weights: 2 * n * r - 6h
     16-bit base: c * (I + n * r) - (8h + 2i), c = 2 under autocast, 4 without it (DeepSpeed: each
     adapter keeps its own fp32 copy of its input). This was the gap found on the H200 (2026-11-27):
