@@ -63,3 +63,43 @@ def test_a_completion_depends_on_its_seed_and_prompt_only():
     other = sample(model, prompts[:1], [seeds[0] + 1], max_new_tokens=8, stop_ids=[2], pad_id=0, temperature=0.7,
                    top_p=0.9)
     assert other != together[:1]  # the seed matters (these two differ for this model and prompt)
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss_only():
+    """rl.mask_truncated_completions (TRL's): a completion cut at max_new_tokens without a stop token gets a zero
+    completion mask (its reward still counted in its group); the other rows' log-probabilities are those of the
+    same batch unmasked (the scatter follows the labels, not the mask); dapo counts the kept tokens, grpo every
+    completion, as TRL's normalisers do."""
+    from accelerate import Accelerator
+
+    from toolkit.backends import Backend
+    from toolkit.config import RLConfig
+    from toolkit.model.load import build_byte_tokenizer
+    from toolkit.training.loss import use_token_loss
+    from toolkit.training.online import GroupRL
+
+    model, prompts = model_and_prompts()
+    use_token_loss(model, "chunked")
+    backend = Backend()
+    backend.accelerator = Accelerator(cpu=True)
+    completions = [[5, 6, 2], [7, 8, 9, 10], [11, 2], [12, 13, 14, 15]]  # 2 stops at 3 and 2 tokens; 2 cut at 4
+    advantages = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    made = {}
+    for masked in (False, True):
+        cfg = RLConfig(method="grpo", max_new_tokens=4, mask_truncated_completions=masked, loss_type="dapo")
+        objective = GroupRL(cfg, [], build_byte_tokenizer(), backend, 5, ["train"], [])
+        objective.stops = [2]
+        left_out = [objective.truncated(c) for c in completions] if masked else None
+        made[masked] = (objective, objective.sequences(prompts, completions, advantages, left_out=left_out))
+    assert [made[True][0].truncated(c) for c in completions] == [False, True, False, True]
+    plain, cut = made[False][1], made[True][1]
+    assert torch.equal(cut["completion_mask"].sum(-1), torch.tensor([3.0, 0.0, 2.0, 0.0]))
+    assert torch.equal(plain["completion_mask"].sum(-1), torch.tensor([3.0, 4.0, 2.0, 4.0]))
+    with torch.no_grad():
+        a, _ = made[False][0].per_token(model, plain)
+        b, _ = made[True][0].per_token(model, cut)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)  # the same log-probabilities; only the mask differs
+    assert made[True][0].units(cut) == 5 and made[False][0].units(plain) == 13
+    grpo = GroupRL(RLConfig(method="grpo", max_new_tokens=4, mask_truncated_completions=True, loss_type="grpo"), [],
+                   build_byte_tokenizer(), backend, 5, ["train"], [])
+    assert grpo.units(cut) == 4  # TRL's grpo: the mean over every completion, a left-out one counting 0

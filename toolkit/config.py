@@ -378,6 +378,9 @@ class RLConfig:
     (`group`), the global batch's (`batch`), or not divided (`none`, as Dr. GRPO)."""
     max_new_tokens: int = 256
     """Longest completion; one cut there counts in the share of clipped completions."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens (no stop token) out of the loss, as TRL's key of that
+    name (DAPO's overlong filtering); their rewards still count in their group's advantages."""
     temperature: float = 1.0
     """Sampling temperature of the completions (above 0; evaluation samples one answer per eval
     prompt at it, with the same seeds at every evaluation)."""

@@ -123,6 +123,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     with monitor.phase("counts", step, lap="sync"):
         split = run.backend.sequence_parallel
         n_units, n_tokens, squared_lengths = (int(x) // split for x in acc.reduce(local.to(acc.device), "sum").tolist())
+    n_units = max(n_units, 1)  # none (online RL, every completion left out as truncated): loss 0, nothing learned
     # The backends divide the gradients summed over ranks by `gradient_average()` ranks and
     # accelerate divides by the accumulation steps; this factor undoes both so the gradient is
     # sum(unit losses) / n_units.

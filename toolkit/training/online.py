@@ -85,7 +85,8 @@ class GroupRL(Objective):
         if "completion_mask" not in batch:  # an eval batch of prompts: its real prompts
             return int(batch["valid"].sum())
         mask = batch["completion_mask"]
-        return int(mask.sum()) if self.cfg.loss_type == "dapo" else int((mask.sum(-1) > 0).sum())
+        # grpo / dr_grpo: every completion, one left out as truncated too (TRL's mean over the batch's rows)
+        return int(mask.sum()) if self.cfg.loss_type == "dapo" else mask.shape[0]
 
     def host_counts(self, micro_batches: list[dict]) -> list[float]:
         units = sum(self.units(b) for b in micro_batches)
@@ -112,7 +113,9 @@ class GroupRL(Objective):
         for b in micro_batches:
             n = len(b["prompt_ids"]) * g
             made.append(self.sequences([p for p in b["prompt_ids"] for _ in range(g)], completions[start:start + n],
-                                       advantages[start:start + n]))
+                                       advantages[start:start + n],
+                                       left_out=[self.truncated(c) for c in completions[start:start + n]]
+                                       if self.cfg.mask_truncated_completions else None))
             start += n
         if self.iterations > 1 or self.cfg.beta > 0:
             self.add_fixed_logps(model, made)
@@ -201,9 +204,15 @@ class GroupRL(Objective):
         s, s2, n = self.accelerator.reduce(local.to(self.accelerator.device), "sum").cpu().tolist()
         return torch.tensor(max(s2 - s * s / n, 0.0) / max(n - 1, 1)).sqrt().to(rewards.dtype)
 
-    def sequences(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor) -> dict:
+    def truncated(self, completion: list[int]) -> bool:
+        """Cut at rl.max_new_tokens without a stop token."""
+        return len(completion) == self.cfg.max_new_tokens and (not completion or completion[-1] not in self.stops)
+
+    def sequences(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
+                  left_out: list[bool] | None = None) -> dict:
         """The micro-batch the loss is taken on: prompt + completion rows, right-padded; labels on the
-        completion tokens (its stop token included); `completion_mask` over labels[:, 1:]."""
+        completion tokens (its stop token included); `completion_mask` over labels[:, 1:], zero on the
+        rows `left_out` (rl.mask_truncated_completions: TRL multiplies its mask so)."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
         width = max(len(p) + max(len(c), 1) for p, c in zip(prompts, completions))
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -213,14 +222,17 @@ class GroupRL(Objective):
             ids[i, :len(p) + len(c)] = torch.as_tensor(p + c)
             labels[i, len(p):len(p) + len(c)] = torch.as_tensor(c, dtype=torch.long)
             mask[i, :len(p) + len(c)] = 1
+        completion_mask = (labels[:, 1:] != IGNORE).float()
+        if left_out is not None:
+            completion_mask[torch.tensor(left_out, dtype=torch.bool)] = 0.0
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-                "completion_mask": (labels[:, 1:] != IGNORE).float(), "advantages": advantages.float()}
+                "completion_mask": completion_mask, "advantages": advantages.float()}
 
     def per_token(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T-1) log-probabilities of the completion tokens and the entropy there (0 elsewhere)."""
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
         flat, entropy = token_logps_each(model, inputs, self.cfg.temperature)  # of the distribution sampled from
-        where = batch["completion_mask"] > 0
+        where = batch["labels"][:, 1:] != IGNORE  # every completion token, those the mask leaves out too
         logps = flat.new_zeros(where.shape).masked_scatter(where, flat)
         return logps, entropy.new_zeros(where.shape).masked_scatter(where, entropy)
 
@@ -243,8 +255,7 @@ class GroupRL(Objective):
         max_new_tokens and of groups without reward spread, over the global batch."""
         g, cap = self.cfg.num_generations, self.cfg.max_new_tokens
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-        cut = torch.tensor([len(c) == cap and (not c or c[-1] not in self.stops) for c in completions],
-                           dtype=torch.float64)
+        cut = torch.tensor([self.truncated(c) for c in completions], dtype=torch.float64)
         r = rewards.double()
         flat_groups = r.view(-1, g)
         no_spread = (flat_groups.max(1).values - flat_groups.min(1).values).abs() < 1e-12
