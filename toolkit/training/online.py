@@ -253,7 +253,7 @@ class GroupRL(Objective):
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
         """Reward mean and std (total and per function), completion lengths, the share cut at
         max_new_tokens and of groups without reward spread, over the global batch."""
-        g, cap = self.cfg.num_generations, self.cfg.max_new_tokens
+        g = self.cfg.num_generations
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         cut = torch.tensor([self.truncated(c) for c in completions], dtype=torch.float64)
         r = rewards.double()
