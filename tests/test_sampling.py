@@ -4,6 +4,7 @@ of a (rows, vocabulary) tensor: at a 151k vocabulary and 64 rows that copy and a
 on the rows sampled beside it. The backends, ranks and resumes that must sample alike are in
 test_rl_train.py; on CUDA, test_gpu.py samples during GRPO."""
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -103,3 +104,32 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss_only():
     grpo = GroupRL(RLConfig(method="grpo", max_new_tokens=4, mask_truncated_completions=True, loss_type="grpo"), [],
                    build_byte_tokenizer(), backend, 5, ["train"], [])
     assert grpo.units(cut) == 4  # TRL's grpo: the mean over every completion, a left-out one counting 0
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 0, 1.0, None), (0.7, 0, 0.95, None), (0.7, 20, 1.0, None), (1.3, 50, 0.9, 0.05), (0.8, 0, 1.0, 0.1)])
+def test_the_cuts_are_transformers_warpers_in_their_order(temperature, top_k, top_p, min_p):
+    """rl.temperature, top_k, top_p, min_p: the logits completions are drawn from equal those of
+    transformers' Temperature, TopK, TopP and MinP warpers in the order its generate (TRL's, without vLLM)
+    applies them, -inf where they cut."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from toolkit.model.sampling import warped
+
+    logits = 3 * torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(7))
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)]
+                                     + ([TopKLogitsWarper(top_k)] if top_k else [])
+                                     + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+                                     + ([MinPLogitsWarper(min_p)] if min_p is not None else []))
+    want = processors(torch.zeros(6, 1, dtype=torch.long), logits.clone())
+    got = warped(logits, temperature, top_p, top_k, min_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1))
+    if top_k or top_p < 1 or min_p:
+        assert got.isinf().any()  # the cuts cut something here

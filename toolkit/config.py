@@ -386,6 +386,11 @@ class RLConfig:
     prompt at it, with the same seeds at every evaluation)."""
     top_p: float = 1.0
     """Nucleus sampling: only the most likely tokens whose probabilities sum to top_p are drawn from."""
+    top_k: int = 0
+    """Only the top_k most likely tokens are drawn from (0: all), as TRL's top_k."""
+    min_p: Optional[float] = None
+    """Only tokens at least min_p times as likely as the most likely one are drawn from (None: off), as
+    TRL's min_p. The cuts apply in transformers' order: temperature, top_k, top_p, min_p."""
     rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
     """The reward functions (see RewardConfig): names, or mappings with a weight."""
 
@@ -851,6 +856,8 @@ def validate_rl(r: Recipe, need) -> None:
     need(rl.temperature > 0, "rl.temperature",
          f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
     need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
+    need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
+    need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
     need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
          + ", ".join(BUILT_IN_REWARDS) + ")")
     rl.rewards = [e if isinstance(e, RewardConfig) else RewardConfig(function=e) for e in rl.rewards]

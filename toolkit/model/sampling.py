@@ -29,7 +29,8 @@ def completion_seed(*parts: int) -> int:
 
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_tokens: int, stop_ids: list[int],
-           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, synced=None) -> list[list[int]]:
+           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float | None = None,
+           synced=None) -> list[list[int]]:
     """The completion of each prompt (token ids, its stop token included where it stopped). `seeds`:
     one per prompt; None: greedy. `model`: the module itself (not a DDP or DeepSpeed wrapper)."""
     device = next(model.parameters()).device
@@ -56,7 +57,7 @@ def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_
                        **{cache_key: cache}, **keep_last)
         cache = result.past_key_values
         logits = result.logits[:, -1].float()
-        chosen = pick(logits, generators, temperature, top_p)
+        chosen = pick(logits, generators, temperature, top_p, top_k, min_p)
         chosen[done] = pad_id
         out[:, t] = chosen
         lengths += ~done
@@ -71,20 +72,36 @@ def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_
 
 
 def pick(logits: torch.Tensor, generators: list[torch.Generator] | None, temperature: float,
-         top_p: float) -> torch.Tensor:
+         top_p: float, top_k: int = 0, min_p: float | None = None) -> torch.Tensor:
     """The next token of each row: the most likely (no generators), or drawn with row i's generator
-    from its logits / temperature, cut to the nucleus top_p (as transformers' TopPLogitsWarper)."""
+    from its `warped` logits."""
     if generators is None:
         return logits.argmax(-1)
-    logits = logits / temperature
-    if top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=False)
-        cut = ordered.softmax(-1).cumsum(-1) <= (1 - top_p)
-        cut[:, -1] = False  # the most likely token always stays
-        logits = logits.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+    logits = warped(logits, temperature, top_p, top_k, min_p)
     # Inverse CDF: one uniform number from each row's own generator, one batched search (a multinomial
     # call per row per token took 3x the time of the whole draw; benchmarks/grpo_speed.py).
     cdf = logits.softmax(-1).cumsum(-1)
     u = torch.cat([torch.rand(1, generator=g, dtype=cdf.dtype) for g in generators]).to(cdf.device)
     chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return chosen.clamp(max=cdf.shape[-1] - 1)  # a token of probability 0 is never chosen
+
+
+def warped(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+           min_p: float | None = None) -> torch.Tensor:
+    """logits / temperature, cut (-inf) to the top_k most likely, to the nucleus top_p and to min_p x the
+    most likely's probability: transformers' Temperature, TopK, TopP and MinP warpers, in their order, as
+    TRL's generation applies them (tests/test_sampling.py compares them)."""
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k)[0][..., -1, None], float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=False)
+        cut = ordered.softmax(-1).cumsum(-1) <= (1 - top_p)
+        cut[:, -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+    if min_p is not None:
+        probs = logits.softmax(-1)
+        low = probs < min_p * probs.amax(-1, keepdim=True)
+        low.scatter_(-1, probs.argmax(-1, keepdim=True), False)  # the most likely token always stays
+        logits = logits.masked_fill(low, float("-inf"))
+    return logits

@@ -63,7 +63,8 @@ class GroupRL(Objective):
         names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards)
         return [f"rl: {variant}, {c.num_generations} completions per prompt (seeded per prompt and step), at most "
                 f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
-                + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
+                + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
+                + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
                 + f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]; advantages scaled by the "
                 + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
                 + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
@@ -173,7 +174,8 @@ class GroupRL(Objective):
                 with self.accelerator.autocast():
                     return sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens,
                                   stop_ids=self.stops, pad_id=pad, temperature=self.cfg.temperature,
-                                  top_p=self.cfg.top_p, synced=self.all_done)
+                                  top_p=self.cfg.top_p, top_k=self.cfg.top_k, min_p=self.cfg.min_p,
+                                  synced=self.all_done)
             finally:
                 module.train(was_training)
 
