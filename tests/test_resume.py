@@ -332,3 +332,24 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(backend, workdir):
     sch = {s: torch.load(f, weights_only=False) for s, f in files.items()}
     assert sch[4]["last_epoch"] == sch[6]["last_epoch"] and sch[4]["_last_lr"] == sch[6]["_last_lr"]
     assert sch[3]["last_epoch"] + 1 == sch[4]["last_epoch"], (sch[3], sch[4])
+
+
+def test_a_key_added_since_a_checkpoint_resumes_at_its_default_and_is_refused_otherwise(tmp_path):
+    """A checkpoint written before a recipe key existed (rl.top_k, rl.min_p, rl.mask_truncated_completions came
+    on 2026-11-27) resumes when the key is at its default, which is what the older toolkit did; at any other
+    value it is a changed recipe, refused in one line. (Found when a run's reference checkpoints were written
+    before the keys and resumed after them.)"""
+    from toolkit.config import Recipe
+    from toolkit.errors import ToolkitError
+    from toolkit.storage.checkpoint import TrainerState
+    from toolkit.storage.run_folder import check_resumable, learning_relevant
+
+    now = learning_relevant(Recipe())
+    older = {k: v for k, v in now.items() if k not in ("rl.top_k", "rl.min_p", "rl.mask_truncated_completions")}
+    assert len(older) == len(now) - 3
+    saved = TrainerState(recipe=older, global_batch=8)
+    assert check_resumable(saved, TrainerState(recipe=now, global_batch=8), tmp_path) is False
+    with pytest.raises(ToolkitError, match=r"resume: rl.top_k was None when .* written, now 5; a resumed run must"):
+        check_resumable(saved, TrainerState(recipe={**now, "rl.top_k": 5}, global_batch=8), tmp_path)
+    with pytest.raises(ToolkitError, match=r"resume: train.learning_rate was"):  # a key both know still counts
+        check_resumable(saved, TrainerState(recipe={**now, "train.learning_rate": 1.0}, global_batch=8), tmp_path)

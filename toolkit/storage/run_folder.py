@@ -274,8 +274,11 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
     if saved.data_fingerprint != now.data_fingerprint:
         raise ToolkitError(f"resume: the training data changed since {path} was written "
                            f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
+    defaults = flat_recipe(Recipe())
     for key in sorted(set(saved.recipe or {}) | set(now.recipe or {})):
         before, after = (saved.recipe or {}).get(key), (now.recipe or {}).get(key)
+        if key not in (saved.recipe or {}) and key in defaults and after == defaults[key]:
+            continue  # a key added since that checkpoint, at its default: what the older toolkit did
         if before != after:
             raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
                                "a resumed run must keep its recipe")

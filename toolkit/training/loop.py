@@ -124,9 +124,8 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
         split = run.backend.sequence_parallel
         n_units, n_tokens, squared_lengths = (int(x) // split for x in acc.reduce(local.to(acc.device), "sum").tolist())
     n_units = max(n_units, 1)  # none (online RL, every completion left out as truncated): loss 0, nothing learned
-    # The backends divide the gradients summed over ranks by `gradient_average()` ranks and
-    # accelerate divides by the accumulation steps; this factor undoes both so the gradient is
-    # sum(unit losses) / n_units.
+    # The backends divide the gradients summed over ranks by `gradient_average()` ranks and accelerate by the
+    # accumulation steps; this factor undoes both so the gradient is sum(unit losses) / n_units.
     scale = run.backend.gradient_average() * t.gradient_accumulation_steps / n_units
     clip = t.max_grad_norm if t.max_grad_norm > 0 else math.inf  # inf: no clipping, norm still measured
     loss_sum = torch.zeros((), device=acc.device)
