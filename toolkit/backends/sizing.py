@@ -333,6 +333,7 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
     layer = max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ == layer_type),
                 default=0)
     total, trainable = sum(params.values()), sum(params.values())
+    adapted = []  # the linear layers LoRA adapts
     if lora is not None and lora.enabled:
         targets = None if lora.target_modules == "all-linear" else (
             {lora.target_modules} if isinstance(lora.target_modules, str) else set(lora.target_modules))
@@ -350,9 +351,8 @@ def count_model(config, name: str, lora=None) -> ModelCounts:
                        vocab=text.vocab_size, head=head, query=heads * head_dim, kv_heads=kv_heads,
                        quantized=sum(quantizable), quantized_layers=len(quantizable),
                        widest=max(quantizable, default=0),
-                       lora_r=lora.r if lora is not None and lora.enabled else 0,
-                       adapted=len(adapted) if lora is not None and lora.enabled else 0,
-                       adapted_inputs=sum(m.in_features for m in adapted) if lora is not None and lora.enabled else 0)
+                       lora_r=lora.r if adapted else 0, adapted=len(adapted),
+                       adapted_inputs=sum(m.in_features for m in adapted))
 
 
 # ----------------------------------------------------------------------------- the arithmetic

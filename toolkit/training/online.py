@@ -245,7 +245,7 @@ class GroupRL(Objective):
         (`sequences` builds the batch on the host; the loop moves it only before the loss)."""
         device = self.accelerator.device
         for batch in made:
-            inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels", "completion_mask")}
+            inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
             if self.iterations > 1:
                 batch["old_logps"] = self.per_token(model, inputs)[0]
             if self.cfg.beta > 0:

@@ -33,13 +33,9 @@ def group_advantages(
     grouped = rewards.view(-1, group_size)
     advantages = (grouped - grouped.nanmean(dim=1, keepdim=True)).view(-1)  # NaN: unscorable, left out (as TRL)
     if scale == "group":
-        std = nanstd(grouped).repeat_interleave(group_size)
+        advantages = advantages / (nanstd(grouped).repeat_interleave(group_size) + STD_EPSILON)
     elif scale == "batch":
-        std = nanstd(rewards[None])[0] if batch_std is None else batch_std
-    else:  # an unscorable completion's NaN still becomes 0 below, as in TRL
-        std = None
-    if std is not None:
-        advantages = advantages / (std + STD_EPSILON)
+        advantages = advantages / ((nanstd(rewards[None])[0] if batch_std is None else batch_std) + STD_EPSILON)
     # a std over one reward is NaN, and so is an unscorable completion: TRL zeroes those advantages in every mode
     return torch.nan_to_num(advantages, nan=0.0)
 
