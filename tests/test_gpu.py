@@ -190,7 +190,8 @@ def test_varlen_flash_kernel_matches_masked_sdpa_on_cuda():
         results.append((loss.detach().float(), torch.cat([p.grad.flatten() for p in m.parameters()])))
     (la, ga), (lb, gb) = results
     record(test="varlen_cuda", loss_sdpa=la.item(), loss_varlen=lb.item(),
-           grad_cosine=torch.nn.functional.cosine_similarity(ga, gb, dim=0).item())
+           grad_cosine=torch.nn.functional.cosine_similarity(ga, gb, dim=0).item(),
+           kernel_calls_before=calls, kernel_calls_after=dict(varlen.KERNEL_CALLS))
     torch.testing.assert_close(lb, la, rtol=BF16_LOSS_RTOL, atol=0)
     assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.999
     # fp32 weights under bf16 autocast: the flash kernel, not the per-document loop (which the H200 ran
