@@ -107,6 +107,8 @@ RL = [
     ("top_p 0", ["rl.top_p=0"], "rl.top_p: must be in (0, 1], got 0.0"),
     ("negative top_k", ["rl.top_k=-1"], "rl.top_k: must be 0 (off) or a number of tokens, got -1"),
     ("top_k as a fraction", ["rl.top_k=0.5"], "rl.top_k: expected an integer"),
+    ("negative max_unscored_steps", ["rl.max_unscored_steps=-1"],
+     "rl.max_unscored_steps: must be 0 (never stop) or more, got -1"),
     ("min_p above 1", ["rl.min_p=2"], "rl.min_p: must be in [0, 1], got 2.0"),
     ("mask_truncated_completions as a word", ["rl.mask_truncated_completions=maybe"],
      "rl.mask_truncated_completions: expected"),

@@ -175,6 +175,28 @@ def test_a_repeated_function_gets_its_own_name():
     assert per["regex"].tolist() == [1.0] and per["regex#2"].tolist() == [0.0]
 
 
+def test_a_function_that_changes_its_arguments_changes_nothing_the_next_one_sees(monkeypatch):
+    """Each call gets its own copy of prompts, completions and the columns: a function that edits them in place
+    (here: clears the completions, rewrites the answers) leaves a second copy of the same check scoring what it
+    would alone (issue 52: the second copy logged 0.0 against 0.525)."""
+    def spoil(prompts, completions, answer, **kw):
+        scores = [1.0 if c[0]["content"] == a else 0.0 for c, a in zip(completions, answer)]
+        for c in completions:
+            c[0]["content"] = ""
+        answer[:] = ["?"] * len(answer)
+        prompts.clear()
+        return scores
+    module = type(sys)("spoil_module")
+    module.spoil = spoil
+    monkeypatch.setitem(sys.modules, "spoil_module", module)
+    rewards = load_rewards([RewardConfig(function="spoil_module:spoil")] * 2)
+    prompts, completions = [[{"role": "user", "content": "Q"}]] * 2, ["4", "5"]
+    columns = [{"answer": "4"}, {"answer": "4"}]
+    _, per = score(rewards, prompts, completions, columns, step=1, rows=ROWS)
+    assert per["spoil_module:spoil"].tolist() == per["spoil_module:spoil#2"].tolist() == [1.0, 0.0]
+    assert completions == ["4", "5"] and columns[0]["answer"] == "4" and len(prompts) == 2
+
+
 # --- loading errors: one line naming rl.rewards[i].function and the text
 
 
@@ -258,3 +280,41 @@ def test_check_rewards_runs_every_function_before_training(tmp_path, monkeypatch
 
 def test_a_reward_is_a_plain_record():
     assert Reward("x", 1.0, len).column is None
+
+
+def test_a_reward_that_never_scores_is_reported_logged_as_it_is_and_stops_the_run(capsys):
+    """Every function says None for every completion (issue 52): the step's reward is NaN (no mean of nothing, not
+    0.0), every group counts as without spread, `unscored_completions` is 1; the first such batch is reported in
+    one line, and rl.max_unscored_steps of them in a row stop the run in one line naming the functions."""
+    from accelerate import Accelerator
+
+    from toolkit.backends import Backend
+    from toolkit.config import RLConfig
+    from toolkit.training.online import GroupRL
+
+    backend = Backend()
+    backend.accelerator = Accelerator(cpu=True)
+    rewards = built_in("regex", pattern="x")
+    objective = GroupRL(RLConfig(method="grpo", num_generations=2, max_unscored_steps=2), rewards, None, backend, 5,
+                        ["train"], [])
+    objective.stops = [2]
+    none = torch.full((4,), math.nan)
+    completions = [[5, 2], [6, 2], [7, 2], [8, 2]]
+    metrics = objective.generation_metrics(none, {"regex": none}, completions, 0.1)
+    assert math.isnan(metrics["reward"]) and math.isnan(metrics["reward_regex"]) and math.isnan(metrics["reward_std"])
+    assert metrics["zero_std_groups"] == 1.0 and metrics["unscored_completions"] == 1.0
+    some = torch.tensor([1.0, math.nan, 0.0, 1.0])  # group 1: one scored (no spread); group 2: spread
+    metrics = objective.generation_metrics(some, {"regex": some}, completions, 0.1)
+    assert metrics["reward"] == 2 / 3 and metrics["zero_std_groups"] == 0.5 and metrics["unscored_completions"] == 0.25
+
+    objective.generated = {"unscored_completions": 1.0}
+    objective.check_scored(1)
+    assert capsys.readouterr().out.strip() == (
+        "rl: at step 1 no completion was scored (regex said None for every one): "
+        "this batch teaches nothing; the run stops after 2 such batches in a row")
+    objective.generated = {"unscored_completions": 0.5}  # a scored batch between: the count starts again
+    objective.check_scored(2)
+    objective.generated = {"unscored_completions": 1.0}
+    objective.check_scored(3)
+    message = one_line_error("in 2 generated batches in a row, up to step 4", objective.check_scored, 4)
+    assert message.startswith("rl.rewards: regex scored no completion") and "rl.max_unscored_steps" in message

@@ -125,7 +125,8 @@ def test_one_process_samples_scores_and_learns(single, workdir):
     for row in metrics[1:]:
         assert 1 <= row["completion_length_min"] <= row["completion_length"] <= row["completion_length_max"] <= 6
         assert 0 <= row["zero_std_groups"] < 1 and row["reward_std"] > 0  # the length reward has spread
-        for key in ("reward_shorter", "reward_exact_match", "clip_ratio", "entropy", "generation_seconds"):
+        for key in ("reward_shorter", "reward_exact_match", "clip_ratio", "entropy", "generation_seconds",
+                    "unscored_completions"):
             assert key in row, key
     base = load_weights(run / "checkpoints" / "step-000001")  # the weights moved, step after step
     assert not all(torch.equal(base[k], v) for k, v in load_weights(run / "final").items() if k in base)

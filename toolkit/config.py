@@ -393,6 +393,10 @@ class RLConfig:
     TRL's min_p. The cuts apply in transformers' order: temperature, top_k, top_p, min_p."""
     rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
     """The reward functions (see RewardConfig): names, or mappings with a weight."""
+    max_unscored_steps: int = 5
+    """Stop, in one line naming the reward functions, after this many generated batches in a row in
+    which no completion was scored (every function said None for every one): such a batch teaches
+    nothing. The first one is reported when it happens. 0: never stop."""
 
 
 @dataclass
@@ -857,6 +861,8 @@ def validate_rl(r: Recipe, need) -> None:
          f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
     need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
     need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
+    need(rl.max_unscored_steps >= 0, "rl.max_unscored_steps", f"must be 0 (never stop) or more, got "
+         f"{rl.max_unscored_steps}")
     need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
     need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
          + ", ".join(BUILT_IN_REWARDS) + ")")

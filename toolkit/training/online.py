@@ -18,12 +18,15 @@ accuracy where the reward is a correctness check.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import faults
 from ..data.formats import IGNORE
+from ..errors import ToolkitError
 from ..model.inference import stop_token_ids
 from ..model.sampling import completion_seed, sample
 from . import rewards as reward_functions
@@ -52,6 +55,7 @@ class GroupRL(Objective):
         self.sums: dict[str, torch.Tensor] = {}
         self.generated: dict[str, float] = {}  # the step's generation metrics, global already
         self.shown: list[dict] = []
+        self.unscored = 0  # generated batches in a row without one scored completion (rl.max_unscored_steps)
         self.stops: list[int] | None = None  # where a completion ends: set on first use, from the model
 
     # ------------------------------------------------------------------ the contract
@@ -122,7 +126,30 @@ class GroupRL(Objective):
             self.add_fixed_logps(model, made)
         self.made = made
         self.generated = self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started)
+        self.check_scored(step)
         return made
+
+    def say(self, line: str) -> None:
+        if self.accelerator.is_main_process:
+            tqdm.write(line)
+
+    def check_scored(self, step: int) -> None:
+        """Report the first generated batch in which no completion was scored (from the global counts, so
+        every rank agrees), and stop after rl.max_unscored_steps of them in a row."""
+        if self.generated["unscored_completions"] < 1:
+            self.unscored = 0
+            return
+        self.unscored += 1
+        names = ", ".join(r.name for r in self.rewards)
+        limit = self.cfg.max_unscored_steps
+        if limit and self.unscored >= limit:
+            raise ToolkitError(f"rl.rewards: {names} scored no completion (None for every one) in {self.unscored} "
+                               f"generated batches in a row, up to step {step}: the run learns nothing; "
+                               "return a number for the completions a function can judge (rl.max_unscored_steps)")
+        if self.unscored == 1:
+            self.say(f"rl: at step {step} no completion was scored ({names} said None for every one): "
+                                  f"this batch teaches nothing" + (f"; the run stops after {limit} such batches "
+                                                                   "in a row" if limit else ""))
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         if "completion_mask" not in batch:
@@ -259,14 +286,17 @@ class GroupRL(Objective):
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         cut = torch.tensor([self.truncated(c) for c in completions], dtype=torch.float64)
         r = rewards.double()
-        flat_groups = r.view(-1, g)
-        no_spread = (flat_groups.max(1).values - flat_groups.min(1).values).abs() < 1e-12
+        flat_groups = r.view(-1, g)  # a group's spread over its scored completions; none scored: no spread
+        unscored = flat_groups.isnan()
+        no_spread = (flat_groups.masked_fill(unscored, -math.inf).max(1).values
+                     - flat_groups.masked_fill(unscored, math.inf).min(1).values) < 1e-12
         columns = {"reward": r, **{self.names[name]: v.double() for name, v in per_function.items()}}
         sums = []
         for v in columns.values():
             ok = ~torch.isnan(v)
             sums += [torch.where(ok, v, 0).sum(), torch.where(ok, v * v, 0).sum(), ok.sum()]
-        sums += [lengths.sum(), cut.sum(), no_spread.sum(), float(len(completions)), float(len(flat_groups)), seconds]
+        sums += [lengths.sum(), cut.sum(), no_spread.sum(), float(len(completions)), float(len(flat_groups)), seconds,
+                 unscored.sum()]
         extremes = torch.tensor([lengths.max(), -lengths.min()], dtype=torch.float64)
         device = self.accelerator.device
         total = self.accelerator.reduce(torch.tensor(sums, dtype=torch.float64).to(device), "sum").cpu().tolist()
@@ -275,14 +305,14 @@ class GroupRL(Objective):
         out = {}
         for i, name in enumerate(columns):
             s, s2, n = total[3 * i:3 * i + 3]
-            out[name] = s / max(n, 1)
+            out[name] = s / n if n else math.nan  # the mean of what was scored: none, no mean
             if name == "reward":
-                out["reward_std"] = (max(s2 - s * s / max(n, 1), 0.0) / max(n - 1, 1)) ** 0.5
-        length_sum, cut_n, flat_n, n, groups, secs = total[3 * len(columns):]
+                out["reward_std"] = (max(s2 - s * s / n, 0.0) / max(n - 1, 1)) ** 0.5 if n else math.nan
+        length_sum, cut_n, flat_n, n, groups, secs, unscored_n = total[3 * len(columns):]
         world = self.accelerator.num_processes
         return {**out, "completion_length": length_sum / n, "completion_length_max": most[0],
                 "completion_length_min": -most[1], "clipped_completions": cut_n / n, "zero_std_groups": flat_n / groups,
-                "generation_seconds": secs / world}
+                "generation_seconds": secs / world, "unscored_completions": unscored_n / n}
 
     # ------------------------------------------------------------------ evaluation
 

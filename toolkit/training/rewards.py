@@ -11,6 +11,7 @@ advantage). Here trainer_state carries only global_step, and log_extra / log_met
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -32,6 +33,7 @@ from ..errors import ToolkitError
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 _PER_BATCH = ("trainer_state", "log_extra", "log_metric")  # one object for the batch, not a list per completion
+_SHARED = ("log_extra", "log_metric")  # callables; every other argument is copied for each call
 _CHECK_ROWS = 4
 _CHECK_COMPLETIONS = ("", "The answer is 42.")
 
@@ -201,7 +203,9 @@ def _call(reward: Reward, kwargs: dict, n: int, step: int, rows: list[str]) -> l
 
 
 def _invoke(function: Callable, kwargs: dict) -> Any:
-    out = function(**kwargs)
+    """One call on its own copy of the arguments: a function that changes prompts, completions or a column in place
+    changes nothing another function (or the loss) sees."""
+    out = function(**{k: v if k in _SHARED else copy.deepcopy(v) for k, v in kwargs.items()})
     return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL also takes async functions
 
 
