@@ -393,17 +393,26 @@ def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(
 
 @pytest.mark.parametrize("key, meant", [("zero_optimisation", "zero_optimization"),
                                         ("gradient_clippin", "gradient_clipping"),
-                                        ("comms_config", "comms_logger")])  # LLaMA-Factory's ds_z3_fp8_config.json
-def test_a_typo_in_a_top_level_key_is_refused_with_a_suggestion(key, meant):
+                                        ("bf_16", "bf16"), ("train_micro_batch_size_per_gpus",
+                                                            "train_micro_batch_size_per_gpu")])
+def test_a_near_miss_of_a_key_that_changes_what_is_learned_is_refused_with_a_suggestion(key, meant):
     with pytest.raises(ToolkitError) as e:
         resolve(dict(zero(), **{key: {}}), recipe(), 1, "ds.json")
     assert str(e.value) == f"ds.json: {key}: not a key DeepSpeed reads (it would ignore it); did you mean {meant}?"
 
 
-def test_an_unknown_key_is_refused_and_a_comment_is_not():
-    with pytest.raises(ToolkitError) as e:
-        resolve(dict(zero(), cuda_visible_devices="0,1"), recipe(), 1, "ds.json")
-    assert str(e.value) == "ds.json: cuda_visible_devices: not a key DeepSpeed reads (it would ignore it); remove it"
+@pytest.mark.parametrize("key, note", [
+    ("cuda_visible_devices", "ds.json: cuda_visible_devices: not a key DeepSpeed reads; ignored, as DeepSpeed ignores "
+                             "it"),  # DeepSpeedExamples' imagenet ds_config.json
+    ("comms_config", "ds.json: comms_config: not a key DeepSpeed reads; ignored, as DeepSpeed ignores it (did you "
+                     "mean comms_logger?)"),  # LLaMA-Factory's ds_z3_fp8_config.json
+    ("comms_loger", "ds.json: comms_loger: not a key DeepSpeed reads; ignored, as DeepSpeed ignores it (did you mean "
+                    "comms_logger?)")])
+def test_a_key_deepspeed_ignores_is_ignored_with_a_note_as_deepspeed_does(key, note):
+    """Issue 52: DeepSpeed trains with these, so a user swapping in a public JSON does too, told what is ignored."""
+    notes = []
+    out = resolve(dict(zero(), **{key: {"x": 1}}), recipe(), 1, "ds.json", notes=notes)
+    assert note in notes and out[key] == {"x": 1}, notes
     assert "_comment" in resolve(dict(zero(), _comment="supported models: ..."), recipe(), 1, "ds.json")
 
 

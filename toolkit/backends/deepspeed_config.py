@@ -74,6 +74,12 @@ TOP_LEVEL_KEYS = {
                      "graph_harvesting", "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention",
                      "sparse_gradients"], "removed"),
 }
+# A near miss of one of these is refused: DeepSpeed would train without what it asks for (batch, precision,
+# clipping, optimizer, schedule, ZeRO and its offload, communication precision, activation checkpointing).
+MATTERS = {key for key, use in TOP_LEVEL_KEYS.items() if use == "recipe"} | {
+    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio", "data_types",
+    "activation_checkpointing", "torch_autocast"}
 # Sections other projects name differently (LLaMA-Factory's ds_z3_fp8_config.json, tests/config_corpus).
 PEER_KEYS = {"comms_config": "comms_logger", "monitor_config": "tensorboard, wandb, csv_monitor or comet (each a "
              "top-level section)"}
@@ -167,9 +173,9 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
     """Return a copy of `cfg` with "auto" filled from the recipe; raise on contradictions and on
     what DeepSpeed or this toolkit would reject. `total_steps` and `hidden_size` are filled when
     known (after data and model are built). What was changed is appended to `notes`."""
-    _refuse_unknown_keys(cfg, source)
-    cfg = copy.deepcopy(cfg)
     notes = [] if notes is None else notes
+    _check_unknown_keys(cfg, source, notes)
+    cfg = copy.deepcopy(cfg)
     t = recipe.train
 
     def settle(node: dict, key: str, value: Any, dotted: str, recipe_key: str) -> None:
@@ -253,10 +259,12 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
     return cfg
 
 
-def _refuse_unknown_keys(cfg: dict, source: str) -> None:
-    """A top-level key DeepSpeed does not read would be ignored by it, a typo training without what it
-    asked for: refused with the nearest key it does read. `_comment`-style keys (a leading underscore)
-    are comments."""
+def _check_unknown_keys(cfg: dict, source: str, notes: list[str]) -> None:
+    """A top-level key DeepSpeed does not read is ignored by DeepSpeed, and here too, with a note naming it
+    and its near miss (public JSONs carry `cuda_visible_devices`, LLaMA-Factory's `comms_config`). Refused
+    only where it is a near miss of a key that changes what is learned or how memory is laid out
+    (MATTERS): a misspelt `zero_optimization` would train without it. `_comment`-style keys (a leading
+    underscore) are comments."""
     import difflib
 
     for key in cfg:
@@ -264,8 +272,11 @@ def _refuse_unknown_keys(cfg: dict, source: str) -> None:
             continue
         close = difflib.get_close_matches(str(key), sorted(TOP_LEVEL_KEYS), n=1, cutoff=0.75)
         hint = PEER_KEYS.get(key) or (close[0] if close else None)
-        raise ToolkitError(f"{source}: {key}: not a key DeepSpeed reads (it would ignore it)"
-                           + (f"; did you mean {hint}?" if hint else "; remove it"))
+        if key not in PEER_KEYS and close and close[0] in MATTERS:
+            raise ToolkitError(f"{source}: {key}: not a key DeepSpeed reads (it would ignore it); did you mean "
+                               f"{hint}?")
+        notes.append(f"{source}: {key}: not a key DeepSpeed reads; ignored, as DeepSpeed ignores it"
+                     + (f" (did you mean {hint}?)" if hint else ""))
 
 
 def _resolve_optimizer(opt: dict, t, source: str, settle, notes: list[str]) -> None:
