@@ -82,6 +82,10 @@ def check_launch(entry, tmp_path, proc):
         assert expected.split(": ", 1)[1] in errors[0], errors[0]
         assert "Traceback" not in proc.stderr.split("error: ", 1)[0], proc.stderr[-3000:]
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
+        # every rank exits 2, whichever found the reason: the one the launcher ends is no preemption (75) and
+        # no SIGTERM death (-15) (issue 52: TRL's fsdp1.yaml)
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+        assert set(codes) <= {"2"}, codes
         return
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

@@ -17,7 +17,7 @@ import time
 from .config import load_recipe
 from .errors import EXIT_OK, EXIT_USER_ERROR, ToolkitError
 from .observe import noise
-from .stops import Preemption, TrainingStopped
+from .stops import Preemption, TrainingStopped, mark_refused
 
 # Verbs that write results: a signal ends them in one line (their partial output removed), exit 75.
 STOP_TEXTS = {"train": "before training started; nothing was trained or saved. Run again to start over",
@@ -44,10 +44,13 @@ def report_user_error(e: ToolkitError, wait_for_main_s: float = 30.0) -> None:
     at once would make the launcher stop rank 0 before it prints (seen with 2 CPU ranks). If rank 0
     has not ended the launch in `wait_for_main_s` (a mistake only this rank saw), it speaks."""
     rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher ending the job ends this wait quietly
-            signal.signal(sig, signal.SIG_DFL)
+    if rank == 0:
+        mark_refused()  # the launcher ends the other ranks next: they exit EXIT_USER_ERROR, not as preempted
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the launcher ending the job ends this wait quietly, exit 2
+            signal.signal(sig, lambda *_: os._exit(EXIT_USER_ERROR))
         time.sleep(wait_for_main_s)
+        mark_refused()
     print(f"error: {e}" if rank == 0 else f"error: (rank {rank}) {e}", file=sys.stderr)
 
 

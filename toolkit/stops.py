@@ -8,10 +8,12 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
-from .errors import EXIT_PREEMPTED, EXIT_SIGNAL_BASE
+from .errors import EXIT_PREEMPTED, EXIT_SIGNAL_BASE, EXIT_USER_ERROR
 
 _ABRUPT = False  # inside Preemption.abrupt(): a process forked now dies with its parent
 
@@ -116,6 +118,30 @@ class TrainingStopped(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def refusal_marker() -> Path | None:
+    """In a launch of several processes: the file that says a rank of this launch refused the run (a
+    ToolkitError), named for the launcher's agent (the ranks' parent on this machine) and its port. The
+    launcher then ends the other ranks with SIGTERM, which must not read as a preemption: they exit
+    EXIT_USER_ERROR too (issue 52: TRL's fsdp1.yaml, rank 0 exit 2, rank 1 exit 75)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    return Path(tempfile.gettempdir()) / f"toolkit-refused-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
+
+
+def mark_refused() -> None:
+    marker = refusal_marker()
+    if marker is not None:
+        try:
+            marker.write_text(str(os.getpid()))
+        except OSError:  # a full or read-only temp folder: the other ranks exit as on a signal
+            pass
+
+
+def refused_elsewhere() -> bool:
+    marker = refusal_marker()
+    return marker is not None and marker.exists()
 
 
 class Preemption:
@@ -226,6 +252,14 @@ class Preemption:
                 return
             else:
                 self.aborting = True
+        if first and refused_elsewhere():  # another rank refused the run and the launcher is ending this one
+            for cleanup in self.abrupt_cleanups or ():
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001 - exiting regardless
+                    pass
+            kill_descendants()
+            os._exit(EXIT_USER_ERROR)
         if not first:
             os.write(2, f"\n{name} again: aborting at once; resume=auto continues from the last checkpoint\n".encode())
             kill_descendants()
