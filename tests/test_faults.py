@@ -234,6 +234,26 @@ def test_read_only_file_system_is_one_line(work, tmp_path, mounts, where):
     assert not (work / "ro-run").exists()
 
 
+@pytest.mark.parametrize("verb", ["plot", "eval"])
+def test_a_verb_writing_into_a_read_only_folder_is_one_line_before_its_work(work, reference, tmp_path, mounts, verb):
+    """`plot --out` (issue 52: a traceback from removing its temporary file) and `eval --out` (an OSError after
+    every row was scored) into a read-only disk: one line, exit 2, decided before the work."""
+    ro = tmp_path / "ro"
+    mount_tmpfs(ro, "1m", read_only=True)
+    mounts.append(ro)
+    if verb == "plot":
+        args = ["plot", work / "reference", "--out", ro / "plot.png"]
+    else:
+        args = ["eval", work / "reference" / "final", "--data", work / "eval.jsonl", "--limit", "2", "--out",
+                ro / "results.json"]
+    code, out, err = finish(launch(args), timeout=300)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    what = "eval --out" if verb == "eval" else "plot"
+    assert errors == [f"error: {what}: cannot write {args[-1]}: read-only file system"], err
+    assert "wrote" not in out
+
+
 # ----------------------------------------------------------------------------- after training
 
 

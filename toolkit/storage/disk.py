@@ -138,3 +138,37 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
+
+
+def check_writable(out: Path, what: str) -> None:
+    """Before any work whose result goes to the file `out`: its folder exists (or can be made) and takes a
+    file, else one ToolkitError naming `what` and the reason (a read-only disk, no permission, a file where
+    the folder should be). The probe file is removed again."""
+    from ..errors import ToolkitError
+
+    probe = out.with_name(f".{out.name}.{os.getpid()}.probe")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe.open("xb").close()
+    except OSError as e:
+        raise ToolkitError(f"{what}: cannot write {out}: {write_problem(e) or e.strerror or e}") from None
+    with contextlib.suppress(OSError):
+        probe.unlink()
+
+
+def write_file(out: Path, what: str, write) -> None:
+    """`write(f)` into a temporary file beside `out` (binary), then renamed to `out`: a reader never sees a
+    half-written file and an earlier `out` stays whole if the write fails. A file-system failure is one
+    ToolkitError naming `what`; no temporary file is left where the disk lets one be removed."""
+    from ..errors import ToolkitError
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # beside `out`: the rename stays on one disk
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ToolkitError(f"{what}: cannot write {out}: {write_problem(e) or e.strerror or e}") from None
+    finally:
+        with contextlib.suppress(OSError):  # a read-only disk refuses even this unlink (EROFS)
+            tmp.unlink(missing_ok=True)

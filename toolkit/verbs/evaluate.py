@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ToolkitError
+from ..storage.disk import check_writable, write_file
 
 FORMATS = ("alpaca", "messages", "text", "preference")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
@@ -74,6 +75,8 @@ def run(args) -> int:
     if args.max_seq_len is not None and args.max_seq_len < 2:
         raise ToolkitError(f"--max-seq-len: must be at least 2, got {args.max_seq_len}")
     locate_model(args.model)  # a wrong path fails here, before torch is imported
+    if args.out and int(os.environ.get("RANK", "0")) == 0:
+        check_writable(Path(args.out), "eval --out")  # before the model loads, not after the rows are scored
     from ..config import DataConfig
     from ..data.sources import resolve_sources
 
@@ -105,8 +108,8 @@ def run(args) -> int:
     text = summary(result, origin)
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+        write_file(out, "eval --out", lambda f: f.write((json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+                                                      .encode()))
         text += f"\nwrote {out}"
     if args.json:
         print(text, file=sys.stderr)

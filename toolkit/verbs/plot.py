@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from ..errors import ToolkitError, command
+from ..storage.disk import check_writable, write_file
 
 DEFAULT_COMPARE = "runs-compare.png"
 # (panel title, [(metrics key, matplotlib line style)]), drawn left to right, top to bottom; a panel
@@ -98,6 +98,7 @@ def output_path(runs: list[Path], out: str | None) -> Path:
         raise ToolkitError(f"plot: --out {path} is a folder; give a file such as {path / 'plot.png'}")
     if not path.parent.is_dir():
         raise ToolkitError(f"plot: cannot write {path}: the folder {path.parent} does not exist")
+    check_writable(path, "plot")  # before the figure is drawn
     return path
 
 
@@ -135,15 +136,7 @@ def run(args) -> int:
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     axes[0].legend()
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # beside the PNG: the rename stays on one disk
-    try:
-        with open(tmp, "xb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, out)
-    except OSError as e:
-        raise ToolkitError(f"plot: cannot write {out}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_file(out, "plot", lambda f: fig.savefig(f, format="png"))
     steps = [r["step"] for rows, _ in read for r in rows]
     skipped = sum(s for _, s in read)
     note = f", skipped {skipped} unreadable line{'s' * (skipped > 1)}" if skipped else ""
