@@ -35,7 +35,7 @@ def lora_on_a_folder(work):
     base = work / "base"
     build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)
     build_byte_tokenizer().save_pretrained(base)
-    r = recipe(work, "lora", model={"path": "base"}, lora={"enabled": True})
+    r = recipe(work, "lora", model={"path": "base"}, lora={"enabled": True}, checkpoint={"every_steps": 1})
     proc = run_toolkit("train", r, cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return work / "lora" / "final", base
@@ -70,3 +70,44 @@ def test_a_replaced_base_is_refused_by_merge_generate_and_eval(lora_on_a_folder,
     finally:
         shutil.rmtree(base)
         shutil.copytree(kept, base)
+
+
+def test_a_changed_base_is_refused_on_resume_and_convert_and_a_moved_one_is_not(lora_on_a_folder, work, tmp_path):
+    """Issue 52: a LoRA checkpoint does not carry its frozen base, so the base is an input of every resume. A base
+    folder now holding another model of the same shapes is refused by resume (before the model loads) and by
+    checkpoint convert, in one line naming it; resume_accept_changed=[model] continues with it; the same base
+    copied to another folder resumes (identity by content, not by path)."""
+    from toolkit.config import ModelConfig
+    from toolkit.model.load import build_model
+
+    final, base = lora_on_a_folder
+    run = tmp_path / "run"
+    shutil.copytree(final.parent, run, ignore=shutil.ignore_patterns("final", ".toolkit.lock", "step-000003"))
+    step = run / "checkpoints" / "step-000002"
+    kept = tmp_path / "elsewhere" / "base"
+    shutil.copytree(base, kept)
+    r = recipe(work, "lora", model={"path": "base"}, lora={"enabled": True}, checkpoint={"every_steps": 1})
+    resume = [f"output_dir={run}", "resume=auto"]
+    try:
+        import torch
+
+        torch.manual_seed(123)
+        build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(base)  # another model, same shapes
+        line = user_error_line(run_toolkit("train", r, *resume, cwd=work))
+        assert line.startswith(f"error: resume: the base model (model.path: its weights and config) changed since "
+                               f"{step} was written") and "resume_accept_changed=[model]" in line, line
+        line = user_error_line(run_toolkit("checkpoint", "convert", step, "--out", tmp_path / "merged", cwd=work))
+        assert line.startswith("error: checkpoint convert: the base model (model.path: its weights and config) "
+                               "changed since"), line
+        assert not (tmp_path / "merged").exists()
+        proc = run_toolkit("train", r, *resume, "resume_accept_changed=[model]", cwd=work)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"resumed from {step} at step 2" in proc.stdout, proc.stdout[-3000:]
+    finally:
+        shutil.rmtree(base)
+        shutil.copytree(kept, base)
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints" / "step-000003")
+    proc = run_toolkit("train", r, *resume, f"model.path={kept}", cwd=work)  # the same base, elsewhere
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {step} at step 2" in proc.stdout, proc.stdout[-3000:]

@@ -190,6 +190,8 @@ LONG_CONTEXT = [
     ("offload as a word", ["model.activation_offload=maybe"], "model.activation_offload: expected true/false"),
 ]
 TOKENS_MOE_QLORA = [
+    ("an input resume cannot accept changed", ["resume_accept_changed=[data]"],
+     "resume_accept_changed: each must be one of model, rewards, got ['data']"),
     ("an empty added token", ['model.add_special_tokens=[""]'], "model.add_special_tokens: each token must be"),
     ("a blank added token", ['model.add_special_tokens=["<tool>", " "]'], "model.add_special_tokens: each token must"),
     ("a number as added token", ["model.add_special_tokens=[3]"],

@@ -353,3 +353,48 @@ def test_a_key_added_since_a_checkpoint_resumes_at_its_default_and_is_refused_ot
         check_resumable(saved, TrainerState(recipe={**now, "rl.top_k": 5}, global_batch=8), tmp_path)
     with pytest.raises(ToolkitError, match=r"resume: train.learning_rate was"):  # a key both know still counts
         check_resumable(saved, TrainerState(recipe={**now, "train.learning_rate": 1.0}, global_batch=8), tmp_path)
+
+
+def test_the_reward_code_is_an_input_by_content_and_a_moved_base_is_not_a_change(tmp_path, monkeypatch):
+    """storage/inputs.py (issue 52): an edited reward file changes the run's `rewards` identity and a resume is
+    refused naming it, unless resume_accept_changed lists it; the same file elsewhere is the same identity. A
+    model.path that differs while the base's content identity is the same is no change."""
+    import textwrap
+
+    from toolkit.config import Recipe, RewardConfig
+    from toolkit.errors import ToolkitError
+    from toolkit.storage.checkpoint import TrainerState
+    from toolkit.storage.inputs import identities
+    from toolkit.storage.run_folder import check_resumable, learning_relevant
+    from toolkit.training.rewards import load_rewards
+
+    def rewards_in(folder, body="return [1.0] * len(completions)"):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "judge.py").write_text(textwrap.dedent(f"""
+            def correct(completions, **kwargs):
+                {body}
+            """))
+        return identities(Recipe(), load_rewards([RewardConfig(function=f"{folder / 'judge.py'}:correct"),
+                                                  RewardConfig(function="exact_match")]))
+
+    first = rewards_in(tmp_path / "a")
+    assert set(first) == {"rewards"}
+    assert rewards_in(tmp_path / "b") == first  # the same code at another path
+    edited = rewards_in(tmp_path / "c", "return [0.0] * len(completions)")
+    assert edited != first
+    assert identities(Recipe(), load_rewards([RewardConfig(function="exact_match")])) == {}  # the toolkit's own
+
+    recipe = learning_relevant(Recipe())
+    saved = TrainerState(recipe=recipe, global_batch=8, inputs={**first, "model": "m1"})
+    with pytest.raises(ToolkitError, match=r"^resume: the reward functions' code \(rl.rewards\) changed since .* "
+                                           r"set resume_accept_changed=\[rewards\] to continue with this one$"):
+        check_resumable(saved, TrainerState(recipe=recipe, global_batch=8, inputs={**edited, "model": "m1"}), tmp_path)
+    check_resumable(saved, TrainerState(recipe=recipe, global_batch=8, inputs={**edited, "model": "m1"}), tmp_path,
+                    accept=["rewards"])
+    moved = {**recipe, "model.path": "/models/elsewhere"}
+    check_resumable(saved, TrainerState(recipe=moved, global_batch=8, inputs={**first, "model": "m1"}), tmp_path)
+    with pytest.raises(ToolkitError, match=r"^resume: the base model .* changed since"):
+        check_resumable(saved, TrainerState(recipe=moved, global_batch=8, inputs={**first, "model": "m2"}), tmp_path)
+    older = TrainerState(recipe=recipe, global_batch=8)  # a checkpoint that recorded no inputs: the path decides
+    with pytest.raises(ToolkitError, match=r"^resume: model.path was None when"):
+        check_resumable(older, TrainerState(recipe=moved, global_batch=8, inputs={"model": "m1"}), tmp_path)

@@ -412,6 +412,9 @@ class CheckpointConfig:
     must then use the launch that wrote the checkpoint."""
 
 
+CHANGEABLE_INPUTS = ("model", "rewards")  # storage/inputs.py records each by content
+
+
 @dataclass
 class Recipe:
     output_dir: str = ""
@@ -429,6 +432,11 @@ class Recipe:
     """Let a resume change the global batch (micro_batch_size x gradient_accumulation_steps x
     processes): the data continues at the samples the checkpoint had seen, the schedule at its
     optimizer step (its length from this recipe). Off: another global batch is refused."""
+    resume_accept_changed: list[str] = field(default_factory=list)
+    """Inputs a resume may find changed since its checkpoint: `model` (the base model's weights and
+    config, at model.path) and `rewards` (the code of rl.rewards' functions). Each is recorded by
+    content in every checkpoint; a resume that finds one changed is refused, naming it, unless listed
+    here. The same content at another path is no change."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model and its tokenizer."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -628,6 +636,8 @@ def validate(r: Recipe, source: str) -> None:
     if r.resume not in (None, "auto") and r.resume.startswith("~"):
         r.resume = str(Path(r.resume).expanduser())
     need(0 <= r.seed < 2**32, "seed", f"must be in [0, 2**32), got {r.seed}")
+    need(all(x in CHANGEABLE_INPUTS for x in r.resume_accept_changed), "resume_accept_changed",
+         f"each must be one of {', '.join(CHANGEABLE_INPUTS)}, got {r.resume_accept_changed!r}")
     if r.model.attn_implementation == "flash_attention_2":
         need(importlib.util.find_spec("flash_attn") is not None, "model.attn_implementation",
              f"flash_attention_2 needs the flash-attn package ({command('python -m pip install flash-attn')}, CUDA "

@@ -54,6 +54,9 @@ class TrainerState:
     """How the training state is sharded on disk (the backend's `layout()`); empty in old checkpoints."""
     data_position: list[int] = field(default_factory=lambda: [0, 0])
     """[epoch, samples of its permutation seen]; older checkpoints lack it (then: from step x global batch)."""
+    inputs: dict | None = None
+    """{input: content fingerprint} of what the run learns from besides its data (storage/inputs.py: the base
+    model, the reward functions' code); older checkpoints lack it (then nothing is compared)."""
 
 
 def checkpoint_dir(output_dir: Path) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..config import Recipe, dump_recipe, load_recipe
 from ..errors import ToolkitError
-from . import checkpoint
+from . import checkpoint, inputs
 
 RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model", "tensorboard", "profile",
              "profile.json", "hang", "plot.png"}
@@ -34,8 +34,8 @@ RUN_RESULTS = {"final", "final.tmp", ".del-final", "base-model.tmp", ".del-base-
 # Recipe fields that may change between a run and its resumption (they do not change what is learned;
 # train.loss and its chunk size change only the order of a sum's additions). The global batch is
 # compared on its own: micro_batch_size x gradient_accumulation_steps x processes may be split differently.
-RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "overwrite", "checkpoint",
-                     "train.log_every_steps", "train.sample_prompts",
+RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "resume_accept_changed", "overwrite",
+                     "checkpoint", "train.log_every_steps", "train.sample_prompts",
                      "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
                      "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size",
                      "train.report_to", "train.peak_tflops", "train.profile_steps", "train.watchdog",
@@ -253,7 +253,7 @@ def flat_recipe(recipe: Recipe, leave_out: set[str] = frozenset()) -> dict:
 
 
 def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState, path: Path,
-                    new_global_batch: bool = False) -> bool:
+                    new_global_batch: bool = False, accept: tuple | list = ()) -> bool:
     """Resuming must continue the same run: same data, same recipe, same global batch (unless
     `new_global_batch`: resume_new_global_batch=true). Returns whether the checkpoint was written
     under another layout (another backend, sharding or process count): then its portable state is
@@ -274,11 +274,14 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
     if saved.data_fingerprint != now.data_fingerprint:
         raise ToolkitError(f"resume: the training data changed since {path} was written "
                            f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
+    inputs.check_unchanged(saved.inputs, now.inputs, path, accept)
     defaults = flat_recipe(Recipe())
     for key in sorted(set(saved.recipe or {}) | set(now.recipe or {})):
         before, after = (saved.recipe or {}).get(key), (now.recipe or {}).get(key)
         if key not in (saved.recipe or {}) and key in defaults and after == defaults[key]:
             continue  # a key added since that checkpoint, at its default: what the older toolkit did
+        if key in inputs.PATH_KEYS and inputs.recorded_both(saved.inputs, now.inputs, inputs.PATH_KEYS[key]):
+            continue  # where the input is checked by content, its path may change (models kept elsewhere)
         if before != after:
             raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
                                "a resumed run must keep its recipe")
@@ -291,7 +294,7 @@ def resume(backend, path: Path, now: checkpoint.TrainerState, model, optimizer, 
     state when it was written under another) and return the counters to continue from."""
     accelerator = backend.accelerator
     saved = checkpoint.read_state(path, rows)
-    moved = check_resumable(saved, now, path, recipe.resume_new_global_batch)
+    moved = check_resumable(saved, now, path, recipe.resume_new_global_batch, recipe.resume_accept_changed)
     state = checkpoint.load(backend, path, now, moved, model, optimizer, scheduler, rows)
     accelerator.print(f"resumed from {path} at step {state.step}" + (
         f" (written by {saved.world_size} process(es) under {saved.layout or saved.launch}: its portable state)"
@@ -358,7 +361,7 @@ def write_manifest(path: Path, recipe: Recipe, state: checkpoint.TrainerState, d
         except md.PackageNotFoundError:
             versions[name] = None
     manifest.update(recipe=recipe.to_dict(), global_batch_size=state.global_batch, world_size=state.world_size,
-                    dataset_fingerprint=state.data_fingerprint)
+                    dataset_fingerprint=state.data_fingerprint, inputs=state.inputs)
     manifest["launches"].append({
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv, "launch": state.launch,
         "world_size": state.world_size, "layout": state.layout, "summary": list(summary),

@@ -45,7 +45,7 @@ from ..observe import measure
 from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..stops import Preemption
-from ..storage import checkpoint, disk, run_folder
+from ..storage import checkpoint, disk, inputs, run_folder
 from . import objectives, online, reference
 from .loop import Run
 from .loss import has_router, use_token_loss
@@ -63,6 +63,10 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     resume_from = run_folder.open_run(accelerator, recipe, lock)
     check_data(recipe)
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
+    identities = inputs.identities(recipe, rewards or [])  # by content: a changed base is refused before it loads
+    if resume_from is not None:
+        inputs.check_unchanged(checkpoint.read_state(resume_from).inputs, identities, resume_from,
+                               recipe.resume_accept_changed)
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
@@ -70,7 +74,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     objective = setup_objective(backend, recipe, built.model, log, tokenizer, rewards)
     data = setup_data(recipe, tokenizer, built.packing, accelerator, preemption, lock, log)
     loaders = setup_loaders(backend, recipe, data, tokenizer, built)
-    state = setup_state(backend, recipe, data, loaders, resume_from)
+    state = setup_state(backend, recipe, data, loaders, resume_from, identities)
     optimizer, scheduler, ds_config = setup_optimizer(backend, built.model, recipe, loaders.total_steps)
     train_loader = backend.prepare_train_loader(loaders.train)  # the loop moves batches itself, after counting
     faults.at("prepare")
@@ -307,14 +311,15 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
 
 
 def setup_state(backend: backends.Backend, recipe: Recipe, data: Datasets, loaders: Loaders,
-                resume_from: Path | None) -> checkpoint.TrainerState:
+                resume_from: Path | None, identities: dict[str, str]) -> checkpoint.TrainerState:
     """The training state at step 0; a checkpoint this launch cannot continue is refused now, before any work."""
     state = checkpoint.TrainerState(world_size=backend.accelerator.num_processes, global_batch=loaders.global_batch,
                                     launch=backend.kind, data_fingerprint=data.train_fingerprint,
-                                    recipe=run_folder.learning_relevant(recipe), layout=backend.layout())
+                                    recipe=run_folder.learning_relevant(recipe), layout=backend.layout(),
+                                    inputs=identities)
     if resume_from is not None:
         run_folder.check_resumable(checkpoint.read_state(resume_from), state, resume_from,
-                                   recipe.resume_new_global_batch)
+                                   recipe.resume_new_global_batch, recipe.resume_accept_changed)
     return state
 
 

@@ -63,7 +63,13 @@ def run(args) -> int:
     dtype = args.dtype or recipe.model.dtype
     if args.adapter and not recipe.lora.enabled:
         raise ToolkitError(f"checkpoint convert: --adapter is for LoRA runs; {run_dir} fine-tunes the full model")
-    step = checkpoint.read_state(source).step
+    saved = checkpoint.read_state(source)
+    step = saved.step
+    if saved.inputs and "model" in saved.inputs:  # the base it trained on, by content, wherever it lives now
+        from ..storage import inputs
+
+        inputs.check_unchanged({"model": saved.inputs["model"]}, inputs.identities(recipe), source,
+                               verb="checkpoint convert")
     print(f"checkpoint convert: step {step} of {run_dir} ({'LoRA' if recipe.lora.enabled else 'full'}), "
           f"from {portable.relative_to(source)}")
     if recipe.lora.enabled and not args.adapter:
