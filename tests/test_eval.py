@@ -114,6 +114,35 @@ def test_answers_scored_exact_and_contains(answers_run, answers_model, tmp_path,
     assert own["scored"] == len(rows) and own["correct"] == shouts > 0
 
 
+def test_prompt_rows_are_scored_by_reward_functions(answers_run, answers_model, tmp_path, capsys):
+    """Online RL's prompt rows (issue 52: refused before): each greedy answer, as a plain greedy generate gives it, is
+    scored as training scores a completion (TRL's call: the row's other columns as keywords); the mean total and each
+    function's mean are reported. Without a reward function, one line says how to give one."""
+    model, tokenizer = answers_model
+    eval_file = answers_eval_file(answers_run)
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()][:4]
+    prompts = [f"{r['instruction']}" for r in rows]
+    answers = generate_answers(model, tokenizer, prompts, chat_template=False, max_new_tokens=16)
+    data = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"prompt": p, "answer": a.strip() if i % 2 == 0 else "~never said~"}
+        for i, (p, a) in enumerate(zip(prompts, answers))])
+    judge = tmp_path / "judge.py"
+    judge.write_text("def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    final = answers_run / "final"
+    result = evaluate(capsys, tmp_path, final, "--data", data, "--max-new-tokens", 16, "--reward", "exact_match",
+                      "--reward", f"{judge}:length")
+    assert result["format"] == "prompt" and result["loss"] is None
+    rewards = result["rewards"]
+    assert [r["answer"] for r in rewards["records"]] == answers
+    exact = [1.0 if i % 2 == 0 else 0.0 for i in range(4)]
+    assert rewards["per_function"]["exact_match"] == pytest.approx(sum(exact) / 4)
+    assert rewards["per_function"][f"{judge}:length"] == pytest.approx(sum(len(a) for a in answers) / 4)
+    assert rewards["mean"] == pytest.approx(sum(e + len(a) for e, a in zip(exact, answers)) / 4)
+    assert rewards["scored"] == rewards["answers"] == 4
+    line = refused(capsys, "eval", final, "--data", data)
+    assert line.startswith(f"error: --data {data}: prompt rows are scored by reward functions; give --reward"), line
+
+
 def test_json_output_and_text_format(answers_run, tmp_path, capsys):
     """--json prints the results (summary on stderr); text rows are scored for loss only."""
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": "Sort the letters. abc"}, {"text": "hello world"}])

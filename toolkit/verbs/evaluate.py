@@ -31,7 +31,7 @@ from pathlib import Path
 from ..errors import ToolkitError
 from ..storage.disk import check_writable, write_file
 
-FORMATS = ("alpaca", "messages", "text", "preference")
+FORMATS = ("alpaca", "messages", "text", "preference", "prompt")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
 EXAMPLES = 3  # right and wrong answers each, shown in the summary and kept in the JSON
 
@@ -55,6 +55,10 @@ def add_arguments(p) -> None:
     p.add_argument("--answers", choices=("exact", "contains", "none"), default="exact",
                    help="score generated answers by exact match after strip (default), by containing the "
                         "reference, or not at all")
+    p.add_argument("--reward", action="append", default=None, metavar="FUNCTION",
+                   help="prompt rows (online RL's format): score each greedy answer with this reward function, as "
+                        "rl.rewards names one (path/to/file.py:name, module:name, exact_match, numeric_match); "
+                        "repeat for several. Default: the run's rl.rewards when MODEL_DIR is a run's final/")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                    help="at most this many tokens per answer (128)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N rows")
@@ -83,6 +87,7 @@ def run(args) -> int:
     source = resolve_sources([args.data], DataConfig(format=args.format or "text"), "--data")[0]
     source.format = args.format or infer_format(source)
     max_seq_len, train_on_prompt, origin = run_settings(args.model)
+    rewards = prompt_rewards(args) if source.format == "prompt" else None  # imported before the model loads
     if args.max_seq_len is not None:
         max_seq_len, origin = args.max_seq_len, None
     train_on_prompt = args.train_on_prompt or train_on_prompt
@@ -105,6 +110,8 @@ def run(args) -> int:
     if parts is None:  # not the main process
         return 0
     result = results(args, parts, rows, source.format, max_seq_len, train_on_prompt)
+    if rewards is not None:
+        result["rewards"] = scored(rewards, [r for p in parts for r in p["records"]], rows, where)
     text = summary(result, origin)
     if args.out:
         out = Path(args.out)
@@ -130,8 +137,11 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
                                           trust_remote_code=args.trust_remote_code)
     error, examples, questions = None, [], []
     try:
-        examples, questions = prepare_rows(rows, range(rank, len(rows), world),  # EvalShardSampler's split
-                                           where, fmt, tokenizer, max_seq_len, train_on_prompt, args.answers != "none")
+        if fmt == "prompt":
+            questions = prompt_questions(rows, range(rank, len(rows), world), where, tokenizer)
+        else:  # EvalShardSampler's split
+            examples, questions = prepare_rows(rows, range(rank, len(rows), world), where, fmt, tokenizer,
+                                               max_seq_len, train_on_prompt, args.answers != "none")
     except ToolkitError as e:
         error = str(e)
     if state:  # every process stops on the first one's error, so none waits in a collective below
@@ -141,6 +151,18 @@ def measure(args, state, rows: list[dict], where, fmt: str, max_seq_len: int, tr
     if error is not None:
         raise ToolkitError(error)
 
+    if fmt == "prompt":  # no targets: a greedy answer per prompt, scored by the reward functions on the main process
+        answers = generate_texts(model, tokenizer, [q["text"] for q in questions],
+                                 add_bos=[not q["chat"] for q in questions], max_new_tokens=args.max_new_tokens,
+                                 batch_size=args.batch_size, progress="eval answers" if bars and questions else None)
+        part = {"loss_sum": 0.0, "targets": 0, "truncated": 0,
+                "records": [{"row": q["row"], "answer": answer} for q, (answer, _) in zip(questions, answers)]}
+        if state is None:
+            return [part]
+        from accelerate.utils import gather_object
+
+        parts = gather_object([part])
+        return parts if state.is_main_process else None
     if fmt == "preference":
         part = pair_sums(model, tokenizer, examples, args.batch_size, bars)
         part["truncated"] = sum(e["full_length"] > max_seq_len for e in examples[::2])
@@ -189,7 +211,7 @@ def results(args, parts: list[dict], rows: list, fmt: str, max_seq_len: int, tra
             "reward_accuracy": sum(p["reward_preferred"] for p in parts) / pairs if pairs and with_reference else None,
             "mean_log_ratio_margin": sum(p["margin_sum"] for p in parts) / pairs if pairs and with_reference else None}
         return result
-    if args.answers != "none":
+    if args.answers != "none" and fmt != "prompt":
         records = sorted((r for p in parts for r in p["records"]), key=lambda r: r["row"])
         correct = sum(r["correct"] for r in records)
         shown = [r for r in records if r["correct"]][:EXAMPLES] + [r for r in records if not r["correct"]][:EXAMPLES]
@@ -244,9 +266,11 @@ def infer_format(source) -> str:
         return "text"
     if {"chosen", "rejected"} <= keys:
         return "preference"
+    if "prompt" in keys:
+        return "prompt"
     raise ToolkitError(f"{source.name}: cannot tell the format from the first row's keys "
-                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages, text or "
-                       "preference")
+                       f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages, text, "
+                       "preference or prompt")
 
 
 def read_rows(source, cache: Path, limit: int | None):
@@ -293,6 +317,20 @@ def prepare_rows(rows: list[dict], indices, where, fmt: str, tokenizer, max_seq_
     return examples, questions
 
 
+def prompt_questions(rows: list[dict], indices, where, tokenizer) -> list[dict]:
+    """This rank's prompt rows rendered as online RL renders them (data.tokenize.prompt_example)."""
+    from ..data.tokenize import prompt_example
+
+    questions = []
+    for i in indices:
+        try:
+            text, _, chat = prompt_example(rows[i], tokenizer)
+        except ToolkitError as e:
+            raise ToolkitError(f"{where(i)}: {e}") from None
+        questions.append({"row": i + 1, "text": text, "chat": chat})
+    return questions
+
+
 def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
     """{text: what to generate from (specials written out, as training renders it), prompt: the
     question in short, reference: the expected answer}, or None for a row without a reference."""
@@ -316,6 +354,50 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         prompt = next((m["content"] for m in reversed(messages[:-1]) if m["role"] == "user"), "")
         return {"text": text, "prompt": prompt, "reference": messages[-1]["content"]}
     return None
+
+
+def prompt_rewards(args) -> list:
+    """The reward functions prompt rows are scored with: --reward, else the run's rl.rewards (MODEL_DIR a run's
+    final/), imported now; none is one line."""
+    from ..config import RewardConfig, load_recipe
+    from ..training.rewards import load_rewards
+
+    entries = [RewardConfig(function=f) for f in args.reward or []]
+    config = Path(args.model).expanduser().resolve().parent / "config.yaml"
+    if not entries and config.is_file():
+        try:
+            entries = load_recipe(config).rl.rewards
+        except ToolkitError:
+            pass
+    if not entries:
+        raise ToolkitError(f"--data {args.data}: prompt rows are scored by reward functions; give --reward FUNCTION "
+                           "(path/to/file.py:name, module:name, exact_match or numeric_match), or evaluate the "
+                           "final/ of a run that has rl.rewards")
+    return load_rewards(entries)
+
+
+def scored(rewards: list, records: list[dict], rows: list[dict], where) -> dict:
+    """Each greedy answer scored as training scores a completion (rewards.score: TRL's call, None as no opinion):
+    the mean total over the scored answers and each function's mean, with the best and worst answers."""
+    from ..training.rewards import score
+
+    records = sorted(records, key=lambda r: r["row"])
+    picked = [rows[r["row"] - 1] for r in records]
+    total, per_function = score(rewards, [row["prompt"] for row in picked], [r["answer"] for r in records],
+                                [{k: v for k, v in row.items() if k != "prompt"} for row in picked], step=0,
+                                rows=[where(r["row"] - 1) for r in records])
+    for r, value in zip(records, total.tolist()):
+        r["reward"] = None if math.isnan(value) else value
+        prompt = rows[r["row"] - 1]["prompt"]
+        r["prompt"] = prompt if isinstance(prompt, str) else next(
+            (m.get("content", "") for m in reversed(prompt) if m.get("role") == "user"), "")
+    ok = ~total.isnan()
+    ranked = sorted((r for r in records if r["reward"] is not None), key=lambda r: -r["reward"])
+    return {"functions": [r.name for r in rewards], "answers": len(records), "scored": int(ok.sum()),
+            "mean": float(total[ok].mean()) if ok.any() else None,
+            "per_function": {name: float(v[~v.isnan()].mean()) if (~v.isnan()).any() else None
+                             for name, v in per_function.items()},
+            "examples": ranked[:EXAMPLES] + ranked[EXAMPLES:][-EXAMPLES:], "records": records}
 
 
 def run_settings(model: str) -> tuple[int, bool, str | None]:
@@ -442,6 +524,18 @@ def summary(result: dict, origin: str | None) -> str:
                 line += (f" | reward accuracy against the base {pref['reward_accuracy']:.1%}, mean log-ratio margin "
                          f"{pref['mean_log_ratio_margin']:.4f}")
             lines.append(line)
+    rewards = result.get("rewards")
+    if rewards is not None:
+        if rewards["mean"] is None:
+            lines.append(f"reward   none: {', '.join(rewards['functions'])} scored none of {rewards['answers']:,} "
+                         "answers (None for every one)")
+        else:
+            each = ", ".join(f"{name} {v:.4f}" if v is not None else f"{name} none"
+                             for name, v in rewards["per_function"].items())
+            lines.append(f"reward   {rewards['mean']:.4f}: the mean over {rewards['scored']:,} of "
+                         f"{rewards['answers']:,} greedy answers ({each})")
+            for r in rewards["examples"]:
+                lines.append(f"  {r['reward']:+.3f} row {r['row']}: {r['prompt'][:60]!r} -> {r['answer'][:60]!r}")
     answers = result["answers"]
     if answers is not None:
         if not answers["scored"]:
