@@ -217,7 +217,9 @@ def test_a_careless_recipe_is_refused_in_one_line(tmp_path, cli, monkeypatch, ba
     write_jsonl(tmp_path / "pairs.jsonl", pair_rows(4))
     before = snapshot(tmp_path)
     line = one_line(*cli("train", path, *overrides)[::2])
-    assert line.startswith(f"error: {path}: ") and expected in line, line
+    # a mistake at a key an override set is the command line's (issue 53), any other the recipe file's
+    source = next((f"command line ({o})" for o in overrides if f" {o.partition('=')[0]}: " in line), str(path))
+    assert line.startswith(f"error: {source}: ") and expected in line, line
     assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
 
 
@@ -282,6 +284,19 @@ def test_the_planning_verbs_refuse_what_the_launch_refuses(tmp_path, cli, monkey
     line = one_line(*cli(*args)[::2])
     assert expected in line, line
     assert snapshot(tmp_path) == before
+
+
+def test_config_without_show_and_with_the_launchers_flag_name_do_what_was_meant(tmp_path, cli, monkeypatch):
+    """Issue 53: `toolkit config RECIPE` (the one action left out) shows the recipe; `--config_file`, the flag
+    `accelerate launch` and `toolkit estimate` use for the same file, works as --accelerate-config."""
+    monkeypatch.chdir(ROOT)
+    path = recipe(tmp_path, "sft")
+    code, out, err = cli("config", path)
+    assert code == 0 and "output_dir:" in out, err
+    code, plain, err = cli("config", "show", path, "--accelerate-config", ROOT / "accelerate_configs" / "ddp.yaml")
+    assert code == 0, err
+    code, same, err = cli("config", path, "--config_file", ROOT / "accelerate_configs" / "ddp.yaml")
+    assert code == 0 and same == plain and "accelerate_configs/ddp.yaml: ddp, 8 process(es)" in same, err
 
 
 # --------------------------------------------------------------------- checkpoint convert of what is no checkpoint

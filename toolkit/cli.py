@@ -63,20 +63,31 @@ def main(argv: list[str] | None = None) -> int:
     preemption = Preemption(STOP_TEXTS[command]) if command in STOP_TEXTS else None
     parser = argparse.ArgumentParser(prog="toolkit", description="Fine-tune causal LMs with one Accelerate loop.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train from a YAML recipe")
-    train.add_argument("recipe")
+    train = sub.add_parser(
+        "train", help="train from a YAML recipe",
+        description="Train from a YAML recipe on one process; on several GPUs (DDP, FSDP, DeepSpeed): "
+                    "accelerate launch --config_file LAUNCH.yaml -m toolkit train RECIPE.yaml [key=value ...]")
+    train.add_argument("recipe", help="the recipe (YAML); every key: docs/recipe-keys.md")
     train.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=20")
-    show = sub.add_parser("config", help="inspect configs without training")
-    show.add_argument("action", choices=["show"])
-    show.add_argument("recipe")
-    show.add_argument("overrides", nargs="*")
-    show.add_argument("--accelerate-config", help="an accelerate launch config (YAML) to resolve against the recipe")
-    show.add_argument("--num-processes", type=int, default=None)
+    show = sub.add_parser("config", help="inspect configs without training",
+                          description="The recipe as the run will read it (every default filled in); with "
+                                      "--accelerate-config, the launch it makes and whether it fits.")
+    show.add_argument("action", choices=["show"], help="show (the only action; `toolkit config RECIPE` means it)")
+    show.add_argument("recipe", help="the recipe (YAML)")
+    show.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=20")
+    show.add_argument("--accelerate-config", "--config_file", dest="accelerate_config",
+                      help="an accelerate launch config (YAML) to resolve against the recipe (the file "
+                           "`accelerate launch --config_file` takes)")
+    show.add_argument("--num-processes", type=int, default=None,
+                      help="processes the launch starts (default: the accelerate config's num_processes)")
     show.add_argument("--assume-gpu", action="store_true", help="judge the launch as on a CUDA host (from a laptop)")
     for name, (_, text) in VERBS.items():  # only the verb being run is imported (doctor imports torch)
         verb_parser = sub.add_parser(name, help=text, description=text)
         if name == command:
             verb_module(name).add_arguments(verb_parser)
+    if command == "config" and len(argv) > argv.index("config") + 1 and argv[argv.index("config") + 1] not in (
+            "show", "-h", "--help"):  # `toolkit config RECIPE`: the one action is meant
+        argv.insert(argv.index("config") + 1, "show")
     args = parser.parse_args(argv)
     try:
         if args.command in VERBS:

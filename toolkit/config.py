@@ -24,7 +24,7 @@ from .errors import ToolkitError, command
 
 class ConfigError(ToolkitError):
     def __init__(self, source: str, key: str, message: str):
-        self.source, self.key = source, key
+        self.source, self.key, self.message = source, key, message
         super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
 
 
@@ -481,10 +481,17 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise ConfigError(source, "", f"{where}invalid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(data, dict):
         raise ConfigError(source, "", "a recipe must be a mapping of keys to values")
+    given = {}  # key -> the override that set it: a mistake there is the command line's, not the file's
     for item in overrides:
         _apply_override(data, item)
-    recipe = _build(Recipe, data, "", source)
-    validate(recipe, source)
+        given[item.partition("=")[0]] = item
+    try:
+        recipe = _build(Recipe, data, "", source)
+        validate(recipe, source)
+    except ConfigError as e:
+        if e.key not in given:
+            raise
+        raise ConfigError(f"command line ({given[e.key]})", e.key, e.message) from None
     return recipe
 
 
