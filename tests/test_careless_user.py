@@ -107,6 +107,7 @@ RL = [
     ("top_p 0", ["rl.top_p=0"], "rl.top_p: must be in (0, 1], got 0.0"),
     ("negative top_k", ["rl.top_k=-1"], "rl.top_k: must be 0 (off) or a number of tokens, got -1"),
     ("top_k as a fraction", ["rl.top_k=0.5"], "rl.top_k: expected an integer"),
+    ("repetition_penalty 0", ["rl.repetition_penalty=0"], "rl.repetition_penalty: must be above 0 (1: off), got 0"),
     ("negative max_unscored_steps", ["rl.max_unscored_steps=-1"],
      "rl.max_unscored_steps: must be 0 (never stop) or more, got -1"),
     ("min_p above 1", ["rl.min_p=2"], "rl.min_p: must be in [0, 1], got 2.0"),

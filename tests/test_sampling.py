@@ -133,3 +133,29 @@ def test_the_cuts_are_transformers_warpers_in_their_order(temperature, top_k, to
     torch.testing.assert_close(got.softmax(-1), want.softmax(-1))
     if top_k or top_p < 1 or min_p:
         assert got.isinf().any()  # the cuts cut something here
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3, 0.8])
+def test_repetition_penalty_is_transformers_processor_and_generate_greedy_agrees(penalty):
+    """rl.repetition_penalty (TRL's): the penalised logits equal transformers' RepetitionPenaltyLogitsProcessor over
+    the tokens a row holds, and greedy sampling with it gives the tokens transformers' generate gives with it, prompt
+    by prompt (no padding there), while the batch here is left-padded: padding is never penalised."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from toolkit.model.sampling import penalised
+
+    logits = 3 * torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    held = torch.tensor([[5, 9, 9, 40], [7, 7, 7, 7]])
+    want = RepetitionPenaltyLogitsProcessor(penalty)(held, logits.clone()) if penalty != 1.0 else logits
+    seen = torch.zeros(2, VOCAB, dtype=torch.bool).scatter_(1, held, True)
+    torch.testing.assert_close(penalised(logits, seen, penalty), want, rtol=0, atol=0)
+
+    model, prompts = model_and_prompts()
+    got = sample(model, prompts, None, max_new_tokens=12, stop_ids=[2], pad_id=0, repetition_penalty=penalty)
+    for prompt, completion in zip(prompts, got):
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, repetition_penalty=penalty, eos_token_id=2,
+                             pad_token_id=0)
+        assert out[0, len(prompt):].tolist()[:len(completion)] == completion
+    if penalty > 1:  # the penalty changes what is drawn here (the check can fail)
+        assert got != sample(model, prompts, None, max_new_tokens=12, stop_ids=[2], pad_id=0)

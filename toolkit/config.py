@@ -391,6 +391,10 @@ class RLConfig:
     min_p: Optional[float] = None
     """Only tokens at least min_p times as likely as the most likely one are drawn from (None: off), as
     TRL's min_p. The cuts apply in transformers' order: temperature, top_k, top_p, min_p."""
+    repetition_penalty: float = 1.0
+    """Sampling only, as TRL's repetition_penalty: the logits of tokens a completion's prompt or the
+    completion so far holds are divided by it where positive and multiplied where negative (above 1
+    discourages repeats; 1: off). The log-probabilities the loss uses are not penalised, as in TRL."""
     rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
     """The reward functions (see RewardConfig): names, or mappings with a weight."""
     max_unscored_steps: int = 5
@@ -878,6 +882,7 @@ def validate_rl(r: Recipe, need) -> None:
          f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
     need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
     need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
+    need(rl.repetition_penalty > 0, "rl.repetition_penalty", f"must be above 0 (1: off), got {rl.repetition_penalty}")
     need(rl.max_unscored_steps >= 0, "rl.max_unscored_steps", f"must be 0 (never stop) or more, got "
          f"{rl.max_unscored_steps}")
     need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")

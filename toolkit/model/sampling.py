@@ -30,9 +30,11 @@ def completion_seed(*parts: int) -> int:
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_tokens: int, stop_ids: list[int],
            pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float | None = None,
-           synced=None) -> list[list[int]]:
+           repetition_penalty: float = 1.0, synced=None) -> list[list[int]]:
     """The completion of each prompt (token ids, its stop token included where it stopped). `seeds`:
-    one per prompt; None: greedy. `model`: the module itself (not a DDP or DeepSpeed wrapper)."""
+    one per prompt; None: greedy. `model`: the module itself (not a DDP or DeepSpeed wrapper).
+    `repetition_penalty`: each row's tokens seen so far (its prompt's and completion's, not padding)
+    penalised as transformers' RepetitionPenaltyLogitsProcessor does, before the cuts."""
     device = next(model.parameters()).device
     n, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -52,13 +54,21 @@ def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_
     done = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     cache, step_ids = None, ids
+    seen = None  # repetition_penalty: (rows, vocabulary) counts of the tokens each row holds, on the device
     for t in range(max_new_tokens):
         result = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                        **{cache_key: cache}, **keep_last)
         cache = result.past_key_values
         logits = result.logits[:, -1].float()
+        if repetition_penalty != 1.0:
+            if seen is None:  # the logits' width: a sharded output layer's weight does not show it
+                seen = torch.zeros(logits.shape, dtype=torch.int32, device=device)
+                seen.scatter_add_(1, ids, mask.to(torch.int32))  # a repeated index adds; padding adds 0
+            logits = penalised(logits, seen > 0, repetition_penalty)
         chosen = pick(logits, generators, temperature, top_p, top_k, min_p)
         chosen[done] = pad_id
+        if seen is not None:
+            seen.scatter_add_(1, chosen[:, None], (~done[:, None]).to(torch.int32))
         out[:, t] = chosen
         lengths += ~done
         done |= torch.isin(chosen, stops)
@@ -69,6 +79,12 @@ def sample(model, prompts: list[list[int]], seeds: list[int] | None, *, max_new_
         positions = positions[:, -1:] + 1
     out, lengths = out.cpu(), lengths.cpu()
     return [out[i, :int(lengths[i])].tolist() for i in range(n)]
+
+
+def penalised(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The logits of tokens already seen divided by `penalty` where positive, multiplied where negative
+    (transformers' RepetitionPenaltyLogitsProcessor, TRL's repetition_penalty)."""
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def pick(logits: torch.Tensor, generators: list[torch.Generator] | None, temperature: float,

@@ -69,6 +69,7 @@ class GroupRL(Objective):
                 f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
                 + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
                 + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
+                + (f", repetition_penalty {c.repetition_penalty:g}" if c.repetition_penalty != 1 else "")
                 + f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]; advantages scaled by the "
                 + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
                 + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
@@ -202,7 +203,7 @@ class GroupRL(Objective):
                     return sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens,
                                   stop_ids=self.stops, pad_id=pad, temperature=self.cfg.temperature,
                                   top_p=self.cfg.top_p, top_k=self.cfg.top_k, min_p=self.cfg.min_p,
-                                  synced=self.all_done)
+                                  repetition_penalty=self.cfg.repetition_penalty, synced=self.all_done)
             finally:
                 module.train(was_training)
 
