@@ -50,6 +50,7 @@ def test_loop_speed_benchmark_runs(case):
     assert lines[-1].startswith("| ") and lines[-1].count("|") == 16  # the NOTES.md row
 
 
+@pytest.mark.slow  # by hand before a GPU lease (gpu_check's last piece); 64 s in CI was over its budget
 def test_long_context_benchmark_runs():
     """benchmarks/long_context.py at a tiny size: checkpointing and tiled MLP + offload, on one process
     and with each sequence split across 2 (sp 2); the script itself exits 1 if any variant's losses
@@ -88,6 +89,7 @@ def test_grpo_speed_benchmark_runs(tmp_path):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # by hand; --lora with a bf16 base runs in CI (case lora_bf16_base)
 def test_loop_speed_benchmark_runs_on_a_model_folder_with_lora(tmp_path, real_model_dir):
     """loop_speed.py --model --lora --threads on a folder with SmolLM2's tokenizer (chat template with a
     system prompt, end-of-turn padding) and a tiny random Llama of its vocabulary: the one-token-word

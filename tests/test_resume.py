@@ -136,7 +136,12 @@ def uninterrupted(workdir, layout_runs):
     return get
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# CI kills and resumes one process (LoRA with dropout), DDP on packed rows, FSDP, ZeRO-3 and sequence parallel; the
+# plain single, DDP and ZeRO-2 cases run by hand (`-m slow`), within CI's 60 minutes (2026-11-28).
+BY_HAND = {"single", "ddp", "zero2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in BY_HAND else n for n in CASES])
 def test_sigkill_at_a_random_step_resumes_identically(name, workdir, uninterrupted):
     """Killed between the first complete checkpoint (step 2, written before step 3 is logged) and
     the end, so there is always a checkpoint to resume from. A fast run may get past the last
