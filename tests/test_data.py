@@ -341,3 +341,38 @@ def test_save_to_disk_folders_and_sharegpt_rows_train(work, tmp_path):
                                        f"data.train_files=[{{path: {tmp_path / 'saved'}, split: validation}}]",
                                        "data.format=messages", "data.eval_files=[]"))
     assert "has splits train, test; no split 'validation'" in line
+
+
+# A template of the shape of Mistral's newer ones (written for this test, not copied): the system message is
+# rendered inside the last user turn only, so the conversation up to one turn is no prefix of the whole.
+SYSTEM_IN_LAST_USER_TURN = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST]' + system_message + '\\n\\n' + message['content']"
+    " + '[/INST]' }}{%- else %}{{- '[INST]' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+
+
+def test_a_template_that_moves_the_system_message_trains_each_turn_as_it_is_answered():
+    """Issue 52: a Mistral chat with a system turn was refused ("does not render turns as prefixes of each
+    other"). Each assistant turn is now an example of its own: the conversation before it as the model sees it
+    when answering (the system message in that turn's user message), its content and end of turn the targets."""
+    from test_label_property import target_text
+
+    from toolkit.data.tokenize import tokenize_examples
+
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = SYSTEM_IN_LAST_USER_TURN
+    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token
+    row = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sum 2 2"},
+                        {"role": "assistant", "content": "4"}]}
+    examples = tokenize_examples(row, "messages", tokenizer, 256, False)
+    assert [target_text(tokenizer, e) for e in examples] == [f"Hello.{eos}", f"4{eos}"]
+    texts = [tokenizer.decode(e["input_ids"]) for e in examples]
+    assert texts == [f"{bos}[INST]Be brief.\n\nHi[/INST]Hello.{eos}",
+                     f"{bos}[INST]Hi[/INST]Hello.{eos}[INST]Be brief.\n\nSum 2 2[/INST]4{eos}"]
+    row["messages"][2]["tool_calls"] = [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+    with pytest.raises(ToolkitError, match="assistant turn 2 is not text content alone"):
+        tokenize_examples(row, "messages", tokenizer, 256, False)

@@ -460,9 +460,8 @@ def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, lis
             continue
         before = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
         upto = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
-        if not upto.startswith(before):
-            raise ToolkitError("data.format=messages: the tokenizer's chat template does not render turns "
-                               "as prefixes of each other, so assistant turns cannot be located")
+        if not upto.startswith(before):  # the template moves text between turns: find each turn in the whole
+            return located_examples(messages, tools, tokenizer)
         turns.append((len(before), len(upto), upto))
     whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)  # a template's own refusal first
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
@@ -479,6 +478,37 @@ def chat_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, lis
         examples.append((text, [(a, b) for a, b, _ in alike], True))
         turns = [t for t in turns if t not in alike]
     return examples[::-1]
+
+
+TURN_MARK = "TOOLKIT-ASSISTANT-TURN-MARK"
+NOT_LOCATED = ("data.format=messages: the tokenizer's chat template does not render turns as prefixes of each "
+               "other, and assistant turn {i} is not text content alone, so its targets cannot be located")
+
+
+def located_examples(messages: list[dict], tools, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """For a template that moves text between turns, so that the conversation up to a turn is no prefix of the
+    whole (Mistral's newer templates put the system message into the last user turn only): each assistant turn
+    is an example of its own, as the model sees it when it answers that turn. Its prompt is the conversation
+    before it rendered for generation; its targets, the turn's content as written and what the template closes
+    an assistant turn with (what follows a mark put in place of the content when the conversation ends there).
+    A turn with reasoning or tool calls, which render around its content, is refused (NOT_LOCATED)."""
+    def render(msgs, prompt=False):
+        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=prompt)
+
+    examples = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        content = m.get("content")
+        around = m.get("tool_calls") or any(m.get(k) for k in REASONING_FIELDS)
+        ending = render([*messages[:i], {**m, "content": TURN_MARK}])
+        if around or not isinstance(content, str) or not content or TURN_MARK not in ending:
+            raise ToolkitError(NOT_LOCATED.format(i=i))
+        before = render(messages[:i], prompt=True)
+        check_rendered(messages[:i], before, "messages")  # a field the template leaves out is refused, not lost
+        text = before + content + ending[ending.index(TURN_MARK) + len(TURN_MARK):]
+        examples.append((text, [(len(before), len(text))], True))
+    return examples
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names a turn's reasoning comes under
