@@ -484,3 +484,25 @@ def test_model_recipe_trains_at_toy_size(name, family_dir, tmp_path):
     log = proc.stdout + proc.stderr
     if recipe["lora"]["enabled"] and RECIPE_FAMILY[name] == "qwen3-moe":
         assert "experts: all" in log and "router: load-balancing loss x 0.001" in log, log[-3000:]
+
+
+def test_a_family_without_sdpa_loads_with_eager_attention(tmp_path):
+    """Issue 52: gpt-oss under the default attention (sdpa) failed inside transformers ("does not support an
+    attention implementation through torch.nn.functional.scaled_dot_product_attention yet"): its class takes no
+    sdpa (attention sinks), so it loads with eager attention (build.setup_model says so) and runs."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from toolkit.config import ModelConfig
+    from toolkit.model.load import build_model
+
+    config = GptOssConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256)
+    GptOssForCausalLM(config).save_pretrained(tmp_path / "gpt-oss")
+    model = build_model(ModelConfig(path=str(tmp_path / "gpt-oss")))
+    assert model.config._attn_implementation == "eager"
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 300)
+    build_model(ModelConfig(preset="tiny-llama-mini")).save_pretrained(tmp_path / "llama")
+    llama = build_model(ModelConfig(path=str(tmp_path / "llama")))  # a family that takes sdpa keeps it
+    assert llama.config._attn_implementation == "sdpa"

@@ -182,6 +182,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
     else:
         folder = resolve_model(cfg.path, cfg.revision)
         quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
+        attn = family_attention(cfg, folder, attn)
         try:
             if config_overrides(cfg):
                 config = AutoConfig.from_pretrained(folder, local_files_only=True,
@@ -242,6 +243,21 @@ def one_4bit_path(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def family_attention(cfg: ModelConfig, folder: str, attn: str) -> str:
+    """sdpa, or eager for a family whose transformers class does not take sdpa (gpt-oss: its attention
+    sinks), instead of transformers' refusal; build.setup_model says so."""
+    if attn != "sdpa":
+        return attn
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (OSError, ValueError, KeyError):  # from_pretrained names what is wrong
+        return attn
+    return "eager" if getattr(cls, "_supports_sdpa", True) is False else attn
 
 
 def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> ToolkitError:

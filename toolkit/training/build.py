@@ -153,6 +153,8 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
                                      "packed documents split across ranks; sequence-parallel attention takes no mask)"))
     faults.at("model")
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    if model_cfg.attn_implementation == "sdpa" and model.config._attn_implementation == "eager":
+        log(f"attention: eager ({model.config.model_type} does not take sdpa in transformers)")
     backend.check_model(model, recipe)
     if recipe.model.tiled_mlp:
         row = longest_row(recipe)
