@@ -403,3 +403,41 @@ def test_the_reward_code_is_an_input_by_content_and_a_moved_base_is_not_a_change
     older = TrainerState(recipe=recipe, global_batch=8)  # a checkpoint that recorded no inputs: the path decides
     with pytest.raises(ToolkitError, match=r"^resume: model.path was None when"):
         check_resumable(older, TrainerState(recipe=moved, global_batch=8, inputs={"model": "m1"}), tmp_path)
+
+
+def test_the_same_training_data_in_another_folder_resumes(tmp_path):
+    """Issue 52, class 2 for the data: the prepared data's fingerprint names the files' paths (the cache key);
+    a resume compares the one without them, so data copied to another folder resumes and data.train_files may
+    name it; changed content is refused as before."""
+    import shutil
+
+    from toolkit.config import DataConfig, Recipe
+    from toolkit.data.prepare import fingerprint
+    from toolkit.data.sources import resolve_sources
+    from toolkit.errors import ToolkitError
+    from toolkit.model.load import build_byte_tokenizer
+    from toolkit.storage.checkpoint import TrainerState
+    from toolkit.storage.run_folder import check_resumable, learning_relevant
+
+    from helpers import alpaca_rows, write_jsonl
+
+    tokenizer, cfg = build_byte_tokenizer(), DataConfig(format="alpaca")
+    first = write_jsonl(tmp_path / "a" / "train.jsonl", alpaca_rows(8, seed=1))
+    (tmp_path / "b").mkdir()
+    moved = Path(shutil.copy(first, tmp_path / "b" / "train.jsonl"))
+    changed = write_jsonl(tmp_path / "c" / "train.jsonl", alpaca_rows(8, seed=2))
+
+    def prints(path, by_content):
+        return fingerprint(resolve_sources([str(path)], cfg, "data.train_files"), cfg, tokenizer, by_content=by_content)
+
+    assert prints(first, False) != prints(moved, False) and prints(first, True) == prints(moved, True)
+    assert prints(changed, True) != prints(first, True)
+
+    def state(path):
+        recipe = learning_relevant(Recipe(data=DataConfig(train_files=[str(path)])))
+        return TrainerState(recipe=recipe, global_batch=8, data_fingerprint=prints(path, False),
+                            data_content=prints(path, True))
+
+    check_resumable(state(first), state(moved), tmp_path)
+    with pytest.raises(ToolkitError, match="^resume: the training data changed since"):
+        check_resumable(state(first), state(changed), tmp_path)

@@ -45,7 +45,8 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prep
     eval_sources = resolve_sources(cfg.eval_files, cfg, "data.eval_files") if cfg.eval_files else []
     read = {}
     extra = f"{cfg.eval_fraction}/{seed}/{packing}"
-    train_fp = fingerprint(sources, cfg, tokenizer, extra=extra, contents=read)  # what a resume must not change
+    train_fp = fingerprint(sources, cfg, tokenizer, extra=extra, contents=read)
+    content = fingerprint(sources, cfg, tokenizer, extra=extra, contents=read, by_content=True)  # a resume's
     fp = fingerprint(sources + eval_sources, cfg, tokenizer, extra=extra, contents=read) if eval_sources else train_fp
     folder = cache_root() / fp
     if not (folder / "report.json").is_file():
@@ -56,7 +57,9 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prep
                 if on_wait is not None:
                     on_wait()
                 time.sleep(0.5)
-    return load_prepared(folder, packing, fp, train_fp)
+    prepared = load_prepared(folder, packing, fp, train_fp)
+    prepared.train_content = content
+    return prepared
 
 
 @dataclass
@@ -67,14 +70,16 @@ class Datasets:
     lines: list  # the start-of-run `data:` summary
     warnings: list
     train_fingerprint: str = ""  # the training data's alone: eval files may change on resume
+    train_content: str = ""  # the same without the files' paths: what a resume must not change
     folder: Path | None = None  # where it is prepared (preference pairs keep their reference log-probabilities there)
 
 
 def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = "",
-                contents: dict | None = None) -> str:
+                contents: dict | None = None, by_content: bool = False) -> str:
     """Identifies the prepared data: file contents, tokenizer, template and every setting that
     shapes examples (changing any of them prepares the data again). `contents`: digests of files
-    already read (each file is read once however many fingerprints include it)."""
+    already read (each file is read once however many fingerprints include it). `by_content`: the
+    files' paths left out (what a resume compares: the same data moved to another folder is the same)."""
     contents = {} if contents is None else contents
     h = hashlib.sha256()
     for s in sources:
@@ -84,7 +89,7 @@ def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = 
                 contents[s.hub_id] = load_rows(s)._fingerprint
             h.update(contents[s.hub_id].encode())
         for f in s.files:
-            h.update(f.encode())
+            h.update(b"" if by_content else f.encode())
             if f not in contents:
                 digest = hashlib.sha256()
                 parts = sorted(p for p in Path(f).rglob("*") if p.is_file()) if Path(f).is_dir() else [Path(f)]

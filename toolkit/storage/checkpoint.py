@@ -49,6 +49,9 @@ class TrainerState:
     global_batch: int = 0
     launch: str = "single"
     data_fingerprint: str = ""
+    data_content: str = ""
+    """The training data's fingerprint without its files' paths (older checkpoints lack it: then the
+    path-bound data_fingerprint decides)."""
     recipe: dict | None = None
     layout: str = ""
     """How the training state is sharded on disk (the backend's `layout()`); empty in old checkpoints."""

@@ -271,7 +271,8 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
             f"resume: {path} was written by {saved.world_size} process(es) under {saved.layout or saved.launch} "
             f"without its portable state (checkpoint.portable=false, or an older toolkit); this launch is "
             f"{now.world_size} under {now.layout}. Resume with the launch config and process count that wrote it")
-    if saved.data_fingerprint != now.data_fingerprint:
+    moved_data = bool(saved.data_content) and saved.data_content == now.data_content  # same content elsewhere
+    if saved.data_fingerprint != now.data_fingerprint and not moved_data:
         raise ToolkitError(f"resume: the training data changed since {path} was written "
                            f"(fingerprint {saved.data_fingerprint[:12]} -> {now.data_fingerprint[:12]})")
     inputs.check_unchanged(saved.inputs, now.inputs, path, accept)
@@ -280,7 +281,8 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
         before, after = (saved.recipe or {}).get(key), (now.recipe or {}).get(key)
         if key not in (saved.recipe or {}) and key in defaults and after == defaults[key]:
             continue  # a key added since that checkpoint, at its default: what the older toolkit did
-        if key in inputs.PATH_KEYS and inputs.recorded_both(saved.inputs, now.inputs, inputs.PATH_KEYS[key]):
+        if key in inputs.PATH_KEYS and inputs.recorded_both(saved.inputs, now.inputs, inputs.PATH_KEYS[key]) \
+                or key == "data.train_files" and moved_data:
             continue  # where the input is checked by content, its path may change (models kept elsewhere)
         if before != after:
             raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "

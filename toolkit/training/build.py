@@ -317,6 +317,7 @@ def setup_state(backend: backends.Backend, recipe: Recipe, data: Datasets, loade
     """The training state at step 0; a checkpoint this launch cannot continue is refused now, before any work."""
     state = checkpoint.TrainerState(world_size=backend.accelerator.num_processes, global_batch=loaders.global_batch,
                                     launch=backend.kind, data_fingerprint=data.train_fingerprint,
+                                    data_content=data.train_content,
                                     recipe=run_folder.learning_relevant(recipe), layout=backend.layout(),
                                     inputs=identities)
     if resume_from is not None:
