@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -372,11 +373,28 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, rows: list[int] = ()) ->
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model.is_gradient_checkpointing)
+    stacks = fused_expert_stacks(model) if targets == "all-linear" else []
     model = get_peft_model(model, peft_config)
+    if stacks and not any(hasattr(m, "parameter_name") for m in model.modules()):
+        # peft's all-linear reaches fused experts only for the families it converts (Mixtral, Qwen MoE); elsewhere
+        # (gpt-oss) through target_parameters, named here: all-linear on a mixture-of-experts model means them too
+        peft_config = dataclasses.replace(peft_config, target_parameters=stacks)
+        model = get_peft_model(model.unload(), peft_config)
     for p in model.parameters():  # adapters train in fp32 even over a half-precision base
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
     return model
+
+
+def fused_expert_stacks(model: torch.nn.Module) -> list[str]:
+    """The leaf names of a mixture-of-experts model's fused expert weights (3-D parameters under `experts`)
+    and of a router that is no linear layer, for peft's target_parameters."""
+    names = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.ndim == 3 and ".experts." in f".{n}"}
+    if names:
+        names |= {f"{n.rsplit('.', 1)[-1]}.weight" for n, m in model.named_modules()
+                  if n.rsplit(".", 1)[-1] in ("router", "gate") and not isinstance(m, torch.nn.Linear)
+                  and getattr(m, "weight", None) is not None and m.weight.ndim == 2}
+    return sorted(names)
 
 
 def trainable_token_layers(model: torch.nn.Module, targets, rows: list[int]) -> dict[str, list[int]]:
