@@ -368,8 +368,8 @@ def test_the_reward_code_is_an_input_by_content_and_a_moved_base_is_not_a_change
 
     from toolkit.config import Recipe, RewardConfig
     from toolkit.errors import ToolkitError
+    from toolkit.model.base_identity import identities
     from toolkit.storage.checkpoint import TrainerState
-    from toolkit.storage.inputs import identities
     from toolkit.storage.run_folder import check_resumable, learning_relevant
     from toolkit.training.rewards import load_rewards
 

@@ -11,6 +11,7 @@ a second."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from pathlib import Path
 
@@ -74,3 +75,37 @@ def check(adapter: str | Path, base_folder: str | Path, verb: str,
         raise ToolkitError(f"{verb}: the base model {base_folder} is not the one {adapter} was trained on "
                            f"({recorded.get('path')}; content fingerprint {want} there, {have} here): it was replaced "
                            f"or changed since: {remedy}")
+
+
+def identities(recipe, rewards: list = ()) -> dict[str, str]:
+    """{input: content fingerprint} of what a run learns from besides its data (storage/inputs.py compares
+    them on resume): `model`, the base folder's `fingerprint` (and its Python code under trust_remote_code);
+    `rewards`, the source files of rl.rewards' functions, by function name, not path. A preset model is its
+    name and seed, already in the recipe; built-in rewards are the toolkit's."""
+    from ..config import BUILT_IN_REWARDS
+    from .hub import resolve_model
+
+    out = {}
+    m = recipe.model
+    if m.preset is None and m.path:
+        folder = Path(resolve_model(m.path, m.revision))
+        h = hashlib.sha256(fingerprint(folder).encode())
+        for f in sorted(folder.glob("*.py")) if m.trust_remote_code else []:
+            h.update(f.name.encode() + f.read_bytes())
+        out["model"] = h.hexdigest()[:16]
+    code = hashlib.sha256()
+    files = sorted({(r.name, f) for r in rewards if r.name.partition("#")[0] not in BUILT_IN_REWARDS
+                    and (f := _source_file(r.function)) is not None})
+    for name, f in files:
+        code.update(name.rpartition(":")[2].encode() + Path(f).read_bytes())  # not its path: files may move
+    if files:
+        out["rewards"] = code.hexdigest()[:16]
+    return out
+
+
+def _source_file(function) -> str | None:
+    try:
+        f = inspect.getsourcefile(function)
+    except TypeError:  # a built-in or C function
+        return None
+    return f if f and Path(f).is_file() else None

@@ -206,12 +206,19 @@ class Trace:
         if self.profiler is None or step != self.steps[1]:
             return None
         self.profiler.__exit__(None, None, None)
-        self.path.parent.mkdir(exist_ok=True)
-        self.profiler.export_chrome_trace(str(self.path))
+        from ..storage import disk
+
+        with disk.writing("profile trace", self.path):
+            self.path.parent.mkdir(exist_ok=True)
+            self.profiler.export_chrome_trace(str(self.path))
         self.profiler = None
         return (f"profile: steps {self.steps[0]}-{self.steps[1]} traced into {self.path.parent}/ "
                 "(open a trace in https://ui.perfetto.dev or chrome://tracing)")
 
 
 def write_profile(run_dir: Path, data: dict) -> None:
-    (run_dir / "profile.json").write_text(json.dumps(data, indent=1) + "\n")
+    """profile.json; a full or read-only disk ends the run in one line (storage.disk), as every write of a run."""
+    from ..storage import disk
+
+    with disk.writing("profile", run_dir / "profile.json", remove=False):
+        (run_dir / "profile.json").write_text(json.dumps(data, indent=1) + "\n")

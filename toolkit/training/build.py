@@ -26,7 +26,7 @@ from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_ro
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
 from ..data.sources import check_first_rows, resolve_sources
 from ..errors import ToolkitError
-from ..model import activations
+from ..model import activations, base_identity
 from ..model.hub import is_hub_id
 from ..model.load import (
     DTYPES,
@@ -63,7 +63,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     resume_from = run_folder.open_run(accelerator, recipe, lock)
     check_data(recipe)
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
-    identities = inputs.identities(recipe, rewards or [])  # by content: a changed base is refused before it loads
+    identities = base_identity.identities(recipe, rewards or [])  # by content: a changed base is refused early
     if resume_from is not None:
         inputs.check_unchanged(checkpoint.read_state(resume_from).inputs, identities, resume_from,
                                recipe.resume_accept_changed)

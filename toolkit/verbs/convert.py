@@ -66,9 +66,10 @@ def run(args) -> int:
     saved = checkpoint.read_state(source)
     step = saved.step
     if saved.inputs and "model" in saved.inputs:  # the base it trained on, by content, wherever it lives now
+        from ..model import base_identity
         from ..storage import inputs
 
-        inputs.check_unchanged({"model": saved.inputs["model"]}, inputs.identities(recipe), source,
+        inputs.check_unchanged({"model": saved.inputs["model"]}, base_identity.identities(recipe), source,
                                verb="checkpoint convert")
     print(f"checkpoint convert: step {step} of {run_dir} ({'LoRA' if recipe.lora.enabled else 'full'}), "
           f"from {portable.relative_to(source)}")
