@@ -197,7 +197,7 @@ def test_a_dpo_run_keeps_its_reference_under_the_key_in_micro_batches(tmp_path):
 def data_key(monkeypatch):
     """The prepared data's fingerprint as `build_datasets` computes it (nothing prepared)."""
     monkeypatch.setattr(prepare, "prepare", lambda *args: None)
-    monkeypatch.setattr(prepare, "load_prepared", lambda folder, packing, fp, train_fp=None: fp)
+    monkeypatch.setattr(prepare, "load_prepared", lambda folder, packing, fp, train_fp=None, train_content="": fp)
 
     def key(cfg: DataConfig, tokenizer=None, seed: int = 0, packing: bool = False) -> str:
         return build_datasets(cfg, tokenizer or build_byte_tokenizer(), seed, packing)

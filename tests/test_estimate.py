@@ -478,7 +478,8 @@ def test_recipe_takes_dotted_overrides(capsys, tmp_path):
     assert params["DDP"] == held_bytes("bf16", "bf16")
     for args, message in ((["--model", "tiny-llama", "train.micro_batch_size=4"],
                            "error: train.micro_batch_size=4: key=value overrides change a recipe's keys"),
-                          (["--recipe", recipe, "train.no_such_key=1"], f"error: {recipe}: train.no_such_key")):
+                          (["--recipe", recipe, "train.no_such_key=1"],
+                           "error: command line (train.no_such_key=1): train.no_such_key: unknown key")):
         assert main(["estimate", *map(str, args)]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.strip().splitlines()[-1].startswith(message), err

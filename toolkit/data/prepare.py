@@ -57,9 +57,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prep
                 if on_wait is not None:
                     on_wait()
                 time.sleep(0.5)
-    prepared = load_prepared(folder, packing, fp, train_fp)
-    prepared.train_content = content
-    return prepared
+    return load_prepared(folder, packing, fp, train_fp, content)
 
 
 @dataclass
@@ -213,7 +211,8 @@ def _open_docs(folder: Path, files: list[str]):
     return datasets.concatenate_datasets([datasets.Dataset.from_file(str(folder / f)) for f in files])
 
 
-def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = None) -> Datasets:
+def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = None, train_content: str = ""
+                  ) -> Datasets:
     import datasets
 
     report = Report(**json.loads((folder / "report.json").read_text()))
@@ -241,7 +240,8 @@ def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = N
                      + (f" ({report.targets_lost:,} target tokens lost)" if report.targets_lost else ""))
     lines += report.lines
     return Datasets(train=train, eval=evaluation or Examples(None, None), fingerprint=fp, lines=lines,
-                    warnings=report.warnings, train_fingerprint=train_fp or fp, folder=folder)
+                    warnings=report.warnings, train_fingerprint=train_fp or fp, train_content=train_content,
+                    folder=folder)
 
 
 def remove_partial_data() -> None:
