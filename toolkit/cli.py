@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         verb_parser = sub.add_parser(name, help=text, description=text)
         if name == command:
             verb_module(name).add_arguments(verb_parser)
-    if command == "config" and len(argv) > argv.index("config") + 1 and argv[argv.index("config") + 1] not in (
-            "show", "-h", "--help"):  # `toolkit config RECIPE`: the one action is meant
-        argv.insert(argv.index("config") + 1, "show")
+    after = argv.index("config") + 1 if command == "config" else 0
+    if after and argv[after:] and argv[after] not in ("show", "-h", "--help"):  # `toolkit config RECIPE` means show
+        argv.insert(after, "show")
     args = parser.parse_args(argv)
     try:
         if args.command in VERBS:

@@ -229,14 +229,18 @@ class Preemption:
         if self.abrupt_cleanups is not None:
             if int(os.environ.get("RANK", "0")) == 0:
                 os.write(2, f"\nstopped: {self.raised}\n".encode())
-            for cleanup in self.abrupt_cleanups:
-                try:
-                    cleanup()
-                except Exception:  # noqa: BLE001 - exiting regardless; the next run tidies what is left
-                    pass
-            kill_descendants()
-            os._exit(EXIT_PREEMPTED)
+            self._exit_now(EXIT_PREEMPTED)
         raise self.raised
+
+    def _exit_now(self, code: int) -> None:
+        """The abrupt block's cleanups (its partial output), this process's descendants killed, exit `code`."""
+        for cleanup in self.abrupt_cleanups or ():
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 - exiting regardless; the next run tidies what is left
+                pass
+        kill_descendants()
+        os._exit(code)
 
     def arrived(self, signum: int, now: float, judge_repeat: bool = True) -> None:
         """Signal `signum` arrived at `now`. The first is the request, said at once where the loop or
@@ -253,13 +257,7 @@ class Preemption:
             else:
                 self.aborting = True
         if first and refused_elsewhere():  # another rank refused the run and the launcher is ending this one
-            for cleanup in self.abrupt_cleanups or ():
-                try:
-                    cleanup()
-                except Exception:  # noqa: BLE001 - exiting regardless
-                    pass
-            kill_descendants()
-            os._exit(EXIT_USER_ERROR)
+            self._exit_now(EXIT_USER_ERROR)
         if not first:
             os.write(2, f"\n{name} again: aborting at once; resume=auto continues from the last checkpoint\n".encode())
             kill_descendants()

@@ -93,13 +93,10 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
         for f in sorted(folder.glob("*.py")) if m.trust_remote_code else []:
             h.update(f.name.encode() + f.read_bytes())
         out["model"] = h.hexdigest()[:16]
-    code = hashlib.sha256()
-    files = sorted({(r.name, f) for r in rewards if r.name.partition("#")[0] not in BUILT_IN_REWARDS
-                    and (f := _source_file(r.function)) is not None})
-    for name, f in files:
-        code.update(name.rpartition(":")[2].encode() + Path(f).read_bytes())  # not its path: files may move
-    if files:
-        out["rewards"] = code.hexdigest()[:16]
+    code = sorted({(r.name.rpartition(":")[2], Path(f).read_bytes()) for r in rewards  # not paths: files may move
+                   if r.name.partition("#")[0] not in BUILT_IN_REWARDS and (f := _source_file(r.function)) is not None})
+    if code:
+        out["rewards"] = hashlib.sha256(b"".join(name.encode() + source for name, source in code)).hexdigest()[:16]
     return out
 
 

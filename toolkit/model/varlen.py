@@ -18,6 +18,7 @@ a model set up this way still generates and evaluates as before; saved configs d
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import numpy as np
@@ -102,14 +103,19 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         count("flash")
         cu = cu.to(q.device, torch.int32, non_blocking=True)
         q, k, v = (x.to(half) for x in (q, k, v))  # as SDPA under autocast: it computes in the autocast dtype
-        if gqa and "enable_gqa" not in inspect.signature(varlen_attn).parameters:  # torch < 2.12: heads repeated
-            k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-        extra = {"enable_gqa": True} if gqa and k.shape[1] != heads else {}
-        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), **extra)
+        if gqa and not takes_gqa(varlen_attn):  # torch < 2.12's kernel: the key/value heads repeated
+            k, v, gqa = *(x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v)), False
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0),
+                          **({"enable_gqa": True} if gqa else {}))
     else:
         count("per_document")
         out = per_document(q, k, v, cu, dropout, scaling, gqa)
     return out.view(batch, length, heads, dim), None
+
+
+@functools.cache
+def takes_gqa(kernel) -> bool:
+    return "enable_gqa" in inspect.signature(kernel).parameters
 
 
 # How often each path ran in this process, outside torch.compile (tests/test_gpu.py checks that bf16 training takes

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from .. import faults
-from ..errors import EXIT_DISK
+from ..errors import EXIT_DISK, ToolkitError
 from ..stops import TrainingStopped
 
 REASONS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -144,8 +144,6 @@ def check_writable(out: Path, what: str) -> None:
     """Before any work whose result goes to the file `out`: its folder exists (or can be made) and takes a
     file, else one ToolkitError naming `what` and the reason (a read-only disk, no permission, a file where
     the folder should be). The probe file is removed again."""
-    from ..errors import ToolkitError
-
     probe = out.with_name(f".{out.name}.{os.getpid()}.probe")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -160,8 +158,6 @@ def write_file(out: Path, what: str, write) -> None:
     """`write(f)` into a temporary file beside `out` (binary), then renamed to `out`: a reader never sees a
     half-written file and an earlier `out` stays whole if the write fails. A file-system failure is one
     ToolkitError naming `what`; no temporary file is left where the disk lets one be removed."""
-    from ..errors import ToolkitError
-
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # beside `out`: the rename stays on one disk
     try:
         with open(tmp, "xb") as f:
