@@ -281,6 +281,39 @@ def test_a_model_chat_template_that_is_not_jinja_is_one_line_naming_the_key():
         build_tokenizer(ModelConfig(preset="tiny-llama-mini", chat_template="{% for m in messages %}{{ m }"))
 
 
+def test_an_entry_renames_its_columns_to_the_ones_its_format_reads(tmp_path):
+    """`columns: {question: prompt}` (a public dataset's own names): the first-row check and the rows
+    read see the renamed columns, the others keep theirs, and the rename is part of the prepared
+    data's fingerprint; a rename of a column the data lacks, or onto one it has, is one line."""
+    from toolkit.config import DataSource
+    from toolkit.data.prepare import fingerprint
+    from toolkit.data.sources import check_first_rows, load_rows, resolve_sources
+
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(3)]
+    f = str(write_jsonl(tmp_path / "gsm.jsonl", rows))
+
+    def source(columns, fmt="prompt"):
+        cfg = DataConfig(train_files=[DataSource(path=f, columns=columns)], format=fmt)
+        return cfg, resolve_sources(cfg.train_files, cfg, "data.train_files")[0]
+
+    cfg, s = source({"question": "prompt"})
+    check_first_rows(s)
+    ds = load_rows(s, tmp_path / "cache")
+    assert ds.column_names == ["prompt", "answer"] and ds["prompt"] == ["q0", "q1", "q2"]
+    tok = build_byte_tokenizer()
+    assert fingerprint([s], cfg, tok) != fingerprint([source({"question": "text"})[1]], cfg, tok)
+    for columns, message in [({"quest": "prompt"}, r"data.train_files\[0\].columns: .*gsm.jsonl has no column 'quest' "
+                                                   r"to rename \(found question, answer\)$"),
+                             ({"question": "answer"}, r"data.train_files\[0\].columns: renaming 'question' to 'answer', "
+                                                      r"but .*gsm.jsonl already has a column 'answer'$"),
+                             ({"answer": "solution"}, r"gsm.jsonl: data.format=prompt needs column\(s\) prompt; found "
+                                                      r"question, solution$")]:
+        with pytest.raises(ToolkitError, match=message):
+            check_first_rows(source(columns)[1])
+        with pytest.raises(ToolkitError, match=message):
+            load_rows(source(columns)[1], tmp_path / "cache")
+
+
 # ----------------------------------------------------------------------------- data shapes in a real run
 
 

@@ -378,6 +378,30 @@ def test_mistakes_are_one_line(args, message):
 
 
 @pytest.mark.launch
+def test_a_hub_id_without_a_network_is_one_line_at_once_and_a_cached_one_is_read(tmp_path):
+    """The Hub is asked once (huggingface_hub's downloads retry five times over half a minute, a line
+    each): with nowhere to connect to, one line naming the cache and the Hub's answer, no retries;
+    the same id's config.json in the cache is read offline."""
+    from helpers import user_error_line
+
+    cache = tmp_path / "hub"
+    nowhere = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
+    result = run_toolkit("estimate", "--model", "org/tiny", env=nowhere)
+    assert "Retry" not in result.stderr, result.stderr
+    assert user_error_line(result).startswith(f"error: --model: cannot read the config.json of org/tiny: not in the "
+                                              f"Hugging Face cache ({cache}) and Hub: ")
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((ROOT / "toolkit/model/presets/tiny-llama.json").read_text())
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    for env in (nowhere, {**nowhere, "HF_HUB_OFFLINE": "1"}):
+        result = run_toolkit("estimate", "--model", "org/tiny", "--json", env=env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["model"]["parameters"] > 0
+
+
+@pytest.mark.launch
 def test_bad_launch_config_is_one_line(tmp_path, matrix_dir):
     recipe = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama"},
                           data={"train_files": [str(matrix_dir / "train.jsonl")]})

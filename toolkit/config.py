@@ -186,6 +186,10 @@ class DataSource:
     """Hub datasets and `save_to_disk` folders of a DatasetDict: the split to read."""
     revision: Optional[str] = None
     """Hub datasets: a branch, tag or commit."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Rename this entry's columns to the ones its format reads, `{from: to}`: `{question: prompt}` for
+    a dataset whose prompts are in `question` (the other columns keep their names and still reach the
+    reward functions). A column named here that the data lacks is refused in one line."""
 
 
 @dataclass
@@ -589,6 +593,10 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(source, key, f"expected a list, got {_kind(value)}")
         return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(source, key, f"expected {_describe(hint)}, got {_kind(value)} {value!r}")
+        return {_coerce(k, args[0], key, source): _coerce(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -620,6 +628,8 @@ def _describe(hint: Any) -> str:
         return " or ".join(_describe(a) for a in args if a is not type(None))
     if origin is list:
         return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return f"a mapping of {_describe(args[0])} to {_describe(args[1])}"
     if dataclasses.is_dataclass(hint):
         return "a mapping"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))

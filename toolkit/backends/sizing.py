@@ -267,6 +267,25 @@ class Row:
 # ----------------------------------------------------------------------------- the model
 
 
+def hub_config(repo_id: str, revision: str | None, key: str) -> str:
+    """The config.json of a Hub model: asked of the Hub once (no retries: without a network the answer
+    is at once), else from the Hugging Face cache; neither is one line naming both answers."""
+    from huggingface_hub import HfApi, constants, hf_hub_download
+
+    hub_error = "HF_HUB_OFFLINE=1"
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            HfApi().model_info(repo_id, revision=revision)  # fails at once; hf_hub_download retries for 30 s
+            return hf_hub_download(repo_id, "config.json", revision=revision)
+        except Exception as e:  # noqa: BLE001 - no network, unknown or gated repo: the cache may hold it
+            hub_error = f"Hub: {str(e).splitlines()[0][:160]}"
+    try:
+        return hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the cache
+        raise ToolkitError(f"{key}: cannot read the config.json of {repo_id}: not in the Hugging Face cache "
+                           f"({constants.HF_HUB_CACHE}) and {hub_error}") from None
+
+
 def read_config(source: str, *, revision: str | None = None, key: str = "--model"):
     """A transformers config from a preset name, a model folder, a config.json or a cached Hub id."""
     from transformers import AutoConfig
@@ -284,12 +303,7 @@ def read_config(source: str, *, revision: str | None = None, key: str = "--model
         if not is_hub_id(source):
             raise ToolkitError(f"{key}: not found: {source} (a model folder, a config.json, a cached Hub id or a "
                                f"preset: {', '.join(preset_names())})")
-        try:
-            from huggingface_hub import hf_hub_download
-
-            path = Path(hf_hub_download(source, "config.json", revision=revision))
-        except Exception as e:  # offline and not cached, unknown repo, no network
-            raise ToolkitError(f"{key}: cannot read the config.json of {source}: {str(e).splitlines()[0]}") from None
+        path = Path(hub_config(source, revision, key))
     try:
         data = json.loads(path.read_text())
         config = AutoConfig.for_model(**data)

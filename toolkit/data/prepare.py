@@ -81,7 +81,8 @@ def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = 
     contents = {} if contents is None else contents
     h = hashlib.sha256()
     for s in sources:
-        h.update(json.dumps([s.key, s.format, s.weight, s.max_rows, s.hub_id, s.split, s.revision]).encode())
+        h.update(json.dumps([s.key, s.format, s.weight, s.max_rows, s.hub_id, s.split, s.revision]
+                            + ([sorted(s.columns.items())] if s.columns else [])).encode())
         if s.hub_id:
             if s.hub_id not in contents:
                 contents[s.hub_id] = load_rows(s)._fingerprint

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import DataConfig, DataSource
@@ -34,9 +34,11 @@ def resolve_sources(entries: list, cfg: DataConfig, key: str) -> list[Source]:
 
             if not is_hub_id(e.path):
                 raise ToolkitError(f"{k}: file not found: {e.path}")
-            sources.append(Source(k, [], fmt, e.weight, e.max_rows, hub_id=e.path, split=e.split, revision=e.revision))
+            sources.append(Source(k, [], fmt, e.weight, e.max_rows, hub_id=e.path, split=e.split, revision=e.revision,
+                                  columns=dict(e.columns)))
         else:
-            sources.append(Source(k, files, fmt, e.weight, e.max_rows, split=e.split))  # split: a saved DatasetDict
+            sources.append(Source(k, files, fmt, e.weight, e.max_rows, split=e.split,  # split: a saved DatasetDict
+                                  columns=dict(e.columns)))
     weighted = [s.weight is not None for s in sources]
     if any(weighted) and not all(weighted):
         raise ToolkitError(f"{key}: give a weight to every entry or to none")
@@ -54,6 +56,7 @@ class Source:
     hub_id: str | None = None
     split: str = "train"
     revision: str | None = None
+    columns: dict[str, str] = field(default_factory=dict)  # renames: {column in the data: column the format reads}
 
     @property
     def name(self) -> str:
@@ -109,17 +112,31 @@ def check_first_rows(source: Source) -> None:
     if source.hub_id:
         return
     if is_saved_dataset(Path(source.files[0])):
-        check_columns(source.name, source.format, load_saved_dataset(source).column_names)
+        check_columns(source.name, source.format, renamed(source, load_saved_dataset(source).column_names))
         return
     firsts = [first_columns(f) for f in source.files]
     found = [c for columns in firsts for c in columns or []]
-    if not missing_columns(source.format, found):
+    if not missing_columns(source.format, found) and all(c in found for c in source.columns):
+        renamed(source, found)
         return
     if LOADERS[Path(source.files[0]).suffix.lower()] == "json":
         found = list(dict.fromkeys(key for f in source.files for row, _, _ in json_rows(f) for key in row))
     elif None in firsts:
         return  # a file this cannot read: load_rows says why
-    check_columns(source.name, source.format, list(dict.fromkeys(found)))
+    check_columns(source.name, source.format, renamed(source, list(dict.fromkeys(found))))
+
+
+def renamed(source: Source, columns: list[str]) -> list[str]:
+    """`columns` after the entry's `columns` renames; a rename of a column the data lacks, or onto one
+    it already has, is refused naming the key."""
+    for old, new in source.columns.items():
+        if old not in columns:
+            raise ToolkitError(f"{source.key}.columns: {source.name} has no column {old!r} to rename "
+                               f"(found {', '.join(columns) or 'none'})")
+        if new in columns and new not in source.columns:
+            raise ToolkitError(f"{source.key}.columns: renaming {old!r} to {new!r}, but {source.name} already has "
+                               f"a column {new!r}")
+    return [source.columns.get(c, c) for c in columns]
 
 
 def first_columns(file: str) -> list[str] | None:
@@ -196,7 +213,9 @@ def load_rows(source: Source, cache_dir: Path | None = None):
                                f"({str(e).splitlines()[0][:200]})") from None
     if len(ds) == 0:
         raise ToolkitError(f"{source.name}: no rows")
-    check_columns(source.name, source.format, ds.column_names)
+    check_columns(source.name, source.format, renamed(source, ds.column_names))
+    if source.columns:
+        ds = ds.rename_columns(source.columns)
     if source.max_rows is not None:
         ds = ds.select(range(min(source.max_rows, len(ds))))
     return ds

@@ -192,6 +192,9 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
         log(f"compile: {compile_layers(model)} decoder layers (the first steps compile them)")
     trainable, total = count_parameters(model)
     log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    if recipe.model.load_in_4bit:
+        log(f"base: 4-bit NF4 (QLoRA: bitsandbytes, double quantization), computing in {recipe.train.precision}; "
+            "only the LoRA adapters train")
     if recipe.lora.enabled:
         coverage, warning = adapter_coverage(model, backend.full_shape)
         log(f"lora: {coverage}")
