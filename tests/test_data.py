@@ -304,8 +304,8 @@ def test_an_entry_renames_its_columns_to_the_ones_its_format_reads(tmp_path):
     assert fingerprint([s], cfg, tok) != fingerprint([source({"question": "text"})[1]], cfg, tok)
     for columns, message in [({"quest": "prompt"}, r"data.train_files\[0\].columns: .*gsm.jsonl has no column 'quest' "
                                                    r"to rename \(found question, answer\)$"),
-                             ({"question": "answer"}, r"data.train_files\[0\].columns: renaming 'question' to 'answer', "
-                                                      r"but .*gsm.jsonl already has a column 'answer'$"),
+                             ({"question": "answer"}, r"data.train_files\[0\].columns: renaming 'question' to "
+                                                      r"'answer', but .*gsm.jsonl already has a column 'answer'$"),
                              ({"answer": "solution"}, r"gsm.jsonl: data.format=prompt needs column\(s\) prompt; found "
                                                       r"question, solution$")]:
         with pytest.raises(ToolkitError, match=message):
