@@ -98,6 +98,20 @@ def main() -> None:
     write_jsonl(out / "tasks_preference_eval.jsonl", [as_preference(r, wrong) for r in evaluation])
     write_jsonl(out / "tasks_prompts_train.jsonl", [as_prompt(r) for r in train])
     write_jsonl(out / "tasks_prompts_eval.jsonl", [as_prompt(r) for r in evaluation])
+    # LoRA's quickstart: a task the SFT quickstart never saw (second letter), half of its rows, the
+    # other half the tasks it knows (so that the adapter adds a skill without losing those).
+    new = random.Random(args.seed + 2)  # its own stream again
+    second = []
+    while len(second) < args.train // 2 + args.eval // 2:
+        word = "".join(new.choice(string.ascii_lowercase) for _ in range(new.randint(3, 7)))
+        if ("Second letter.", word) not in seen:
+            seen.add(("Second letter.", word))
+            second.append({"instruction": "Second letter.", "input": word, "output": word[1]})
+    lora_train = second[: args.train // 2] + train[: args.train // 2]
+    new.shuffle(lora_train)
+    lora_eval = second[args.train // 2:] + evaluation[: args.eval // 2]
+    write_jsonl(out / "tasks_lora_train.jsonl", [as_messages(r) for r in lora_train])
+    write_jsonl(out / "tasks_lora_eval.jsonl", [as_messages(r) for r in lora_eval])
     print(f"wrote {len(train)} train and {len(evaluation)} eval rows to {out}")
 
 

@@ -10,10 +10,11 @@
 3. `toolkit eval` scores `final/` the same way; the script prints the eval loss and the
    accuracy before and after, per task (a task is a prompt's words but its last, the input).
 
-An online-RL recipe (rl.method, examples/recipes/quickstart_grpo.yaml) starts from the SFT
-quickstart's result (made first when it is missing): the "before" is that model, and besides the
-greedy answers of `toolkit eval` the script prints the run's own held-out reward (`eval_reward`:
-one sampled answer per held-out prompt, scored by the recipe's reward) at step 0 and at the end.
+A recipe whose model.path is the SFT quickstart's result (quickstart_lora.yaml, quickstart_qlora.yaml,
+quickstart_grpo.yaml) starts from it, made first when it is missing: the "before" is that model. For
+an online-RL recipe (rl.method), besides the greedy answers of `toolkit eval` the script prints the
+run's own held-out reward (`eval_reward`: one sampled answer per held-out prompt, scored by the
+recipe's reward) at step 0 and at the end.
 """
 
 import contextlib
@@ -103,21 +104,23 @@ def main() -> int:
     except ToolkitError as e:  # one line, as `toolkit train` says it
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if recipe.model.preset is None and sft_result_made(Path(recipe.model.path)) != 0:
+        return 1
     if recipe.rl.method is not None:
         return reinforce(recipe, recipe_path, overrides)
-    if recipe.model.preset is None:
-        sys.exit("examples/quickstart.py: the quickstart scores a built-in preset before training; "
-                 "use `toolkit eval` directly for model.path")
     data, out = str(recipe.data.eval_files[0]), Path(recipe.output_dir)
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
-        initial_model(recipe, Path(tmp) / "initial")
-        scored = train_and_score(Path(tmp) / "initial", "the untrained model", data, recipe, recipe_path, overrides,
-                                 Path(tmp), quiet=False)
+        start, what = Path(recipe.model.path or Path(tmp) / "initial"), "the untrained model"
+        if recipe.model.preset is None:
+            what = f"{start} (the SFT result)"
+        else:
+            initial_model(recipe, start)
+        scored = train_and_score(start, what, data, recipe, recipe_path, overrides, Path(tmp), quiet=False)
     if isinstance(scored, int):
         return scored
     before, after = scored
     print(f"\nheld-out eval loss: {before['loss']:.3f} before training -> {after['loss']:.3f} after")
-    print_answers(before, after, "before training", "after")
+    print_answers(before, after, "before training" if recipe.model.preset else "before", "after")
     if importlib.util.find_spec("matplotlib") is not None:  # `make setup` installs it; a bare install may not
         toolkit_main(["plot", str(out)])
     records = after["answers"]["records"]
@@ -127,15 +130,26 @@ def main() -> int:
     return 0
 
 
+def sft_result_made(start: Path) -> int:
+    """The SFT quickstart's result that a LoRA, QLoRA or RL quickstart starts from, made first when
+    it is missing (0), or the exit code of that run."""
+    if (start / "config.json").is_file():
+        return 0
+    if start != Path("runs/quickstart-full/final"):
+        sys.exit(f"examples/quickstart.py: model.path {start} is not a model folder; the quickstart starts from "
+                 "a built-in preset or from runs/quickstart-full/final")
+    print(f"{start} is missing: running the SFT quickstart first ...", flush=True)
+    argv, sys.argv = sys.argv, [sys.argv[0], "examples/recipes/quickstart_full.yaml"]
+    try:
+        return main()
+    finally:
+        sys.argv = argv
+
+
 def reinforce(recipe, recipe_path: str, overrides: list[str]) -> int:
     """Online RL from the SFT quickstart's result: greedy held-out accuracy (toolkit eval on the chat
     twin of the prompt file) and the run's sampled held-out reward, before and after."""
     start, out = Path(recipe.model.path), Path(recipe.output_dir)
-    if not (start / "config.json").is_file():
-        print(f"{start} is missing: running the SFT quickstart first ...", flush=True)
-        sys.argv = [sys.argv[0], "examples/recipes/quickstart_full.yaml"]
-        if main() != 0:
-            return 1
     data = str(recipe.data.eval_files[0]).replace("_prompts_", "_messages_")  # the same rows as chats
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
         scored = train_and_score(start, f"{start} (the SFT result)", data, recipe, recipe_path, overrides, Path(tmp),

@@ -234,3 +234,28 @@ def test_model_chat_template_is_a_builtin_a_template_or_a_file_checked_at_load(t
             load(value)
         assert e.value.key == "model.chat_template" and words in str(e.value), str(e.value)
         assert str(e.value).startswith(f"{tmp_path / 'r.yaml'}: model.chat_template: ")
+
+
+@pytest.mark.launch
+def test_config_show_puts_the_plan_first_and_its_steps_are_the_runs(work, tmp_path):
+    """Issue 53: the plan (model, objective, data, launch, global batch, steps, results) before the
+    resolved keys; the steps it gives from the files' rows are the steps the run takes."""
+    from helpers import base_recipe, read_metrics
+
+    r = base_recipe(work, work / "train.jsonl", work / "eval.jsonl", out="plan", train__max_steps=None,
+                    train__epochs=2, train__micro_batch_size=2, train__gradient_accumulation_steps=3,
+                    train__warmup_steps=1, train__log_every_steps=1)
+    path = write_recipe(work / "plan.yaml", **r)
+    shown = run_toolkit("config", "show", path, "--accelerate-config", ROOT / "accelerate_configs" / "ddp.yaml",
+                        "--num-processes", "2")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"# plan for {path}:" and lines[1].startswith("#   model:       the built-in preset tiny-llama")
+    assert "#   batch:       2 x 3 accumulation x 2 data-parallel rank(s) = 12 examples per optimizer step" in lines
+    assert any(x.startswith("#   launch:      ") and "ddp, 2 process(es)" in x for x in lines), lines
+    assert lines.index("# the resolved recipe, every key (docs/recipe-keys.md):") < lines.index("seed: 7")
+    one = run_toolkit("config", "show", path).stdout.splitlines()
+    assert "#   steps:       10 = 2 epoch(s) x 5 (32 training rows in the files // 6), warmup 1" in one, one[:10]
+    proc = run_toolkit("train", path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(work / "plan") if "loss" in r][-1] == 10

@@ -318,3 +318,58 @@ def test_the_quickstart_hint_names_the_venv(tmp_path, monkeypatch):
         ".venv/bin/toolkit generate runs/quickstart-full/final --prompt 'it'\"'\"'s' --no-chat-template"
     monkeypatch.setenv("PATH", str(bin_dir))
     assert quickstart.ask_yourself(out, "x", chat=True) == "toolkit generate runs/quickstart-full/final --prompt x"
+
+
+def recipe_commands(text: str) -> list[list[str]]:
+    """`toolkit train R ...` and `toolkit config show R ...` command lines shown in a page's shell blocks
+    or a recipe's `# launch:` and `#   ` comment lines, as argument lists from the recipe on, where
+    R is a file of the repository (placeholders such as RECIPE.yaml are left out)."""
+    import shlex
+
+    lines = [line for block in code_blocks(text) if not re.match(r"(```|~~~)(python|yaml|json)\b", block)
+             for line in block.splitlines()[1:-1]]
+    lines += [m.group(1) or m.group(2) for m in re.finditer(r"^#\s*launch:\s(.*)$|^#\s{3,}(\S.*)$", text, re.M)]
+    found = []
+    for line in lines:
+        try:
+            words = shlex.split(line.split(" #")[0])
+        except ValueError:  # a quote in prose
+            continue
+        for i, w in enumerate(words):
+            rest = words[i + 1:]
+            if w.endswith("toolkit") and rest[:1] == ["train"]:
+                args = rest[1:]
+            elif w.endswith("toolkit") and rest[:2] == ["config", "show"]:
+                args = rest[2:]
+            else:
+                continue
+            if args and (ROOT / args[0]).is_file():
+                found.append(args)
+    return found
+
+
+def test_every_train_and_config_show_command_shown_loads_as_written(monkeypatch):
+    """Issue 53: the recipe and key=value overrides of each `toolkit train` / `toolkit config show` command
+    in the README, docs/ and the recipes' own comments load as written (the path relative to the
+    repository root, where the docs run them), and each --accelerate-config file named exists."""
+    from toolkit.config import load_recipe
+
+    monkeypatch.chdir(ROOT)
+    commands = [(page.name, c) for page in PAGES + RECIPES for c in recipe_commands(page.read_text())]
+    assert len(commands) > 30, commands
+    for where, args in commands:
+        overrides = [a for a in args[1:] if "=" in a and not a.startswith("-")]
+        load_recipe(args[0], overrides)
+        for flag, value in zip(args, args[1:]):
+            if flag in ("--accelerate-config", "--config_file"):
+                assert (ROOT / value).is_file(), (where, args)
+
+
+def test_a_command_with_a_wrong_override_is_found():
+    from toolkit.config import ConfigError, load_recipe
+
+    text = ("```bash\n.venv/bin/toolkit train examples/recipes/quickstart_full.yaml train.lr=1 # note\n"
+            ".venv/bin/toolkit train RECIPE.yaml x=1\n```\n")
+    assert recipe_commands(text) == [["examples/recipes/quickstart_full.yaml", "train.lr=1"]]
+    with pytest.raises(ConfigError, match="train.lr: unknown key"):
+        load_recipe(ROOT / "examples/recipes/quickstart_full.yaml", ["train.lr=1"])

@@ -492,8 +492,9 @@ def test_recipe_takes_dotted_overrides(capsys, tmp_path):
     from toolkit.cli import main
 
     recipe = ROOT / "examples" / "recipes" / "quickstart_lora.yaml"
-    as_shipped = estimate_json(capsys, "--recipe", recipe)
-    changed = estimate_json(capsys, "--recipe", recipe, "model.dtype=bf16", "train.precision=bf16",
+    preset = ["model.path=null", "model.preset=tiny-llama"]  # the recipe's base is the SFT quickstart's result
+    as_shipped = estimate_json(capsys, "--recipe", recipe, *preset)
+    changed = estimate_json(capsys, "--recipe", recipe, *preset, "model.dtype=bf16", "train.precision=bf16",
                             "train.micro_batch_size=4", "lora.r=8")
     assert (as_shipped["setup"]["precision"], as_shipped["setup"]["base_dtype"]) == ("fp32", "fp32")
     assert (changed["setup"]["precision"], changed["setup"]["base_dtype"]) == ("bf16", "bf16")

@@ -34,8 +34,12 @@ MESSAGES_EVAL_FILE = ROOT / "examples" / "data" / "tasks_messages_eval.jsonl"
 
 @pytest.fixture(scope="session")
 def lora_run(tmp_path_factory):
+    """The LoRA quickstart over the built-in preset (the recipe adapts the SFT quickstart's result) on the
+    quickstart's chat files: the adapter's base is the preset's weights saved beside the run."""
     return trained_run(tmp_path_factory, "quickstart-lora", ROOT / "examples/recipes/quickstart_lora.yaml",
-                       QUICKSTART_STEPS)
+                       QUICKSTART_STEPS, "model.path=null", "model.preset=tiny-llama",
+                       f"data.train_files=[{ROOT / 'examples/data/tasks_messages_train.jsonl'}]",
+                       f"data.eval_files=[{MESSAGES_EVAL_FILE}]")
 
 
 def evaluate(capsys, tmp_path, *args) -> dict:

@@ -100,16 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
             run(recipe, args.recipe, preemption)
         else:
-            from .backends.launch_config import show, worker_env
-            from .backends.sizing import check_split
-            from .config import dump_recipe
+            from .verbs import show
 
-            if args.accelerate_config:
-                report = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)
-                check_split(recipe, worker_env(args.accelerate_config, args.num_processes), args.accelerate_config)
-            print(dump_recipe(recipe), end="")
-            if args.accelerate_config:
-                print(report)
+            show.run(args, recipe)
     except Exception as e:  # noqa: BLE001 - a stop a signal raised may surface as whatever it interrupted
         stop = preemption.cause_of(e) if preemption is not None else None
         if stop is not None:

@@ -265,8 +265,9 @@ def plan(recipe: Recipe, env, cuda: bool, source: str = ENV_SOURCE) -> tuple[lis
     return notes, resolved
 
 
-def show(recipe: Recipe, yaml_path: str, num_processes: int | None, assume_gpu: bool) -> str:
-    """`toolkit config show --accelerate-config`: the launch, what is changed, the resolved DeepSpeed config."""
+def show(recipe: Recipe, yaml_path: str, num_processes: int | None, assume_gpu: bool) -> tuple[list[str], str, int]:
+    """`toolkit config show --accelerate-config`: (the launch and what is changed, as comment lines; the
+    resolved DeepSpeed config with its heading, or ""; the data-parallel ranks)."""
     import json
 
     import torch
@@ -278,10 +279,10 @@ def show(recipe: Recipe, yaml_path: str, num_processes: int | None, assume_gpu: 
     split = f", sequence parallel {sp} ({world // sp} data-parallel rank(s))" if sp > 1 else ""
     lines = [f"# {yaml_path}: {launch_kind(env)}, {world} process(es){split}, {'GPU' if cuda else 'CPU-only host'}"]
     lines += [f"# changed: {note}" for note in dict.fromkeys(notes)] or ["# changed: nothing"]
+    ds = ""
     if resolved is not None:
         source = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
         source = yaml_path if source in ("", "none") else source
-        lines.append(f"# {source} resolved for {world // sp} data-parallel rank(s)" if sp > 1 else
-                     f"# {source} resolved for {world} process(es)")
-        lines.append(json.dumps(resolved, indent=2))
-    return "\n".join(lines)
+        ds = (f"# {source} resolved for {world // sp} data-parallel rank(s)\n" if sp > 1 else
+              f"# {source} resolved for {world} process(es)\n") + json.dumps(resolved, indent=2)
+    return lines, ds, world // sp

@@ -1,0 +1,148 @@
+"""`toolkit config show RECIPE.yaml [--accelerate-config X.yaml]`: the plan first (the model and how it
+trains, the objective, the data, the launch, the global batch, the steps, where the results go), then
+what the launch config changes, the resolved recipe (every key, defaults included) and, for
+DeepSpeed, the resolved JSON. Nothing is loaded or downloaded: a Hub id stays a name, and the
+steps come from the rows the local files hold (a Hub dataset's rows are counted when a run reads it)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..config import DataSource, Recipe, dump_recipe
+
+
+def run(args, recipe: Recipe) -> None:
+    from ..backends.launch_config import show, worker_env
+    from ..backends.sizing import check_split
+
+    launch, ds, ranks = [], "", args.num_processes or 1
+    if args.accelerate_config:
+        launch, ds, ranks = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)
+        check_split(recipe, worker_env(args.accelerate_config, args.num_processes), args.accelerate_config)
+    print("\n".join(plan_lines(recipe, args.recipe, ranks, launch)))
+    print("# the resolved recipe, every key (docs/recipe-keys.md):")
+    print(dump_recipe(recipe), end="")
+    if ds:
+        print(ds)
+
+
+def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str]) -> list[str]:
+    """The plan as `# ` lines: what a newcomer checks before spending GPU hours."""
+    t, d = recipe.train, recipe.data
+    lines = [f"# plan for {path}:", f"#   model:       {model_line(recipe)}",
+             f"#   objective:   {objective_line(recipe)}", f"#   data:        {data_line(recipe)}"]
+    if launch:
+        lines += [f"#   launch:      {launch[0].removeprefix('# ')}"] + [f"#                {x.removeprefix('# ')}"
+                                                                        for x in launch[1:]]
+    else:
+        lines.append(f"#   launch:      one process{f' (of {ranks})' if ranks > 1 else ''}: plain `toolkit train`; "
+                     "--accelerate-config X.yaml shows that launch")
+    per_step = t.micro_batch_size * t.gradient_accumulation_steps * ranks
+    unit = "prompts" if recipe.rl.method else "pairs" if d.format == "preference" else (
+        f"packed rows of {d.max_seq_len} tokens" if d.packing else "examples")
+    lines.append(f"#   batch:       {t.micro_batch_size} x {t.gradient_accumulation_steps} accumulation x {ranks} "
+                 f"data-parallel rank(s) = {per_step} {unit} per optimizer step"
+                 + (f" ({per_step * recipe.rl.num_generations} completions)" if recipe.rl.method else ""))
+    lines.append(f"#   steps:       {steps_line(recipe, per_step)}")
+    c = recipe.checkpoint
+    lines.append("#   checkpoints: " + (f"every {c.every_steps} steps, the last {c.keep_last} kept" if c.every_steps
+                                       else "none periodic (checkpoint.every_steps=0); a stop by signal saves one")
+                 + "; resume with resume=auto")
+    lines.append(f"#   results:     {Path(recipe.output_dir) / 'final'} (metrics.jsonl, plot.png beside it)")
+    return lines
+
+
+def model_line(recipe: Recipe) -> str:
+    m, lora = recipe.model, recipe.lora
+    if m.preset:
+        where = f"the built-in preset {m.preset} (toolkit/model/presets/{m.preset}.json)"
+    elif Path(m.path).expanduser().exists():
+        where = f"{m.path} (a local folder)"
+    else:
+        where = f"{m.path} (a Hub id: downloaded into the Hugging Face cache at the first run, or read from it)"
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+    how = f"LoRA r={lora.r} alpha={lora.alpha:g} on {targets}" if lora.enabled else "full fine-tuning"
+    if m.load_in_4bit:
+        how = "QLoRA: the base in 4-bit NF4, " + how
+    checkpointing = ", gradient checkpointing" if m.gradient_checkpointing else ""
+    return f"{where}; {how}; {recipe.train.precision}{checkpointing}"
+
+
+def objective_line(recipe: Recipe) -> str:
+    rl, pref = recipe.rl, recipe.preference
+    if rl.method:
+        rewards = ", ".join(r if isinstance(r, str) else r.function for r in rl.rewards)
+        return (f"online RL, {rl.method} ({rl.loss_type} loss): {rl.num_generations} completions per prompt of at most "
+                f"{rl.max_new_tokens} tokens at temperature {rl.temperature:g}, scored by {rewards}")
+    if recipe.data.format == "preference":
+        return f"preference, {pref.method} (beta {pref.beta:g}) on chosen and rejected answers"
+    on = "every token" if recipe.data.format == "text" or recipe.data.train_on_prompt else "the responses only"
+    return f"supervised fine-tuning, the loss on {on}"
+
+
+def data_line(recipe: Recipe) -> str:
+    d = recipe.data
+
+    def name(e) -> str:
+        e = e if isinstance(e, DataSource) else DataSource(path=e)
+        split = f"[{e.split}]" if e.split != "train" or not Path(e.path).expanduser().exists() else ""
+        return e.path + split + (f" (first {e.max_rows:,} rows)" if e.max_rows else "")
+
+    held = (", ".join(map(name, d.eval_files)) if d.eval_files else
+            f"{d.eval_fraction:.0%} of the training rows" if d.eval_fraction else "none")
+    return (f"{', '.join(map(name, d.train_files))} as {d.format}, max_seq_len {d.max_seq_len}"
+            + (", packed" if d.packing else "") + f"; held out: {held}")
+
+
+def steps_line(recipe: Recipe, per_step: int) -> str:
+    t, d = recipe.train, recipe.data
+    iterations = recipe.rl.num_iterations
+    if t.max_steps:
+        return f"{t.max_steps} (train.max_steps), warmup {t.warmup_steps}"
+    rows = local_rows(d.train_files)
+    times = f" x {iterations} iterations" if iterations > 1 else ""
+    if rows is None:
+        return (f"{t.epochs} epoch(s) x (training rows // {per_step}){times}, warmup {t.warmup_steps}: a Hub "
+                "dataset's rows are counted when the run reads it (its first lines say)")
+    if not d.eval_files and d.eval_fraction:
+        rows -= math.ceil(d.eval_fraction * rows)
+    per_epoch = rows // per_step
+    if d.packing:
+        return (f"at most {per_epoch * t.epochs * iterations:,} = {t.epochs} epoch(s) x {per_epoch:,} ({rows:,} "
+                f"examples in the files // {per_step}){times}, warmup {t.warmup_steps}; packed rows are fewer: the "
+                "run counts them when it tokenizes")
+    return (f"{per_epoch * t.epochs * iterations:,} = {t.epochs} epoch(s) x {per_epoch:,} ({rows:,} training rows in "
+            f"the files // {per_step}){times}, warmup {t.warmup_steps}")
+
+
+def local_rows(entries: list) -> int | None:
+    """Rows in the local files of `entries` (JSON lines, CSV and Parquet, read cheaply), each entry's
+    max_rows applied; None where an entry is a Hub dataset or another kind."""
+    import glob
+
+    total = 0
+    for e in entries:
+        e = e if isinstance(e, DataSource) else DataSource(path=e)
+        p = Path(e.path).expanduser()
+        files = (sorted(glob.glob(str(p), recursive=True)) if any(c in e.path for c in "*?[") else
+                 sorted(str(f) for f in p.rglob("*") if f.is_file()) if p.is_dir() else [str(p)] if p.is_file() else [])
+        counts = [rows_in(f) for f in files]
+        if not counts or None in counts:
+            return None
+        n = sum(counts)
+        total += min(n, e.max_rows) if e.max_rows is not None else n
+    return total
+
+
+def rows_in(file: str) -> int | None:
+    """Rows of a JSON lines file (its non-blank lines) or a Parquet file (its metadata); None for others."""
+    suffix = Path(file).suffix.lower()
+    if suffix == ".jsonl":
+        with open(file, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(file).metadata.num_rows
+    return None
