@@ -82,7 +82,8 @@ class RopeScaling:
 class ModelConfig:
     path: Optional[str] = None
     """A local Hugging Face causal-LM folder (config, weights, tokenizer), or a Hub id (`org/name`)
-    found in the Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`; only the cache under `HF_HUB_OFFLINE=1`)."""
+    downloaded into the Hugging Face cache (`HF_HOME`, `HF_HUB_CACHE`) at the first run and read from
+    it after (only the cache under `HF_HUB_OFFLINE=1`)."""
     revision: Optional[str] = None
     """For a Hub id: the branch, tag or commit to use (default `main`)."""
     trust_remote_code: bool = False

@@ -39,7 +39,7 @@ EXAMPLES = 3  # right and wrong answers each, shown in the summary and kept in t
 def add_arguments(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR",
                    help="a Hugging Face model folder, a merged model, a LoRA adapter folder (such as a run's "
-                        "final/) or a Hub id in the Hugging Face cache")
+                        "final/) or a Hub id (downloaded into the Hugging Face cache, or read from it)")
     p.add_argument("--data", required=True, metavar="FILE",
                    help="a .jsonl, .json, .parquet or .csv file, a folder or glob of them, or a Hub dataset id")
     p.add_argument("--format", choices=FORMATS, default=None,

@@ -28,7 +28,7 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 def add_arguments(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR",
                    help="a Hugging Face model folder, a merged model, a LoRA adapter folder (such as a run's "
-                        "final/) or a Hub id in the Hugging Face cache")
+                        "final/) or a Hub id (downloaded into the Hugging Face cache, or read from it)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE",
                    help="a text file of prompts, one per line; or a .jsonl file with a `prompt` string or a "
