@@ -114,8 +114,8 @@ class ModelConfig:
     linear cross-entropy is not used; the start-of-run line says so. Needs `pip install liger-kernel`
     (the `kernels` extra); refused in one line without it or without a CUDA GPU. Not with tiled_mlp."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Storage of the frozen base weights under LoRA (bf16/fp16 halve their memory; must match
-    train.precision). Trainable parameters and optimizer states are always fp32."""
+    """Storage of the frozen base weights under LoRA: fp32 under any train.precision, or bf16/fp16 (half
+    the memory) with the same train.precision. Trainable parameters and optimizer states are always fp32."""
     load_in_4bit: bool = False
     """QLoRA: load the frozen base's linear layers in 4-bit NF4 (bitsandbytes, double quantization,
     computing in train.precision: fp32, bf16 or fp16) under a LoRA adapter. Trains on a CUDA GPU, and
@@ -289,8 +289,8 @@ class TrainConfig:
     """Print a step line every N optimizer steps (metrics.jsonl gets every step)."""
     report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """Trackers besides metrics.jsonl (always written), through accelerate: `tensorboard` (event files in
-    output_dir/tensorboard/; `pip install 'toolkit[tensorboard]'`) and/or `wandb` (needs `pip install
-    wandb` and a login or WANDB_MODE=offline). The recipe is logged as hyperparameters."""
+    output_dir/tensorboard/; `pip install tensorboard`, which `make setup` installs) and/or `wandb` (needs
+    `pip install wandb` and a login or WANDB_MODE=offline). The recipe is logged as hyperparameters."""
     peak_tflops: Optional[float] = None
     """The device's dense peak TFLOP/s for MFU, when the GPU is not one the toolkit knows (H100, H200,
     A100, L40S, L4, B200); on a CPU host there is no MFU unless this is set."""
@@ -778,7 +778,7 @@ def validate(r: Recipe, source: str) -> None:
     for tracker, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         need(tracker not in t.report_to or importlib.util.find_spec(module) is not None, "train.report_to",
              f"{tracker} is not installed: "
-             + command("python -m pip install " + ("'toolkit[tensorboard]'" if tracker == "tensorboard" else "wandb")))
+             + command(f"python -m pip install {module}"))
     need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
     need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
          f"must be non-negative, got {r.checkpoint.every_steps}")
