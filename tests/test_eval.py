@@ -221,3 +221,21 @@ def test_progress_on_stderr_results_alone_on_stdout(answers_run):
     assert text.returncode == 0, text.stderr[-3000:]
     assert text.stdout == summary(result, str(answers_run.resolve() / "config.yaml")) + "\n"
     assert "eval answers: 100%" in text.stderr
+
+
+def test_final_holds_a_model_card_of_what_the_run_did(quickstart_run, lora_run):
+    """final/README.md (training/card.py): Hub model-card metadata (library, tags), what was trained and
+    how long, the data entries, the last logged metrics as metrics.jsonl has them, and the recipe."""
+    import yaml
+
+    for run, library, how in ((quickstart_run, "transformers", "of all weights"),
+                              (lora_run, "peft", "with LoRA (r=16")):
+        text = (run / "final" / "README.md").read_text()
+        _, front, body = text.split("---\n", 2)
+        meta = yaml.safe_load(front)
+        assert meta["library_name"] == library and meta["tags"][:2] == ["toolkit", "sft"], meta
+        assert f"supervised fine-tuning {how}" in body and f"{QUICKSTART_STEPS} optimizer steps" in body, body
+        evals = [r for r in read_metrics(run) if r.get("eval_loss") is not None]
+        assert f"| eval_loss | {evals[-1]['eval_loss']:.4g} | {evals[-1]['step']} |" in body
+        assert re.search(r"Training data content fingerprint: `[0-9a-f]{16}`", body)
+        assert f"```yaml\noutput_dir: {run}\n" in body

@@ -160,6 +160,10 @@ def test_preset_run_dora_rslora(preset_run, tmp_path, capsys):
     assert not (tmp_path / "merged.tmp").exists()
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
     assert_merged(out, preset_run / "base-model", adapter)
+    card = (out / "README.md").read_text()  # the run's model card, now of a plain model
+    assert card.startswith("---\nlibrary_name: transformers\n") and "Merged into its base by `toolkit merge`." in card
+    assert card.replace("library_name: transformers", "library_name: peft", 1).replace(
+        "\nMerged into its base by `toolkit merge`.\n", "", 1) == (adapter / "README.md").read_text()
 
 
 def test_sharded_local_base_lora_with_patterns_and_modules_to_save(local_base, tmp_path, capsys):

@@ -67,3 +67,26 @@ def test_an_rl_run_counts_prompts_and_completions(tmp_path):
     # 2 x 4 layers x 64 (2 KV heads of 32) x 64 sequences (2 x 4 x 8) x 80 tokens x 4 bytes (fp32) = 10 MiB
     assert "(micro-batch 16 sequences (2 prompts x 8 completions) x 80 tokens (prompt + up to 16 new)), KV cache " \
            "10.0 MiB (64 completions sampled at once" in estimate, estimate
+
+
+def test_the_model_card_names_a_hub_base_its_license_and_hub_data(tmp_path):
+    """training/card.py on a LoRA recipe over a Hub id with Hub data: base_model, datasets, and the
+    license the base's own card states; a local base without a card gives no license."""
+    import yaml
+
+    from toolkit.storage.checkpoint import TrainerState
+    from toolkit.training.card import model_card
+
+    recipe = load_recipe(ROOT / "examples" / "recipes" / "tasks" / "lora-qwen2.5-1.5b.yaml")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [en]\n---\n# Qwen\n")
+    state = TrainerState(step=12, tokens_seen=3000, global_batch=32, data_content="0123456789abcdef")
+    card = model_card(recipe, state, [{"step": 12, "loss": 1.25, "eval_loss": 1.5}], base)
+    meta = yaml.safe_load(card.split("---\n", 2)[1])
+    assert meta == {"library_name": "peft", "pipeline_tag": "text-generation", "tags": ["toolkit", "sft", "lora"],
+                    "base_model": "Qwen/Qwen2.5-1.5B-Instruct", "license": "apache-2.0",
+                    "datasets": ["trl-lib/Capybara"]}
+    assert "12 optimizer steps of a global batch of 32 (3,000 tokens)" in card and "| loss | 1.25 | 12 |" in card
+    (base / "README.md").unlink()
+    assert "license" not in yaml.safe_load(model_card(recipe, state, [], base).split("---\n", 2)[1])

@@ -29,6 +29,7 @@ from ..observe import measure
 from ..observe.monitor import Monitor
 from ..stops import Preemption, TrainingStopped
 from ..storage import checkpoint
+from . import card
 from .objectives import Objective
 from .samples import Samples
 
@@ -293,12 +294,14 @@ def save_final(run: Run, tokenizer) -> None:
         if recipe.train.compile:  # the same count for a longer run: no step recompiled
             accelerator.print(f"compile: {compiled_graphs()} graphs built")
         run.monitor.watchdog.begin("save", run.total_steps)
-        base = None
-        if recipe.lora.enabled and accelerator.is_main_process:  # which base the adapter belongs to
-            folder = (out / "base-model" if recipe.model.preset
-                      else resolve_model(recipe.model.path, recipe.model.revision))
-            base = {base_identity.RECORD: base_identity.record(folder, config_overrides(recipe.model))}
-        run.backend.save_model(run.model, tokenizer, out / "final", extra_files=base)
+        extra = None
+        if accelerator.is_main_process:
+            folder = None if recipe.model.preset else Path(resolve_model(recipe.model.path, recipe.model.revision))
+            extra = {"README.md": card.model_card(recipe, run.state, card.read_rows(out / "metrics.jsonl"), folder)}
+            if recipe.lora.enabled:  # which base the adapter belongs to
+                extra[base_identity.RECORD] = base_identity.record(folder or out / "base-model",
+                                                                   config_overrides(recipe.model))
+        run.backend.save_model(run.model, tokenizer, out / "final", extra_files=extra)
         run.monitor.watchdog.done()
     accelerator.print(f"saved {out / 'final'}")
     if preemption.requested:

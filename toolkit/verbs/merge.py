@@ -542,6 +542,11 @@ def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
     if eos_ids:
         generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    card = plan.adapter / "README.md"
+    if card.is_file() and card.read_text(errors="replace").startswith("---\nlibrary_name: peft\n"):  # a run's card
+        text = card.read_text().replace("library_name: peft\n", "library_name: transformers\n", 1)
+        (tmp / "README.md").write_text(text.replace("\n## Use\n", "\nMerged into its base by `toolkit merge`.\n\n"
+                                                    "## Use\n", 1))
 
 
 def vocab_size(config: dict) -> int:
