@@ -148,6 +148,77 @@ def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path, data_files):
     assert hparams and "train.learning_rate: 0.001" in hparams[0].read_text()
 
 
+def wandb_history(run_file) -> list[dict]:
+    """The history rows of an offline W&B run file (`run-*.wandb`): LevelDB's log format (32 KiB blocks
+    of records, each with a 7-byte header: crc, length, type 1 full / 2 first / 3 middle / 4 last), each
+    record one of wandb's own protobuf `Record`s."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, parts, rows = run_file.read_bytes(), 7, b"", []  # the file's own 7-byte header first
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:  # padding to the end of the block
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+@pytest.mark.launch
+def test_wandb_mlflow_and_trackio_get_the_rows_of_metrics_jsonl(tmp_path, data_files, monkeypatch):
+    """Issue 54: one run reporting to W&B (offline), MLflow (its file store in the run folder) and
+    trackio (a local store): each holds every step's loss and the evals at the steps metrics.jsonl
+    has them, and the recipe as parameters; an MLflow server out of reach is one line before step 1."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from helpers import user_error_line
+
+    env = {"WANDB_MODE": "offline", "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"}
+    run, _ = train(tmp_path, data_files, "train.report_to=[wandb,mlflow,trackio]", "train.eval_every_steps=4",
+                   env=env)
+    rows = read_metrics(run)
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    evals = {r["step"]: r["eval_loss"] for r in rows if r.get("eval_loss") is not None}
+    assert len(losses) == 8 and sorted(evals) == [0, 4, 8], rows
+
+    history = wandb_history(next(run.glob("wandb/offline-run-*/run-*.wandb")))
+    assert {h["_step"]: h["loss"] for h in history if "loss" in h} == pytest.approx(losses, rel=1e-6)
+    assert {h["_step"]: h["eval_loss"] for h in history if "eval_loss" in h} == pytest.approx(evals, rel=1e-6)
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for its own file store
+    client = MlflowClient((run / "mlruns").as_uri())
+    (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    for name, expected in (("loss", losses), ("eval_loss", evals)):
+        got = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, name)}
+        assert got == pytest.approx(expected, rel=1e-6), name
+    assert float(mlflow_run.data.params["train.learning_rate"]) == 0.001
+
+    db = sqlite3.connect(tmp_path / "trackio" / f"{run.name}.db")
+    logged = [(step, json.loads(m)) for step, m in db.execute("select step, metrics from metrics order by id")]
+    assert {step: m["loss"] for step, m in logged if "loss" in m} == pytest.approx(losses, rel=1e-6)
+    assert {step: m["eval_loss"] for step, m in logged if "eval_loss" in m} == pytest.approx(evals, rel=1e-6)
+
+    recipe = write_recipe(tmp_path / "away.yaml", **base_recipe(tmp_path, *data_files, out="away"))
+    proc = run_toolkit("train", recipe, "train.report_to=[mlflow]", timeout=300,
+                       env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    assert user_error_line(proc).startswith("error: train.report_to: mlflow did not start: "), proc.stderr[-2000:]
+    assert not (tmp_path / "away" / "metrics.jsonl").exists()
+
+
 @pytest.mark.launch
 def test_the_watchdog_names_the_rank_that_sleeps_inside_a_step(tmp_path, data_files):
     """Rank 1 sleeps 10 s before its forward at step 3; the limit is 3 s. Every rank writes its

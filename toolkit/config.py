@@ -287,10 +287,14 @@ class TrainConfig:
     """Longest answer to a sample prompt, in tokens."""
     log_every_steps: int = 10
     """Print a step line every N optimizer steps (metrics.jsonl gets every step)."""
-    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
-    """Trackers besides metrics.jsonl (always written), through accelerate: `tensorboard` (event files in
-    output_dir/tensorboard/; `pip install tensorboard`, which `make setup` installs) and/or `wandb` (needs
-    `pip install wandb` and a login or WANDB_MODE=offline). The recipe is logged as hyperparameters."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = field(default_factory=list)
+    """Trackers besides metrics.jsonl (always written), through accelerate, each getting every metrics row
+    and the recipe as hyperparameters: `tensorboard` (event files in output_dir/tensorboard/; `pip install
+    tensorboard`, which `make setup` installs), `wandb` (`pip install wandb`; a login, or WANDB_MODE=offline
+    for a run folder under output_dir/wandb/), `mlflow` (`pip install mlflow-skinny`; MLFLOW_TRACKING_URI,
+    else a file store in output_dir/mlruns/), `trackio` (`pip install trackio`; its local store, TRACKIO_DIR,
+    or TRACKIO_SPACE_ID). A tracker that is not installed is refused when the recipe loads, one that does
+    not start (no login, a server out of reach) before step 1, each in one line."""
     peak_tflops: Optional[float] = None
     """The device's dense peak TFLOP/s for MFU, when the GPU is not one the toolkit knows (H100, H200,
     A100, L40S, L4, B200); on a CPU host there is no MFU unless this is set."""
@@ -775,10 +779,10 @@ def validate(r: Recipe, source: str) -> None:
          "train.profile_steps", f"must be [first, last] optimizer steps with 1 <= first <= last, got {t.profile_steps}")
     need(t.watchdog_seconds is None or t.watchdog_seconds > 0, "train.watchdog_seconds",
          f"must be positive, got {t.watchdog_seconds}")
-    for tracker, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-        need(tracker not in t.report_to or importlib.util.find_spec(module) is not None, "train.report_to",
-             f"{tracker} is not installed: "
-             + command(f"python -m pip install {module}"))
+    for tracker, package in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow-skinny"),
+                             ("trackio", "trackio")):
+        need(tracker not in t.report_to or importlib.util.find_spec(tracker) is not None, "train.report_to",
+             f"{tracker} is not installed: " + command(f"python -m pip install {package}"))
     need(t.max_nonfinite_steps > 0, "train.max_nonfinite_steps", f"must be positive, got {t.max_nonfinite_steps}")
     need(r.checkpoint.every_steps >= 0, "checkpoint.every_steps",
          f"must be non-negative, got {r.checkpoint.every_steps}")

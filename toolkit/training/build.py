@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,11 +373,31 @@ def open_run_folder(backend: backends.Backend, recipe: Recipe, ds_config, state:
 
 
 def start_trackers(accelerator, recipe: Recipe) -> None:
-    """train.report_to: TensorBoard / W&B through accelerate, the recipe as hyperparameters."""
-    if recipe.train.report_to:
-        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                for k, v in run_folder.flat_recipe(recipe).items()}
-        accelerator.init_trackers(Path(recipe.output_dir).resolve().name, config=flat)
+    """train.report_to through accelerate, the recipe as hyperparameters: W&B's run folder and MLflow's
+    file store (where MLFLOW_TRACKING_URI names none) in output_dir. A tracker that does not start (no
+    login, a server out of reach) is one line naming it, before step 1."""
+    trackers = recipe.train.report_to
+    if not trackers:
+        return
+    from accelerate.tracking import GeneralTracker
+
+    out = Path(recipe.output_dir).resolve()
+    if "mlflow" in trackers and not os.environ.get("MLFLOW_TRACKING_URI"):
+        # MLflow 3 keeps its file store (maintenance mode) behind this switch; its database store needs
+        # SQLAlchemy, which mlflow-skinny leaves out
+        os.environ.update(MLFLOW_TRACKING_URI=(out / "mlruns").as_uri(), MLFLOW_ALLOW_FILE_STORE="true")
+    flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+            for k, v in run_folder.flat_recipe(recipe).items()}
+    try:
+        accelerator.init_trackers(out.name, config=flat, init_kwargs={"wandb": {"dir": str(out)}})
+    except Exception as e:  # noqa: BLE001 - each tracker raises its own types (no login, no server, ...)
+        failed, tb = "a tracker", e.__traceback__
+        while tb is not None:  # the tracker whose start raised: accelerate's tracker object in the traceback
+            if isinstance(owner := tb.tb_frame.f_locals.get("self"), GeneralTracker):
+                failed = owner.name
+            tb = tb.tb_next
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ToolkitError(f"train.report_to: {failed} did not start: {first}") from None
 
 
 def setup_monitor(accelerator, recipe: Recipe, state: checkpoint.TrainerState, flops: measure.Flops,
