@@ -16,7 +16,7 @@ def run(args, recipe: Recipe) -> None:
     from ..backends.launch_config import show, worker_env
     from ..backends.sizing import check_split
 
-    launch, ds, ranks = [], "", args.num_processes or 1
+    launch, ds, ranks = [], "", 1
     if args.accelerate_config:
         launch, ds, ranks = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)
         check_split(recipe, worker_env(args.accelerate_config, args.num_processes), args.accelerate_config)
@@ -36,8 +36,7 @@ def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str]) -> list
         lines += [f"#   launch:      {launch[0].removeprefix('# ')}"] + [f"#                {x.removeprefix('# ')}"
                                                                         for x in launch[1:]]
     else:
-        lines.append(f"#   launch:      one process{f' (of {ranks})' if ranks > 1 else ''}: plain `toolkit train`; "
-                     "--accelerate-config X.yaml shows that launch")
+        lines.append("#   launch:      one process (plain `toolkit train`); --accelerate-config X.yaml shows yours")
     per_step = t.micro_batch_size * t.gradient_accumulation_steps * ranks
     unit = "prompts" if recipe.rl.method else "pairs" if d.format == "preference" else (
         f"packed rows of {d.max_seq_len} tokens" if d.packing else "examples")
