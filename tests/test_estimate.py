@@ -398,7 +398,7 @@ def test_a_hub_id_without_a_network_is_one_line_at_once_and_a_cached_one_is_read
     for env in (nowhere, {**nowhere, "HF_HUB_OFFLINE": "1"}):
         result = run_toolkit("estimate", "--model", "org/tiny", "--json", env=env)
         assert result.returncode == 0, result.stderr
-        assert json.loads(result.stdout)["model"]["parameters"] > 0
+        assert json.loads(result.stdout)["model"]["params"] > 0
 
 
 @pytest.mark.launch
