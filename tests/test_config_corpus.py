@@ -22,11 +22,11 @@ IDS = [e["file"].split("/", 1)[1] for e in ENTRIES]
 # One file of each class the configs issue listed, launched in every CI run.
 # (By hand since 2026-11-28, within CI's 60 minutes: accelerate__ds_config_zero2_model_only.json (no optimizer,
 # offload: test_backends.py's zero2_offload covers CPU Adam), stanford_alpaca__default_offload_opt_param.json
-# (WarmupDecayLR), llava__zero3_offload.json, accelerate__multi_node.yaml (test_backends.py rehearses multi-node).)
+# (WarmupDecayLR), llava__zero3_offload.json, accelerate__multi_node.yaml (test_backends.py rehearses multi-node);
+# and llama_factory__ds_z0_config.json (ZeRO-0: test_deepspeed_config.py trains ZeRO-0 in CI).)
 REPRESENTATIVE = {
     "glm__config_blocklm_10B.json",                  # 1: optimizer without scheduler (fp16: refused on CPU)
     "qwen__ds_config_zero2.json",                    # 2: WarmupLR with "auto" values
-    "llama_factory__ds_z0_config.json",              # 3: ZeRO stage 0
     "axolotl__zero1_torch_compile.json",             # 4: pre-0.17 compile section
     "trl__fsdp1.yaml",                               # 5: FSDP1 (refused on a CPU-only host, says how to convert)
     "trl__fsdp2.yaml",                               # 5: FSDP2

@@ -50,9 +50,10 @@ def losses(run):
 
 @pytest.mark.launch
 @pytest.mark.parametrize("source,target,lora",
-                         # ZeRO-2 -> ZeRO-3 by hand: test_deepspeed_config.py moves a ZeRO-2 run to ZeRO-3 in CI
-                         [pytest.param(*m, marks=pytest.mark.slow) if m == ("zero2", "zero3", False) else m
-                          for m in MOVES],
+                         # By hand: ZeRO-2 -> ZeRO-3 (test_deepspeed_config.py moves a ZeRO-2 run to ZeRO-3 in
+                         # CI) and ZeRO-3 -> FSDP full (its LoRA twin makes the same move in CI)
+                         [pytest.param(*m, marks=pytest.mark.slow)
+                          if m in (("zero2", "zero3", False), ("zero3", "fsdp", False)) else m for m in MOVES],
                          ids=[f"{a}-to-{b}-{'lora' if lora else 'full'}" for a, b, lora in MOVES])
 def test_resume_under_another_layout(source, target, lora, workdir, uninterrupted):
     written = uninterrupted(source, lora)
