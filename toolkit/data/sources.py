@@ -116,8 +116,7 @@ def check_first_rows(source: Source) -> None:
         return
     firsts = [first_columns(f) for f in source.files]
     found = [c for columns in firsts for c in columns or []]
-    if not missing_columns(source.format, found) and all(c in found for c in source.columns):
-        renamed(source, found)
+    if all(c in found for c in source.columns) and not missing_columns(source.format, renamed(source, found)):
         return
     if LOADERS[Path(source.files[0]).suffix.lower()] == "json":
         found = list(dict.fromkeys(key for f in source.files for row, _, _ in json_rows(f) for key in row))
