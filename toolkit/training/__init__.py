@@ -3,4 +3,4 @@
 the loop asks for a batch's loss, and its implementations), `online` (online RL's objective, GRPO),
 `policy_loss` (its loss), `rewards` (its reward functions), `loss` (chunked or full cross-entropy,
 log-probabilities), `reference` (DPO's precomputed reference), `summary` (the start-of-run lines),
-`samples` (answers generated at each evaluation)."""
+`samples` (answers generated at each evaluation), `card` (final/README.md, the run's model card)."""

@@ -1,4 +1,5 @@
 """The CLI verbs besides `train`, each a module with `add_arguments(parser)` and `run(args)`: before
-launch `estimate`, `doctor`; while and after training `plot`; after training `generate`, `evaluate`
-(`toolkit eval`), `merge`, `convert` (`toolkit checkpoint convert`). The training run never imports
+launch `show` (`toolkit config show`, whose arguments cli.py parses with train's), `estimate`, `doctor`;
+while and after training `plot`; after training `generate`, `evaluate` (`toolkit eval`), `merge`,
+`export` (GGUF), `convert` (`toolkit checkpoint convert`). The training run never imports
 them (tests/test_layout.py)."""
