@@ -372,7 +372,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, rows: list[int] = ()) ->
     if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms in fp32, input grads for checkpointing
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model.is_gradient_checkpointing)
+        # peft enables checkpointing again, without use_reentrant unless given (torch warns; the reentrant kind):
+        # the same non-reentrant checkpointing as every other model here
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model.is_gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
     stacks = fused_expert_stacks(model) if targets == "all-linear" else []
     model = get_peft_model(model, peft_config)
     if stacks and not any(hasattr(m, "parameter_name") for m in model.modules()):
