@@ -229,7 +229,7 @@ def test_final_holds_a_model_card_of_what_the_run_did(quickstart_run, lora_run):
     import yaml
 
     for run, library, how in ((quickstart_run, "transformers", "of all weights"),
-                              (lora_run, "peft", "with LoRA (r=16")):
+                              (lora_run, "peft", "with LoRA (r=")):
         text = (run / "final" / "README.md").read_text()
         _, front, body = text.split("---\n", 2)
         meta = yaml.safe_load(front)
