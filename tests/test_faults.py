@@ -287,6 +287,22 @@ def test_signal_while_merge_or_convert_writes_leaves_no_output(work, reference, 
     assert (out / "config.json").is_file()
 
 
+def test_signal_while_export_writes_leaves_no_file(work, reference, tmp_path):
+    """toolkit export writes OUT.gguf under a temporary name: SIGTERM after the tensors are written (before
+    the read-back) ended the process with no line and left the 258 MB temporary file (found by hand on
+    SmolLM2); now one line, exit 75, neither file left, and the same command then succeeds."""
+    out = tmp_path / "m.gguf"
+    args = ["export", work / "reference" / "final", "--gguf", out, "--type", "f32"]
+    code, _, err = finish(launch(args, env={"TOOLKIT_FAULT_SIGNAL": "export:TERM"}), timeout=300)
+    assert code == 75, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    lines = stopped_lines(err)
+    assert len(lines) == 1 and "nothing was written" in lines[0], err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    code, _, err = finish(launch(args), timeout=300)
+    assert code == 0 and out.is_file(), err[-2000:]
+
+
 # ----------------------------------------------------------------------------- two processes
 
 

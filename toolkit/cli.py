@@ -23,7 +23,8 @@ from .stops import Preemption, TrainingStopped, mark_refused
 STOP_TEXTS = {"train": "before training started; nothing was trained or saved. Run again to start over",
               "merge": "during merge; nothing was written (its partial folder removed). Run it again",
               "checkpoint": "during checkpoint convert; nothing was written (its partial folder removed). Run it again",
-              "eval": "during eval; no results were written. Run it again"}
+              "eval": "during eval; no results were written. Run it again",
+              "export": "during export; nothing was written (its partial file removed). Run it again"}
 VERBS = {"estimate": ("estimate", "which strategy (DDP, FSDP, ZeRO, offload) fits a model on your GPUs, before launch"),
          "merge": ("merge", "merge a LoRA adapter into its base: a plain Hugging Face folder"),
          "generate": ("generate", "answer prompts with a model, merged model or adapter folder"),

@@ -21,7 +21,7 @@ import threading
 import time
 
 SIGNALS = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "KILL": signal.SIGKILL}
-PHASES = ("data", "model", "prepare", "step", "generate", "eval", "checkpoint", "final", "merge", "convert")
+PHASES = ("data", "model", "prepare", "step", "generate", "eval", "checkpoint", "final", "merge", "convert", "export")
 
 
 class Faults:

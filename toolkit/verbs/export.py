@@ -25,6 +25,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import faults
 from ..errors import EXIT_SAVE_MISMATCH, ToolkitError, command
 from ..stops import TrainingStopped
 from ..storage import disk
@@ -79,6 +80,7 @@ def run(args) -> int:
         with disk.writing("--gguf", tmp, error=ToolkitError):
             tensors = write_gguf(tmp, model, tokenizer, model_name(Path(args.model)), arch, permute, args.type)
         print(f"wrote {tensors} tensors ({args.type}) to {out.name}: {disk.human(tmp.stat().st_size)}")
+        faults.at("export")
         if not args.skip_check:
             check(tmp, model, tokenizer, args.type)
         os.replace(tmp, out)
