@@ -28,7 +28,7 @@ def resolve_sources(entries: list, cfg: DataConfig, key: str) -> list[Source]:
         e = entry if isinstance(entry, DataSource) else DataSource(path=entry)
         k = f"{key}[{i}]" if len(entries) > 1 or isinstance(entry, DataSource) else key
         fmt = e.format or cfg.format
-        files = _expand(e.path, k)
+        files = expand_files(e.path, k)
         if files is None:  # not a local path: a Hub dataset id
             from ..model.hub import is_hub_id
 
@@ -65,7 +65,7 @@ class Source:
         return self.files[0] if len(self.files) == 1 else f"{Path(self.files[0]).parent}/ ({len(self.files)} files)"
 
 
-def _expand(path: str, key: str) -> list[str] | None:
+def expand_files(path: str, key: str) -> list[str] | None:
     """The files of one entry: a file, every data file in a folder, or a glob's matches (sorted).
     None when nothing local is named (the entry may be a Hub id)."""
     p = Path(path).expanduser()

@@ -116,16 +116,19 @@ def steps_line(recipe: Recipe, per_step: int) -> str:
 
 
 def local_rows(entries: list) -> int | None:
-    """Rows in the local files of `entries` (JSON lines, CSV and Parquet, read cheaply), each entry's
-    max_rows applied; None where an entry is a Hub dataset or another kind."""
-    import glob
+    """Rows in the local files of `entries` (the files a run reads: data.sources.expand_files), JSON lines
+    and Parquet counted cheaply, each entry's max_rows applied; None where an entry is a Hub dataset,
+    another kind of file, or missing (the run says why)."""
+    from ..data.sources import expand_files
+    from ..errors import ToolkitError
 
     total = 0
     for e in entries:
         e = e if isinstance(e, DataSource) else DataSource(path=e)
-        p = Path(e.path).expanduser()
-        files = (sorted(glob.glob(str(p), recursive=True)) if any(c in e.path for c in "*?[") else
-                 sorted(str(f) for f in p.rglob("*") if f.is_file()) if p.is_dir() else [str(p)] if p.is_file() else [])
+        try:
+            files = expand_files(e.path, "data") or []
+        except ToolkitError:
+            return None
         counts = [rows_in(f) for f in files]
         if not counts or None in counts:
             return None
