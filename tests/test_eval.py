@@ -147,6 +147,23 @@ def test_prompt_rows_are_scored_by_reward_functions(answers_run, answers_model, 
     assert line.startswith(f"error: --data {data}: prompt rows are scored by reward functions; give --reward"), line
 
 
+def test_an_lm_eval_task_scores_the_answers_this_eval_scores(answers_run, tmp_path, capsys):
+    """The shipped lm-eval task (examples/lm_eval/letters.yaml: training's alpaca prompt, a greedy
+    answer, exact after strip) over the run's eval rows, through the harness, gives the accuracy
+    `--data` gives: the harness is handed the model this verb loads, and sees it as this verb does."""
+    pytest.importorskip("lm_eval")
+    eval_file = answers_eval_file(answers_run)
+    task = (ROOT / "examples/lm_eval/letters.yaml").read_text()
+    assert "test: examples/data/tasks_eval.jsonl" in task
+    (tmp_path / "letters.yaml").write_text(task.replace("examples/data/tasks_eval.jsonl", str(eval_file)))
+    final = answers_run / "final"
+    ours = evaluate(capsys, tmp_path, final, "--data", eval_file, "--max-new-tokens", 16)["answers"]
+    code, out, err = cli(capsys, "eval", final, "--tasks", tmp_path / "letters.yaml", "--json")
+    assert code == 0, err
+    harness = json.loads(out)["results"]["letters"]["exact_match,none"]
+    assert harness == ours["accuracy"] > 0, (harness, ours)
+
+
 def test_json_output_and_text_format(answers_run, tmp_path, capsys):
     """--json prints the results (summary on stderr); text rows are scored for loss only."""
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": "Sort the letters. abc"}, {"text": "hello world"}])

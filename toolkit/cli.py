@@ -28,7 +28,7 @@ STOP_TEXTS = {"train": "before training started; nothing was trained or saved. R
 VERBS = {"estimate": ("estimate", "which strategy (DDP, FSDP, ZeRO, offload) fits a model on your GPUs, before launch"),
          "merge": ("merge", "merge a LoRA adapter into its base: a plain Hugging Face folder"),
          "generate": ("generate", "answer prompts with a model, merged model or adapter folder"),
-         "eval": ("evaluate", "loss, perplexity and answer accuracy of a model on a data file"),
+         "eval": ("evaluate", "loss, perplexity and answer accuracy of a model on a data file, or lm-eval tasks"),
          "export": ("export", "a model as one GGUF file (f16, q8_0, ...) for llama.cpp, Ollama and LM Studio"),
          "checkpoint": ("convert", "a training checkpoint's weights as a plain Hugging Face folder (or adapter)"),
          "plot": ("plot", "a PNG of loss, eval loss, learning rate, grad norm and throughput of one or more runs"),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..errors import ToolkitError
 from ..storage.disk import check_writable, write_file
+from . import harness
 
 FORMATS = ("alpaca", "messages", "text", "preference", "prompt")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
@@ -40,8 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("model", metavar="MODEL_DIR",
                    help="a Hugging Face model folder, a merged model, a LoRA adapter folder (such as a run's "
                         "final/) or a Hub id (downloaded into the Hugging Face cache, or read from it)")
-    p.add_argument("--data", required=True, metavar="FILE",
-                   help="a .jsonl, .json, .parquet or .csv file, a folder or glob of them, or a Hub dataset id")
+    p.add_argument("--data", metavar="FILE",
+                   help="a .jsonl, .json, .parquet or .csv file, a folder or glob of them, or a Hub dataset id "
+                        "(or --tasks)")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="default: from the first row's keys (instruction/output: alpaca, messages, text, "
                         "chosen/rejected: preference)")
@@ -67,10 +69,20 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights' dtype (fp32)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the Python code a model ships with (only for sources you trust)")
+    harness.add_arguments(p)
 
 
 def run(args) -> int:
     from ..model.inference import locate_model
+
+    if bool(args.data) == bool(args.tasks):
+        raise ToolkitError("eval: give --data FILE (loss and answers on rows) or --tasks NAME (lm-eval tasks), "
+                           "not both" if args.data else "eval: give --data FILE or --tasks NAME")
+    if args.tasks:
+        return harness.run(args)
+    for name in ("include", "num_fewshot", "chat_template"):
+        if getattr(args, name) not in (None, False):
+            raise ToolkitError(f"eval --{name.replace('_', '-')}: only with --tasks")
 
     for name in ("batch_size", "max_new_tokens", "limit"):
         value = getattr(args, name)

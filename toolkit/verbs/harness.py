@@ -1,0 +1,215 @@
+"""`toolkit eval MODEL_DIR --tasks NAME|FILE.yaml`: EleutherAI's lm-evaluation-harness on a model.
+
+The harness does the measuring, through its own HF model class (`lm_eval.models.huggingface.HFLM`)
+and its own `simple_evaluate`: this module finds the tasks, loads the model as every verb does
+(a folder, a merged model, a LoRA adapter over its base, or a Hub id; `model.inference`), and
+writes what the harness returns. A task is a name the harness knows (its own tasks, or a task in
+an `--include` folder) or a task YAML file, whose folder is then included. Every task is built,
+its data read, before the model loads: an unknown name, a file that is not a task, or data that
+cannot be read ends in one line naming it. Results go to --out, and when MODEL_DIR is a run's
+final/ also to RUN/eval/lm-eval-TIME.json (a new file each time; none when the run folder is
+read-only). One process:
+under `accelerate launch` the verb refuses (the harness takes a loaded model on one device).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import ToolkitError
+from ..storage.disk import check_writable, write_file
+
+# --data options that mean nothing to a task, whose YAML says how its rows are read and scored
+DATA_ONLY = ("format", "max_seq_len", "train_on_prompt", "reward")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--tasks", action="append", default=None, metavar="NAME|FILE.yaml",
+                   help="lm-evaluation-harness tasks instead of --data: a task, group or tag name the harness "
+                        "knows, or a task YAML file; comma-separated or repeated")
+    p.add_argument("--include", action="append", default=None, metavar="DIR",
+                   help="with --tasks: a folder of task YAML files to look names up in too (repeatable)")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="N",
+                   help="with --tasks: examples shown before each question (default: each task's own)")
+    p.add_argument("--chat-template", action="store_true",
+                   help="with --tasks: render each request with the model's chat template (instruct models)")
+
+
+def run(args) -> int:
+    """The tasks built (their data read), then the model loaded and the harness run."""
+    from ..model.inference import locate_model
+
+    refuse_mixed(args)
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ToolkitError("eval --tasks: needs EleutherAI's lm-evaluation-harness: pip install 'lm-eval>=0.4.13,<0.5' "
+                           "(the toolkit's `eval` extra)")
+    locate_model(args.model)  # a wrong path fails here, before anything heavy is imported
+    out = Path(args.out) if args.out else None
+    if out:
+        check_writable(out, "eval --out")
+    beside = run_eval_file(args.model)
+    names, include = task_names(args.tasks, args.include or [])
+    import logging
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on passing a loaded model are for its CLI
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=include or None)
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            where = f" or in {', '.join(include)}" if include else ""
+            raise ToolkitError(f"eval --tasks: {name!r} is not a task, group or tag of lm-eval's{where}{hint}")
+    for name in names:  # each built on its own, so a failure names its task; the harness's dataset cache keeps it
+        try:
+            get_task_dict([name], manager)
+        except Exception as e:  # the harness's and datasets' errors on a user's task: many kinds
+            raise ToolkitError(f"eval --tasks: task {name!r} could not be built: {first_line(e)}") from None
+
+    from lm_eval.models.huggingface import HFLM
+
+    from ..model.inference import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size)
+    started = time.perf_counter()
+    result = simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot,
+                             limit=args.limit, apply_chat_template=args.chat_template, log_samples=False)
+    seconds = time.perf_counter() - started
+    record = written(args.model, names, result, seconds)
+    text = table(result)
+    for path, what in ((out, "eval --out"), (beside, "eval")):
+        if path is not None:
+            write_file(path, what, lambda f: f.write(json.dumps(record, indent=1, ensure_ascii=False,
+                                                                default=str).encode() + b"\n"))
+            text += f"\nwrote {path}"
+    if args.json:
+        print(text, file=sys.stderr)
+        print(json.dumps(record, ensure_ascii=False, default=str))
+    else:
+        print(text)
+    return 0
+
+
+def refuse_mixed(args) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ToolkitError("eval --tasks: runs in one process (the harness is handed the loaded model); "
+                           "run it without accelerate launch")
+    for name in DATA_ONLY:
+        if getattr(args, name, None):
+            raise ToolkitError(f"eval --{name.replace('_', '-')}: reads --data rows; with --tasks each task's "
+                               "YAML says how its rows are read and scored")
+    if args.answers != "exact":
+        raise ToolkitError("eval --answers: scores --data rows; with --tasks each task's YAML names its metrics")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ToolkitError(f"--num-fewshot: must be 0 or more, got {args.num_fewshot}")
+
+
+def task_names(given: list[str], include: list[str]) -> tuple[list[str], list[str]]:
+    """(task names, folders to include): names as given, task YAML files by their `task:` name with
+    their folder included. A folder or file that does not exist, or a file that is not a task,
+    is one line."""
+    folders = []
+    for folder in include:
+        if not Path(folder).expanduser().is_dir():
+            raise ToolkitError(f"eval --include: {folder} is not a folder")
+        folders.append(str(Path(folder).expanduser().resolve()))
+    names = []
+    for item in (part.strip() for entry in given for part in entry.split(",")):
+        if not item:
+            continue
+        if item.endswith((".yaml", ".yml")) or os.sep in item:
+            path = Path(item).expanduser()
+            if not path.is_file():
+                raise ToolkitError(f"eval --tasks: {item}: no such file")
+            names.append(task_file_name(path))
+            if str(path.resolve().parent) not in folders:
+                folders.append(str(path.resolve().parent))
+        else:
+            names.append(item)
+    if not names:
+        raise ToolkitError("eval --tasks: names no task")
+    return list(dict.fromkeys(names)), folders
+
+
+def task_file_name(path: Path) -> str:
+    """The `task:` (or `group:`) name of a task YAML file; a file that is not one is one line. The
+    harness's own tags (`!function`) are read as text, as its index reads them."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        config = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 (a SafeLoader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ToolkitError(f"eval --tasks: {path} is not YAML: {first_line(e)}") from None
+    name = config.get("task", config.get("group")) if isinstance(config, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ToolkitError(f"eval --tasks: {path} is not an lm-eval task file (it has no `task:` name)")
+    return name
+
+
+def run_eval_file(model: str) -> Path | None:
+    """RUN/eval/lm-eval-TIME.json when MODEL_DIR is the final/ of a run folder, else None."""
+    run_dir = Path(model).expanduser().resolve().parent
+    if not ((run_dir / "config.yaml").is_file() and (run_dir / "manifest.json").is_file()):
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while (path := run_dir / "eval" / f"lm-eval-{stamp}{f'-{n}' if n > 1 else ''}.json").exists():
+        n += 1  # an earlier result of the same second stays
+    try:
+        check_writable(path, "eval")
+    except ToolkitError as e:  # a run folder one may read but not write: the results go to --out and stdout only
+        print(f"note: {e}; the results are not kept in the run folder", file=sys.stderr)
+        return None
+    return path
+
+
+def written(model: str, names: list[str], result: dict, seconds: float) -> dict:
+    """The JSON written: the harness's results, groups, versions, shots, metrics' directions and
+    sample counts, as it returns them, with the model, the tasks asked for and the seconds taken."""
+    from lm_eval.utils import handle_non_serializable
+
+    keep = ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples", "config", "configs")
+    record = {"model": str(model), "tasks": names, "seconds": round(seconds, 2),
+              **{k: result[k] for k in keep if k in result}}
+    import importlib.metadata
+
+    record["lm_eval_version"] = importlib.metadata.version("lm_eval")
+    return json.loads(json.dumps(record, default=handle_non_serializable))
+
+
+def table(result: dict) -> str:
+    """Task | metric | value | stderr | rows, one line per task and metric (groups first)."""
+    rows = [("task", "metric", "value", "stderr", "rows")]
+    counts = result.get("n-samples", {})
+    for section in ("groups", "results"):
+        for task, metrics in (result.get(section) or {}).items():
+            for key, value in metrics.items():
+                if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                    continue
+                metric, kind = key.split(",", 1)
+                stderr = metrics.get(f"{metric}_stderr,{kind}")
+                name = metric if kind == "none" else f"{metric} ({kind})"
+                rows.append((task, name, f"{value:.4f}",
+                             f"{stderr:.4f}" if isinstance(stderr, (int, float)) else "-",
+                             str(counts.get(task, {}).get("effective", "-"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
