@@ -1,7 +1,7 @@
 """Command line: `toolkit train RECIPE.yaml [key=value ...]`, `toolkit config show RECIPE.yaml`, and
 the other verbs, each a module of its own with `add_arguments(parser)` and `run(args)`:
-`toolkit estimate` (before launch), `toolkit merge`, `toolkit generate`, `toolkit eval`,
-`toolkit checkpoint convert` (after training).
+`toolkit estimate` (before launch), `toolkit merge`, `toolkit generate`, `toolkit eval`, `toolkit export`,
+`toolkit push`, `toolkit checkpoint convert` (after training).
 
 User mistakes (ToolkitError) end with one line on stderr and exit code 2, never a traceback.
 """
@@ -24,12 +24,14 @@ STOP_TEXTS = {"train": "before training started; nothing was trained or saved. R
               "merge": "during merge; nothing was written (its partial folder removed). Run it again",
               "checkpoint": "during checkpoint convert; nothing was written (its partial folder removed). Run it again",
               "eval": "during eval; no results were written. Run it again",
-              "export": "during export; nothing was written (its partial file removed). Run it again"}
+              "export": "during export; nothing was written (its partial file removed). Run it again",
+              "push": "during push; the Hub takes a push as one commit, whole or not at all. Run it again"}
 VERBS = {"estimate": ("estimate", "which strategy (DDP, FSDP, ZeRO, offload) fits a model on your GPUs, before launch"),
          "merge": ("merge", "merge a LoRA adapter into its base: a plain Hugging Face folder"),
          "generate": ("generate", "answer prompts with a model, merged model or adapter folder"),
          "eval": ("evaluate", "loss, perplexity and answer accuracy of a model on a data file, or lm-eval tasks"),
          "export": ("export", "a model as one GGUF file (f16, q8_0, ...) for llama.cpp, Ollama and LM Studio"),
+         "push": ("push", "a model folder and its model card onto the Hugging Face Hub, as one commit"),
          "checkpoint": ("convert", "a training checkpoint's weights as a plain Hugging Face folder (or adapter)"),
          "plot": ("plot", "a PNG of loss, eval loss, learning rate, grad norm and throughput of one or more runs"),
          "doctor": ("doctor", "check the launch under accelerate launch: versions, devices, collectives, bandwidth")}
