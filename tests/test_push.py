@@ -98,3 +98,36 @@ def test_an_unreachable_or_refusing_endpoint_is_one_line_naming_it(folder, tmp_p
     finally:
         server.shutdown()
     assert "the Hub refused the token (HTTP 401)" in one_line(refused)
+
+
+class Silent(http.server.BaseHTTPRequestHandler):
+    asked = threading.Event()
+
+    def do_POST(self):  # noqa: N802 (the standard library's name): a Hub that takes the request and never answers
+        Silent.asked.set()
+        threading.Event().wait(60)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_signal_while_the_hub_is_asked_is_one_line_exit_75(folder, tmp_path):
+    import signal
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    environment.update(HF_HOME=str(tmp_path), HF_TOKEN="hf_not_a_token",
+                       HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit", "push", str(folder), "someone/tiny"], cwd=ROOT,
+                            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert Silent.asked.wait(120), "the push never asked the Hub"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        server.shutdown()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 75 and len(lines) == 1 and "during push" in lines[0], err
