@@ -118,12 +118,16 @@ def test_mistakes_are_one_line_before_any_work(tiny, tmp_path, capsys):
     config = json.loads((scaled / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
     (scaled / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # the fixtures' own output (a save's progress bar when this test runs alone)
     for args, line in [
         ((tiny, "--gguf", tmp_path / "taken.gguf"), f"{tmp_path / 'taken.gguf'} exists; give a new file"),
         ((tiny, "--gguf", tmp_path / "m.bin"), "--gguf: " + str(tmp_path / "m.bin") + " should end in .gguf"),
         ((gemma, "--gguf", tmp_path / "g.gguf"), "Gemma2ForCausalLM is not a family this export writes"),
         ((scaled, "--gguf", tmp_path / "s.gguf"), "rope scaling 'yarn' is not written by this export"),
         ((tmp_path / "nothing", "--gguf", tmp_path / "n.gguf"), "nothing"),
+        ((tiny, "--gguf", tmp_path / "k.gguf", "--type", "q4_k_m"), "--type q4_k_m: gguf's writer has no quantizer "
+         "for the k-quants; export f16, then run llama.cpp's `llama-quantize OUT.gguf OUT-q4_k_m.gguf q4_k_m`"),
+        ((tiny, "--gguf", tmp_path / "x.gguf", "--type", "q9"), "--type q9: not a type this export writes: one of f32"),
     ]:
         code, out, err = export(capsys, *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and line in err, (args, err)

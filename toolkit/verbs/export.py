@@ -52,13 +52,19 @@ def add_arguments(p) -> None:
                    help="a run's final/ (a LoRA adapter is merged in memory), a merged folder or a Hugging Face "
                         "folder: Llama, SmolLM, Mistral, Qwen2 or Qwen3")
     p.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the GGUF file to write; must not exist")
-    p.add_argument("--type", choices=TYPES, default="f16",
+    p.add_argument("--type", default="f16", metavar="TYPE",
                    help="weights' type: f32, f16 (default), bf16, q8_0 or q4_0; norms and biases stay f32")
     p.add_argument("--skip-check", action="store_true",
                    help="skip reading the file back and comparing its logits with the folder's")
 
 
 def run(args) -> int:
+    if args.type not in TYPES:
+        kquant = args.type.lower().startswith(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq"))
+        raise ToolkitError(f"--type {args.type}: " + (
+            "gguf's writer has no quantizer for the k-quants; export f16, then run llama.cpp's "
+            f"`llama-quantize OUT.gguf OUT-{args.type.lower()}.gguf {args.type.lower()}`" if kquant
+            else f"not a type this export writes: one of {', '.join(TYPES)}"))
     out = Path(args.gguf).expanduser()
     if out.suffix != ".gguf":
         raise ToolkitError(f"--gguf: {out} should end in .gguf")
