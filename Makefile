@@ -39,7 +39,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check toolkit tests benchmarks examples
 
-# docs/recipe-keys.md from the docstrings of toolkit/config.py (tests/test_config.py keeps the two in sync).
+# docs/recipe-keys.md from the docstrings of toolkit/config/ (tests/test_config.py keeps the two in sync).
 docs: $(STAMP)
 	$(BIN)/python -c "from toolkit.config import key_reference; print(key_reference(), end='')" > docs/recipe-keys.md
 

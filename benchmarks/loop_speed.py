@@ -260,7 +260,7 @@ def step_flops(work: Path, a, steps: list[dict]) -> list[float]:
     weight per document token, 4 + 6 per adapter weight under LoRA, causal attention per document)."""
     from transformers import AutoConfig
 
-    from toolkit.backends.sizing import count_model
+    from toolkit.backends.model_counts import count_model
     from toolkit.config import LoraConfig
     from toolkit.observe.measure import Flops
 

@@ -1,4 +1,4 @@
-"""Recipes (toolkit/config.py): typed loading, overrides, unknown keys (with the near miss suggested),
+"""Recipes (toolkit/config/): typed loading, overrides, unknown keys (with the near miss suggested),
 values that would fail late refused at load, and one-line errors that name the file and the key,
 through the CLI too (a recipe that is not YAML or not UTF-8; `config show --num-processes -2`)."""
 

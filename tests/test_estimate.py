@@ -25,7 +25,8 @@ def llama_7b_config(tmp_path_factory):
 def test_llama_7b_model_states_follow_the_zero_paper(llama_7b_config):
     """Mixed-precision AdamW, full fine-tuning, 8 GPUs: 16 bytes per parameter, and ZeRO-1/2/3
     partition them as in Rajbhandari et al. (2 + 2 + 12/N, 2 + 14/N, 16/N)."""
-    from toolkit.backends.sizing import BY_NAME, Setup, count_model, estimate, read_config
+    from toolkit.backends.model_counts import count_model, read_config
+    from toolkit.backends.sizing import BY_NAME, Setup, estimate
 
     h, layers, i, vocab = (LLAMA_7B[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     # Embeddings and an untied head, then per layer q, k, v, o (h x h: as many KV heads as heads),
@@ -103,11 +104,11 @@ def test_lora_changes_the_saved_activations_as_the_estimate_counts(shape, regime
     input. The adapters' own 16-bit copies under autocast are weights (buffers), not counted here."""
     from transformers import LlamaConfig
 
-    from toolkit.backends import sizing
+    from toolkit.backends import model_counts, sizing
     from toolkit.config import LoraConfig
 
     config = LlamaConfig(vocab_size=262, num_hidden_layers=2, **{k: v for k, v in shape.items() if k != "r"})
-    m = sizing.count_model(config, "model", LoraConfig(enabled=True, r=shape["r"], target_modules="all-linear"))
+    m = model_counts.count_model(config, "model", LoraConfig(enabled=True, r=shape["r"], target_modules="all-linear"))
     base_regime = "half" if regime.startswith("half") else regime
     predicted = sizing.lora_activation_bytes(m, base_regime, autocast=regime != "half_plain")
     measured = saved_bytes_per_token_layer(shape, True, regime) - saved_bytes_per_token_layer(shape, False, regime)
@@ -119,7 +120,7 @@ def test_lora_changes_the_saved_activations_as_the_estimate_counts(shape, regime
 
 def test_lora_trainable_parameters_match_peft():
     """The adapters are counted by arithmetic on the meta model; peft on the real preset agrees."""
-    from toolkit.backends.sizing import count_model, read_config
+    from toolkit.backends.model_counts import count_model, read_config
     from toolkit.config import LoraConfig, ModelConfig
     from toolkit.model.load import apply_lora, build_model, count_parameters
 
@@ -137,7 +138,8 @@ def test_sequence_parallel_splits_the_activations_not_the_model_states(llama_7b_
     neither listed nor recommended; the all-to-alls are added to the communication."""
     from dataclasses import replace
 
-    from toolkit.backends.sizing import BY_NAME, Setup, count_model, estimate, estimate_all, read_config, recommend
+    from toolkit.backends.model_counts import count_model, read_config
+    from toolkit.backends.sizing import BY_NAME, Setup, estimate, estimate_all, recommend
 
     model = count_model(read_config(str(llama_7b_config)), "llama-7b")
     base = Setup(model=model, gpus_per_node=8, seq_len=32768, gradient_checkpointing=True)
@@ -177,7 +179,7 @@ def test_a_run_estimates_with_its_launch_sequence_parallelism(monkeypatch, tmp_p
 
     import torch
 
-    from toolkit.backends.sizing import estimate_for_run
+    from toolkit.backends.run_sizing import estimate_for_run
     from toolkit.config import load_recipe
 
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"),
@@ -438,7 +440,7 @@ def test_a_run_logs_its_estimate(tmp_path, data_files):
 def test_a_config_transformers_rejects_is_one_line(tmp_path, change, message):
     """A model config that transformers rejects, or whose sizes cannot build a model (negative, zero,
     quoted), is refused naming the file (it used to end in a traceback from the meta-device build)."""
-    from toolkit.backends.sizing import read_config
+    from toolkit.backends.model_counts import read_config
     from toolkit.errors import ToolkitError
 
     data = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
@@ -679,7 +681,8 @@ def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
     > 1) are forwards, not a second model."""
     from dataclasses import replace
 
-    from toolkit.backends.sizing import BY_NAME, Setup, estimate, kv_cache_bytes, rl_forwards, setup_from_recipe
+    from toolkit.backends.run_sizing import setup_from_recipe
+    from toolkit.backends.sizing import BY_NAME, Setup, estimate, kv_cache_bytes, rl_forwards
     from toolkit.config import load_recipe
     from toolkit.verbs.estimate import render
 
@@ -730,7 +733,7 @@ def test_online_rl_refusals_and_the_run_line(monkeypatch, tmp_path, capsys):
 
     import torch
 
-    from toolkit.backends.sizing import estimate_for_run
+    from toolkit.backends.run_sizing import estimate_for_run
     from toolkit.cli import main
     from toolkit.config import load_recipe
 

@@ -72,7 +72,7 @@ def test_the_watchdog_names_the_rank_behind_the_others():
 def test_metrics_carry_throughput_mfu_and_peak_memory(tmp_path, data_files):
     """With a stated peak (a CPU has none), MFU = achieved TFLOP/s / peak; the achieved figure is
     the dense term for the tokens counted plus an attention term no longer than max_seq_len allows."""
-    from toolkit.backends.sizing import count_model
+    from toolkit.backends.model_counts import count_model
     from toolkit.config import LoraConfig, ModelConfig
     from toolkit.model.load import build_model
 

@@ -338,7 +338,9 @@ def test_a_pair_without_targets_gives_no_nan_under_orpo():
 def test_the_estimate_counts_both_sequences_of_a_pair_and_the_reference_forward(tmp_path):
     """Memory: a micro-batch of pairs is twice as many sequences in one forward. FLOPs: DPO's
     reference through the disabled adapter is one more forward (2 per weight) per token."""
-    from toolkit.backends.sizing import BY_NAME, count_model, estimate, read_config, setup_from_recipe
+    from toolkit.backends.model_counts import count_model, read_config
+    from toolkit.backends.run_sizing import setup_from_recipe
+    from toolkit.backends.sizing import BY_NAME, estimate
     from toolkit.observe.measure import Flops
 
     recipe = load_recipe(recipe_file(tmp_path, lora__enabled=True, train__micro_batch_size=4))

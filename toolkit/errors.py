@@ -37,6 +37,14 @@ class ToolkitError(Exception):
     """A mistake the user can fix: printed as one line, exit code 2, no traceback."""
 
 
+class ConfigError(ToolkitError):
+    """A recipe's mistake (toolkit/config/): `SOURCE: KEY: MESSAGE`, the source a file or the command line."""
+
+    def __init__(self, source: str, key: str, message: str):
+        self.source, self.key, self.message = source, key, message
+        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
 def command(line: str) -> str:
     """`line` (`toolkit ...`, `python ...`, `accelerate ...`: a program of this Python's environment) as
     the user can type it here: the program as named when it is this environment's own on PATH, else by

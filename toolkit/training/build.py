@@ -21,7 +21,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import backends, faults
-from ..backends.sizing import check_positions, count_model
+from ..backends.model_counts import count_model
+from ..backends.run_sizing import check_positions
 from ..config import ModelConfig, Recipe
 from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data

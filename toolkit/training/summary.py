@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..backends import deepspeed_config
-from ..backends.sizing import estimate_for_run
+from ..backends.run_sizing import estimate_for_run
 from ..config import Recipe
 
 

@@ -11,6 +11,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..backends import sequence
+from ..backends.model_counts import count_model, read_config
+from ..backends.run_sizing import check_dense, launched_strategy, setup_from_recipe, size_text
 from ..backends.sizing import (
     BYTES,
     GIB,
@@ -18,16 +20,10 @@ from ..backends.sizing import (
     Row,
     Setup,
     Strategy,
-    check_dense,
-    count_model,
     estimate_all,
     kv_cache_bytes,
-    launched_strategy,
-    read_config,
     recommend,
     rl_forwards,
-    setup_from_recipe,
-    size_text,
 )
 from ..errors import ToolkitError, command
 

@@ -14,7 +14,7 @@ from ..config import DataSource, Recipe, dump_recipe
 
 def run(args, recipe: Recipe) -> None:
     from ..backends.launch_config import show, worker_env
-    from ..backends.sizing import check_split
+    from ..backends.run_sizing import check_split
 
     launch, ds, ranks = [], "", 1
     if args.accelerate_config:

@@ -1,0 +1,111 @@
+"""The objectives' sections: `preference` (DPO, ORPO, SimPO), `rl` (online RL) and its rewards, and the
+reward functions built in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+
+@dataclass
+class PreferenceConfig:
+    method: Optional[Literal["dpo", "orpo", "simpo"]] = None
+    """None: supervised fine-tuning. `dpo` (Direct Preference Optimization, against a reference
+    model), `orpo` (odds-ratio preference plus the chosen completion's NLL, no reference) or `simpo`
+    (length-normalised margin, no reference); data.format must be `preference`. The loss is
+    averaged over the global batch's pairs; metrics.jsonl gets rewards_chosen, rewards_rejected,
+    reward_margin and reward_accuracy (the share of pairs whose chosen reward is higher)."""
+    beta: Optional[float] = None
+    """The method's β (default 0.1 as TRL for dpo and orpo, whose β is ORPO's λ; 2.0 for simpo, as the SimPO paper)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """dpo only: `sigmoid` (the DPO loss) or `ipo` (squared, on per-token average log-ratios)."""
+    label_smoothing: float = 0.0
+    """dpo sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
+    gamma: Optional[float] = None
+    """simpo only: the target reward margin γ (default 0.5 as TRL's simpo_gamma; the loss uses γ/β)."""
+    reference: Literal["auto", "adapter", "precomputed"] = "auto"
+    """dpo only: where the reference log-probabilities come from. `adapter` (LoRA only): the model
+    with its adapter disabled, one extra forward without gradient per micro-batch, no second model;
+    `precomputed`: one pass over the train and eval data before step 1 with the starting weights,
+    on whatever backend is launched, stored beside the prepared data and keyed by the base model,
+    so ZeRO-3 and FSDP need no second sharded model and a resume reads them back; `auto`: adapter
+    with LoRA, precomputed for full fine-tuning."""
+
+
+@dataclass
+class RewardConfig:
+    """An entry of rl.rewards written as a mapping."""
+    function: str = ""
+    """A reward function: `path/to/file.py:name` (relative to the current folder), `module:name`, or
+    a built-in: `exact_match` (the completion equals the row's `column` after normalising case,
+    spaces and a final period), `numeric_match` (the last number in the completion equals the
+    column's number), `regex` (1.0 where `pattern` matches the completion, else 0.0). A function is
+    called as TRL calls one: `f(prompts=..., completions=..., **columns)`, every other column of the
+    rows as a keyword, and returns one float (or None: no opinion) per completion."""
+    weight: float = 1.0
+    """This function's weight in the total reward (a weighted sum; None counts as no term)."""
+    column: str = "answer"
+    """exact_match and numeric_match: the column holding the expected answer."""
+    pattern: Optional[str] = None
+    """regex: the pattern searched for in each completion (Python `re`, DOTALL)."""
+
+
+
+BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
+
+
+@dataclass
+class RLConfig:
+    method: Optional[Literal["grpo"]] = None
+    """None: no online RL. `grpo`: each optimizer step samples rl.num_generations completions per
+    prompt of its global batch (data.format=prompt) with the policy as it stands, scores them with
+    rl.rewards, normalises the rewards within each prompt's group into advantages, and takes the
+    clipped policy-gradient loss on them (GRPO and its variants through loss_type and
+    importance_sampling). micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
+    num_generations completions."""
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """How per-token losses are averaged, as TRL 1.16: `dapo` over every completion token of the
+    global batch (TRL's default), `grpo` over each completion's tokens then over completions,
+    `dr_grpo` summed per completion and divided by max_new_tokens, then over completions."""
+    importance_sampling: Literal["token", "sequence"] = "token"
+    """The policy ratio per token, or per completion (the geometric mean of its tokens' ratios: GSPO)."""
+    num_generations: int = 8
+    """Completions sampled per prompt (the group its advantages are normalised in; at least 2)."""
+    epsilon: float = 0.2
+    """The ratio is clipped below at 1 - epsilon."""
+    epsilon_high: Optional[float] = None
+    """The ratio is clipped above at 1 + epsilon_high (default epsilon; DAPO's clip-higher uses 0.28)."""
+    beta: float = 0.0
+    """Weight of the KL term to the reference model (0 as TRL: no reference pass). Above 0 the
+    reference is the base with the LoRA adapter disabled (lora.enabled: no second model)."""
+    num_iterations: int = 1
+    """Optimizer steps taken on each generated batch (the old policy's log-probabilities are kept
+    for the ratio); a run's steps count every one of them."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantages are the reward minus its group's mean, divided by the group's standard deviation
+    (`group`), the global batch's (`batch`), or not divided (`none`, as Dr. GRPO)."""
+    max_new_tokens: int = 256
+    """Longest completion; one cut there counts in the share of clipped completions."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens (no stop token) out of the loss, as TRL's key of that
+    name (DAPO's overlong filtering); their rewards still count in their group's advantages."""
+    temperature: float = 1.0
+    """Sampling temperature of the completions (above 0; evaluation samples one answer per eval
+    prompt at it, with the same seeds at every evaluation)."""
+    top_p: float = 1.0
+    """Nucleus sampling: only the most likely tokens whose probabilities sum to top_p are drawn from."""
+    top_k: int = 0
+    """Only the top_k most likely tokens are drawn from (0: all), as TRL's top_k."""
+    min_p: Optional[float] = None
+    """Only tokens at least min_p times as likely as the most likely one are drawn from (None: off), as
+    TRL's min_p. The cuts apply in transformers' order: temperature, top_k, top_p, min_p."""
+    repetition_penalty: float = 1.0
+    """Sampling only, as TRL's repetition_penalty: the logits of tokens a completion's prompt or the
+    completion so far holds are divided by it where positive and multiplied where negative (above 1
+    discourages repeats; 1: off). The log-probabilities the loss uses are not penalised, as in TRL."""
+    rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
+    """The reward functions (see RewardConfig): names, or mappings with a weight."""
+    max_unscored_steps: int = 5
+    """Stop, in one line naming the reward functions, after this many generated batches in a row in
+    which no completion was scored (every function said None for every one): such a batch teaches
+    nothing. The first one is reported when it happens. 0: never stop."""

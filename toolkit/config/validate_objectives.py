@@ -1,0 +1,130 @@
+"""Validation of the objectives: the preference section and the rl section, each against itself, the
+data and the other objective."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+from .data import DataSource
+from .objectives import BUILT_IN_REWARDS, PreferenceConfig, RewardConfig, RLConfig
+from .recipe import Recipe
+
+
+def validate_preference(r: Recipe, need) -> None:
+    """The preference section against itself and the data: pairs and a method come together."""
+    p = r.preference
+    formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
+                                 if isinstance(e, DataSource) and e.format}
+    if p.method is None:
+        need("preference" not in formats or r.rl.method is not None, "data.format",
+             "preference pairs train only with a preference.method (dpo, orpo or simpo)")
+        changed = [f.name for f in dataclasses.fields(PreferenceConfig)
+                   if getattr(p, f.name) != getattr(PreferenceConfig(), f.name)]
+        need(not changed, f"preference.{changed[0] if changed else ''}",
+             "set only with preference.method (dpo, orpo or simpo)")
+        return
+    need(formats == {"preference"}, "data.format",
+         f"preference.method={p.method} trains on pairs: data.format (and every entry's format) must be "
+         f"preference, got {', '.join(sorted(formats))}")
+    if p.beta is None:
+        p.beta = 2.0 if p.method == "simpo" else 0.1
+    need(p.beta > 0, "preference.beta", f"must be positive, got {p.beta}")
+    need(p.loss_type == "sigmoid" or p.method == "dpo", "preference.loss_type",
+         f"a DPO setting; preference.method={p.method} has its own loss")
+    need(0.0 <= p.label_smoothing < 0.5, "preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
+    need(p.label_smoothing == 0 or (p.method, p.loss_type) in (("dpo", "sigmoid"), ("simpo", "sigmoid")),
+         "preference.label_smoothing", "applies to dpo with loss_type=sigmoid and to simpo only")
+    need(p.gamma is None or p.method == "simpo", "preference.gamma", f"a SimPO setting, not {p.method}'s")
+    if p.method == "simpo" and p.gamma is None:
+        p.gamma = 0.5
+    need(p.reference == "auto" or p.method == "dpo", "preference.reference",
+         f"{p.method} needs no reference model; remove the key")
+    need(p.reference != "adapter" or r.lora.enabled, "preference.reference",
+         "adapter: the reference is the model with its LoRA adapter disabled, which needs lora.enabled=true")
+    if p.method == "dpo" and p.reference == "auto":
+        p.reference = "adapter" if r.lora.enabled else "precomputed"
+    need(not r.data.packing, "data.packing", "preference pairs are not packed (data.padding_free puts a micro-batch's "
+         "sequences in one row without padding)")
+    need(not r.data.train_on_prompt, "data.train_on_prompt", "preference losses take completions only")
+    need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
+         "not with preference.method: the preference loss has no router term yet")
+
+
+def validate_rl(r: Recipe, need) -> None:
+    """The rl section against itself, the data and the other objectives. A reward function's file
+    must exist now; importing it and calling it on the first rows happen when the run starts
+    (training/rewards.py), before the model loads."""
+    rl = r.rl
+    formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
+                                 if isinstance(e, DataSource) and e.format}
+    if rl.method is None:
+        need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo)")
+        changed = [f.name for f in dataclasses.fields(RLConfig) if getattr(rl, f.name) != getattr(RLConfig(), f.name)]
+        need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo)")
+        return
+    need(formats == {"prompt"}, "data.format",
+         f"rl.method={rl.method} samples completions for prompts: data.format (and every entry's format) must be "
+         f"prompt, got {', '.join(sorted(formats))}")
+    need(rl.num_generations >= 2, "rl.num_generations",
+         f"at least 2 (advantages compare the completions of a prompt), got {rl.num_generations}")
+    need(rl.epsilon > 0, "rl.epsilon", f"must be positive, got {rl.epsilon}")
+    if rl.epsilon_high is None:
+        rl.epsilon_high = rl.epsilon
+    need(rl.epsilon_high > 0, "rl.epsilon_high", f"must be positive, got {rl.epsilon_high}")
+    need(rl.beta >= 0, "rl.beta", f"must be 0 or more, got {rl.beta}")
+    need(rl.beta == 0 or r.lora.enabled, "rl.beta",
+         "above 0 the reference is the base with the LoRA adapter disabled, which needs lora.enabled=true "
+         "(a frozen copy for full fine-tuning is not built)")
+    need(rl.num_iterations >= 1, "rl.num_iterations", f"must be at least 1, got {rl.num_iterations}")
+    k = rl.num_iterations
+    need(not r.train.max_steps or r.train.max_steps % k == 0, "train.max_steps",
+         f"a multiple of rl.num_iterations={k} (a generated batch trains {k} steps), got {r.train.max_steps}")
+    need(r.checkpoint.every_steps % k == 0, "checkpoint.every_steps",
+         f"a multiple of rl.num_iterations={k}: a checkpoint between a generated batch's steps would not hold "
+         f"the batch, got {r.checkpoint.every_steps}")
+    need(rl.max_new_tokens > 0, "rl.max_new_tokens", f"must be positive, got {rl.max_new_tokens}")
+    need(rl.temperature > 0, "rl.temperature",
+         f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
+    need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
+    need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
+    need(rl.repetition_penalty > 0, "rl.repetition_penalty", f"must be above 0 (1: off), got {rl.repetition_penalty}")
+    need(rl.max_unscored_steps >= 0, "rl.max_unscored_steps", f"must be 0 (never stop) or more, got "
+         f"{rl.max_unscored_steps}")
+    need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
+    need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
+         + ", ".join(BUILT_IN_REWARDS) + ")")
+    rl.rewards = [e if isinstance(e, RewardConfig) else RewardConfig(function=e) for e in rl.rewards]
+    for i, e in enumerate(rl.rewards):
+        key = f"rl.rewards[{i}]"
+        need(math.isfinite(e.weight), f"{key}.weight", f"must be a finite number, got {e.weight}")
+        name, sep, attr = e.function.rpartition(":")
+        if e.function in BUILT_IN_REWARDS:
+            need(e.function != "regex" or bool(e.pattern), f"{key}.pattern", "the regex reward needs a pattern")
+            need(e.function == "regex" or e.pattern is None, f"{key}.pattern",
+                 f"only the built-in regex reward takes a pattern; {e.function} compares with the row's "
+                 f"{e.column!r} column")
+            need(e.function == "regex" or e.column.strip() != "", f"{key}.column",
+                 f"empty: {e.function} needs the name of the column holding the expected answer")
+            if e.pattern:
+                try:
+                    re.compile(e.pattern)
+                except re.error as err:
+                    need(False, f"{key}.pattern", f"not a regular expression: {err}")
+            continue
+        need(e.pattern is None, f"{key}.pattern", "only the built-in regex reward takes a pattern")
+        need(bool(sep and name and attr.isidentifier()), f"{key}.function",
+             f"{e.function!r}: give path/to/file.py:function, module:function or a built-in "
+             f"({', '.join(BUILT_IN_REWARDS)})")
+        if name.endswith(".py"):
+            need(Path(name).expanduser().is_file(), f"{key}.function", f"file not found: {name}")
+    need(any(e.weight != 0 for e in rl.rewards), "rl.rewards",
+         "every weight is 0: every completion would get the same reward and nothing would be learned")
+    need(not r.data.packing and not r.data.padding_free, "data.packing" if r.data.packing else "data.padding_free",
+         "prompt rows are not packed: each step makes its own completions")
+    need(not r.data.train_on_prompt, "data.train_on_prompt",
+         "prompt rows have no targets: the sampled completions are what trains; remove the key")
+    need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
+         "not with rl.method: the policy loss has no router term")
