@@ -259,3 +259,19 @@ def test_config_show_puts_the_plan_first_and_its_steps_are_the_runs(work, tmp_pa
     proc = run_toolkit("train", path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in read_metrics(work / "plan") if "loss" in r][-1] == 10
+
+
+@pytest.mark.parametrize("tracker,package", [("wandb", "wandb"), ("mlflow", "mlflow-skinny"), ("trackio", "trackio"),
+                                             ("tensorboard", "tensorboard")])
+def test_a_tracker_without_its_package_is_refused_at_load(tracker, package, tmp_path, monkeypatch):
+    """Issue 54: the package missing (sys.modules[name] = None is how Python marks a module that cannot
+    be imported; find_spec then finds nothing) is one line naming the key and the install, at load."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, tracker, None)
+    path = write_recipe(tmp_path / "r.yaml", output_dir="o", model={"preset": "tiny-llama"},
+                        data={"train_files": ["a.jsonl"]}, train={"report_to": [tracker]})
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path)
+    assert str(e.value).startswith(f"{path}: train.report_to: {tracker} is not installed: ")
+    assert f"pip install {package}" in str(e.value)

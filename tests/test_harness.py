@@ -170,3 +170,15 @@ def test_the_shipped_task_runs_as_the_docs_show_it_from_the_repository_root(setu
     result = evaluate(capsys, setup["adapter"], "--tasks", "examples/lm_eval/letters.yaml", "--limit", 2)
     assert result["n-samples"]["letters"] == {"original": 200, "effective": 2}
     assert "exact_match,none" in result["results"]["letters"]
+
+
+def test_without_the_harness_installed_it_is_one_line(setup, capsys, monkeypatch):
+    import sys
+
+    from toolkit.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # how Python marks a module that cannot be imported
+    code = main(["eval", str(setup["final"]), "--tasks", "sums"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == ("error: eval --tasks: needs EleutherAI's lm-evaluation-harness: "
+                                         "pip install 'lm-eval>=0.4.13,<0.5' (the toolkit's `eval` extra)"), err

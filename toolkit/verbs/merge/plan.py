@@ -126,7 +126,7 @@ def loaded_base(plan: Plan, four_bit: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..model import load
+    from ...model import load
 
     extra = load.four_bit(torch.float32) if four_bit else {}
     if plan.overrides:
@@ -192,7 +192,7 @@ def resolve_base(adapter: Path, cfg: dict, override: str | None) -> Path:
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    from ..model.hub import is_hub_id, resolve_model
+    from ...model.hub import is_hub_id, resolve_model
 
     if not is_hub_id(name):
         raise ToolkitError(f"merge: the base {name} ({where}) is not a folder; give the base with --base PATH")

@@ -106,7 +106,7 @@ def write_whole(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> tuple[in
 def grown(plan: Plan, model, tokenizer):
     """With trained token rows (model.add_special_tokens), the base with as many embedding rows as the
     adapter's tokenizer has tokens, as the run trained it (the adapter's rows replace the new ones)."""
-    from ..model.load import fit_vocabulary
+    from ...model.load import fit_vocabulary
 
     if plan.grows:
         fit_vocabulary(model, tokenizer, mean=False)
