@@ -52,6 +52,9 @@ def test_dry_run_lists_what_a_push_sends(folder, tmp_path):
     on_disk = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert listed == on_disk and "README.md" in listed and "model.safetensors" in listed
     assert "dry run: nothing pushed (no token is set yet)" in result.stdout
+    offline = push(folder, "someone/tiny", "--dry-run", token="hf_x", home=tmp_path, HF_HUB_OFFLINE="1")
+    assert offline.returncode == 0 and ("dry run: nothing pushed (a token is set; HF_HUB_OFFLINE is set, so nothing "
+                                        "can reach the Hub; unset it to push)") in offline.stdout, offline.stderr
 
 
 def test_what_needs_no_network_is_refused_first_in_one_line(folder, tmp_path):

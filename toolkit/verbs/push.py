@@ -4,7 +4,7 @@ onto the Hugging Face Hub as one commit, with its model card (`training/card.py`
 Everything that can be judged without the network is judged first, each a line of its own: the
 folder holds a model (not a training checkpoint), the repository id is one the Hub accepts, the
 Hub is not switched off (HF_HUB_OFFLINE), and a token is there (`hf auth login` or HF_TOKEN).
-`--dry-run` stops after that and lists what would go. The upload is huggingface_hub's
+`--dry-run` lists what would go instead, and says what a push would still lack. The upload is huggingface_hub's
 `upload_folder`: one commit, so an interrupted push leaves the repository as it was. A refusal or an
 unreachable Hub is one line naming the repository and the endpoint.
 """
@@ -38,14 +38,16 @@ def run(args) -> int:
     size = sum(f.stat().st_size for f in files)
     card = "" if (folder / "README.md").is_file() else " (no README.md: the Hub shows an empty model card)"
     print(f"push: {len(files)} files, {size / 1e6:.1f} MB from {folder} to {endpoint}/{repo}{card}")
-    if constants.HF_HUB_OFFLINE:
-        raise ToolkitError("push: HF_HUB_OFFLINE is set, so nothing can reach the Hub; unset it to push")
+    offline = "HF_HUB_OFFLINE is set, so nothing can reach the Hub; unset it to push"
     token = get_token()
     if args.dry_run:
         for f in files:
             print(f"  {f.relative_to(folder)}  {f.stat().st_size / 1e6:.1f} MB")
-        print(f"dry run: nothing pushed ({'a token is set' if token else 'no token is set yet'})")
+        print(f"dry run: nothing pushed ({'a token is set' if token else 'no token is set yet'}"
+              f"{'; ' + offline if constants.HF_HUB_OFFLINE else ''})")
         return 0
+    if constants.HF_HUB_OFFLINE:
+        raise ToolkitError(f"push: {offline}")
     if not token:
         raise ToolkitError("push: no Hugging Face token: run `.venv/bin/hf auth login`, or set HF_TOKEN")
     from huggingface_hub import HfApi
