@@ -150,6 +150,12 @@ RL = [
     ("padding-free prompts", ["data.padding_free=true"], "data.padding_free: prompt rows are not packed"),
     ("a router loss under rl", ["model.router_aux_loss_coef=0.01"], "model.router_aux_loss_coef: not with rl.method"),
     ("rl off, prompt rows on", ["rl.method=null"], "data.format: prompt rows train only with rl.method"),
+    ("cispo on the default cap", ["rl.loss_type=cispo"],
+     "rl.epsilon_high: cispo caps the importance weight at epsilon_high itself"),
+    ("delta with cispo", ["rl.loss_type=cispo", "rl.epsilon_high=5", "rl.delta=2"],
+     "rl.delta: caps the ratio of the clipped surrogate, which cispo does not have"),
+    ("delta taken for epsilon", ["rl.delta=0.2"], "rl.delta: a cap on the ratio, above 1"),
+    ("a TRL loss type not built", ["rl.loss_type=bnpo"], "rl.loss_type: must be one of grpo, dapo, dr_grpo, cispo"),
 ]
 PREFERENCE = [
     ("beta 0", ["preference.beta=0"], "preference.beta: must be positive, got 0.0"),

@@ -37,14 +37,14 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old, processes=1, accumulation=1,
-             num_items=None):
+             num_items=None, delta=None):
     """TRL's `_compute_loss` of one micro-batch, on a stub trainer set up as `GRPOTrainer.__init__` sets itself up
     from a real GRPOConfig (TRL's defaults for everything not named); `num_items`: the completion tokens of the
     whole generation batch, over every process (TRL gathers it; default: this micro-batch's).
     Returns (loss, the stub's metrics)."""
     args = grpo_trainer.GRPOConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, loss_type=loss_type, beta=beta,
-        epsilon=EPSILON, epsilon_high=EPSILON_HIGH, importance_sampling_level=importance_sampling,
+        epsilon=EPSILON, epsilon_high=high_of(loss_type), importance_sampling_level=importance_sampling, delta=delta,
         max_completion_length=T, per_device_train_batch_size=B, num_generations=3,
         gradient_accumulation_steps=accumulation,
     )
@@ -72,15 +72,22 @@ def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old
     return grpo_trainer.GRPOTrainer._compute_loss(stub, None, inputs), stub._metrics["train"]
 
 
-def ours(data, logps, *, loss_type, importance_sampling, beta, old):
+def high_of(loss_type: str) -> float:
+    """cispo caps the weight at epsilon_high itself: 1.2 caps some of these ratios (ScaleRL's 5.0 none)."""
+    return 1.2 if loss_type == "cispo" else EPSILON_HIGH
+
+
+def ours(data, logps, *, loss_type, importance_sampling, beta, old, delta=None):
     return policy_loss(
         logps, data["old_logps"] if old else None, data["ref_logps"] if beta else None, data["advantages"],
         data["mask"], loss_type=loss_type, importance_sampling=importance_sampling, epsilon=EPSILON,
-        epsilon_high=EPSILON_HIGH, beta=beta, max_completion_length=T,
+        epsilon_high=high_of(loss_type), beta=beta, max_completion_length=T, delta=delta,
     )
 
 
-CASES = list(itertools.product(["grpo", "dapo", "dr_grpo"], ["token", "sequence"], [0.0, 0.04], [False, True]))
+CASES = list(itertools.product(["grpo", "dapo", "dr_grpo", "cispo"], ["token", "sequence"], [0.0, 0.04],
+                               [False, True]))
+DELTA = 1.25  # two-sided clipping: batch(40) has ratios above it with negative advantages, at both levels
 
 
 @pytest.mark.parametrize("loss_type, importance_sampling, beta, old", CASES)
@@ -91,7 +98,7 @@ def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, importance_sam
     theirs, metrics = trl_loss(tmp_path, data, theirs_logps, **config)
     our_logps = data["logps"].clone().requires_grad_()
     loss_sum, units, sums = ours(data, our_logps, **config)
-    assert units == (sum(LENGTHS) if loss_type == "dapo" else B)
+    assert units == (sum(LENGTHS) if loss_type in ("dapo", "cispo") else B)
     torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
     (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
     (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
@@ -101,11 +108,19 @@ def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, importance_sam
     clip_units = sums["clip_units"].item()
     assert clip_units == (sum(LENGTHS) if importance_sampling == "token" else B)
     # TRL divides by a float32 count (global_masked_mean: mask.sum().float()), hence rel=1e-6
-    for ours_name, trl_name in [("clip_ratio_low", "low_mean"), ("clip_ratio_high", "high_mean"),
-                                ("clip_ratio", "region_mean")]:
-        assert sums[ours_name].item() / clip_units == pytest.approx(metrics[f"clip_ratio/{trl_name}"][0], rel=1e-6)
-    if importance_sampling == "token" and old:  # the data are made to clip, on both sides
-        assert sums["clip_ratio_low"] > 0 and sums["clip_ratio_high"] > 0
+    if loss_type == "cispo":  # TRL logs the weights capped (with a positive advantage) as cispo_clip_ratio
+        for name in ("clip_ratio_high", "clip_ratio"):
+            assert sums[name].item() / clip_units == pytest.approx(metrics["cispo_clip_ratio"][0], rel=1e-6)
+        assert sums["clip_ratio_low"] == 0
+        if importance_sampling == "token" and old:
+            assert sums["clip_ratio_high"] > 0
+    else:
+        for ours_name, trl_name in [("clip_ratio_low", "low_mean"), ("clip_ratio_high", "high_mean"),
+                                    ("clip_ratio", "region_mean")]:
+            assert sums[ours_name].item() / clip_units == pytest.approx(metrics[f"clip_ratio/{trl_name}"][0],
+                                                                        rel=1e-6)
+        if importance_sampling == "token" and old:  # the data are made to clip, on both sides
+            assert sums["clip_ratio_low"] > 0 and sums["clip_ratio_high"] > 0
     assert sums["tokens"].item() == sum(LENGTHS)
     if beta:
         assert sums["kl"].item() / sums["tokens"].item() == pytest.approx(metrics["kl"][0], rel=1e-6)
@@ -114,7 +129,26 @@ def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, importance_sam
     assert all(value.dtype == torch.float64 and not value.requires_grad for value in sums.values())
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type, importance_sampling", list(itertools.product(["grpo", "dapo", "dr_grpo"],
+                                                                                ["token", "sequence"])))
+def test_two_sided_clipping_by_delta_equals_trl(tmp_path, loss_type, importance_sampling):
+    """TRL's `delta` (INTELLECT-2): the unclipped ratio capped at delta; loss and gradient as TRL's, and not
+    those without it (the data hold ratios above delta with negative advantages)."""
+    data = batch(seed=40)
+    config = dict(loss_type=loss_type, importance_sampling=importance_sampling, beta=0.04, old=True)
+    theirs_logps = data["logps"].clone().requires_grad_()
+    theirs, _ = trl_loss(tmp_path, data, theirs_logps, delta=DELTA, **config)
+    our_logps = data["logps"].clone().requires_grad_()
+    loss_sum, units, _ = ours(data, our_logps, delta=DELTA, **config)
+    torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
+    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
+    (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-5)
+    without, units_without, _ = ours(data, data["logps"], **config)
+    assert abs(float(without / units_without - loss_sum / units)) > 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo"])
 def test_global_division_equals_trl_over_ranks_and_accumulation(tmp_path, loss_type):
     """Two ranks x two accumulated micro-batches: TRL's losses, averaged over the ranks as DDP averages gradients,
     summed over the micro-batches, equal our sums over all four divided by the global count of units."""

@@ -63,10 +63,13 @@ class RLConfig:
     clipped policy-gradient loss on them (GRPO and its variants through loss_type and
     importance_sampling). micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
     num_generations completions."""
-    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo"] = "dapo"
     """How per-token losses are averaged, as TRL 1.16: `dapo` over every completion token of the
     global batch (TRL's default), `grpo` over each completion's tokens then over completions,
-    `dr_grpo` summed per completion and divided by max_new_tokens, then over completions."""
+    `dr_grpo` summed per completion and divided by max_new_tokens, then over completions. `cispo`
+    (ScaleRL's CISPO) clips the importance weight instead of the surrogate: each token's loss is
+    -min(ratio, epsilon_high) x advantage x log-probability with the weight's gradient stopped,
+    averaged as `dapo`; it needs rl.epsilon_high set (ScaleRL recommends 5.0)."""
     importance_sampling: Literal["token", "sequence"] = "token"
     """The policy ratio per token, or per completion (the geometric mean of its tokens' ratios: GSPO)."""
     num_generations: int = 8
@@ -74,7 +77,12 @@ class RLConfig:
     epsilon: float = 0.2
     """The ratio is clipped below at 1 - epsilon."""
     epsilon_high: Optional[float] = None
-    """The ratio is clipped above at 1 + epsilon_high (default epsilon; DAPO's clip-higher uses 0.28)."""
+    """The ratio is clipped above at 1 + epsilon_high (default epsilon; DAPO's clip-higher uses 0.28);
+    under loss_type cispo the importance weight is capped at epsilon_high itself."""
+    delta: Optional[float] = None
+    """Two-sided clipping (INTELLECT-2, TRL's `delta`): the unclipped ratio in the surrogate is capped
+    at delta too, so a negative advantage cannot push a ratio up without bound; above 1 (TRL
+    recommends above 1 + epsilon_high). None: one-sided, as GRPO."""
     beta: float = 0.0
     """Weight of the KL term to the reference model (0 as TRL: no reference pass). Above 0 the
     reference is the base with the LoRA adapter disabled (lora.enabled: no second model)."""

@@ -71,6 +71,13 @@ def validate_rl(r: Recipe, need) -> None:
     need(rl.num_generations >= 2, "rl.num_generations",
          f"at least 2 (advantages compare the completions of a prompt), got {rl.num_generations}")
     need(rl.epsilon > 0, "rl.epsilon", f"must be positive, got {rl.epsilon}")
+    need(rl.loss_type != "cispo" or rl.epsilon_high is not None, "rl.epsilon_high",
+         "cispo caps the importance weight at epsilon_high itself, so its default (epsilon, a cap below 1) would "
+         "silence every token; set it (ScaleRL recommends 5.0)")
+    need(rl.delta is None or rl.loss_type != "cispo", "rl.delta",
+         "caps the ratio of the clipped surrogate, which cispo does not have; remove it")
+    need(rl.delta is None or rl.delta > 1, "rl.delta",
+         f"a cap on the ratio, above 1 (TRL recommends above 1 + epsilon_high), got {rl.delta}")
     if rl.epsilon_high is None:
         rl.epsilon_high = rl.epsilon
     need(rl.epsilon_high > 0, "rl.epsilon_high", f"must be positive, got {rl.epsilon_high}")

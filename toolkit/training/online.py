@@ -32,7 +32,7 @@ from ..model.sampling import completion_seed, sample
 from . import rewards as reward_functions
 from .loss import token_logps_each
 from .objectives import Objective
-from .policy_loss import group_advantages, policy_loss
+from .policy_loss import TOKEN_MEAN, group_advantages, policy_loss
 
 
 class GroupRL(Objective):
@@ -47,7 +47,7 @@ class GroupRL(Objective):
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
-        self.unit = "completion tokens" if cfg.loss_type == "dapo" else "completions"
+        self.unit = "completion tokens" if cfg.loss_type in TOKEN_MEAN else "completions"
         self.names = {r.name: f"reward_{r.name.rpartition(':')[2]}" for r in rewards}  # reward_<function name>
         self.eval_metrics = ("reward", *self.names.values())
         self.iterations = cfg.num_iterations
@@ -62,7 +62,7 @@ class GroupRL(Objective):
 
     def describe(self) -> list[str]:
         c = self.cfg
-        variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO"}[c.loss_type] \
+        variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO", "cispo": "CISPO"}[c.loss_type] \
             + (" with sequence-level ratios (GSPO)" if c.importance_sampling == "sequence" else "")
         names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards)
         return [f"rl: {variant}, {c.num_generations} completions per prompt (seeded per prompt and step), at most "
@@ -70,7 +70,10 @@ class GroupRL(Objective):
                 + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
                 + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
                 + (f", repetition_penalty {c.repetition_penalty:g}" if c.repetition_penalty != 1 else "")
-                + f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]; advantages scaled by the "
+                + (f"; importance weight capped at {c.epsilon_high:g}" if c.loss_type == "cispo" else
+                   f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
+                   + (f", ratio capped at {c.delta:g} (two-sided)" if c.delta is not None else ""))
+                + "; advantages scaled by the "
                 + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
                 + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
                 + (f"; {c.num_iterations} optimizer steps per generated batch" if c.num_iterations > 1 else "")
@@ -92,7 +95,7 @@ class GroupRL(Objective):
             return int(batch["valid"].sum())
         mask = batch["completion_mask"]
         # grpo / dr_grpo: every completion, one left out as truncated too (TRL's mean over the batch's rows)
-        return int(mask.sum()) if self.cfg.loss_type == "dapo" else mask.shape[0]
+        return int(mask.sum()) if self.cfg.loss_type in TOKEN_MEAN else mask.shape[0]
 
     def host_counts(self, micro_batches: list[dict]) -> list[float]:
         units = sum(self.units(b) for b in micro_batches)
@@ -161,7 +164,7 @@ class GroupRL(Objective):
             logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
             loss_type=self.cfg.loss_type, importance_sampling=self.cfg.importance_sampling,
             epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high, beta=self.cfg.beta,
-            max_completion_length=self.cfg.max_new_tokens)
+            max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta)
         sums = {**sums, "entropy": (entropy * mask).sum().double()}
         for name, value in sums.items():
             self.sums[name] = self.sums.get(name, 0) + value.detach().double()

@@ -1,8 +1,9 @@
-"""The online-RL loss of the GRPO family (GRPO, DAPO, Dr. GRPO; GSPO with sequence-level importance
-sampling), as pure tensor math: per-token log-probabilities in, loss out; no model, no generation.
+"""The online-RL loss of the GRPO family (GRPO, DAPO, Dr. GRPO, CISPO; GSPO with sequence-level importance
+sampling; INTELLECT-2's two-sided clipping by `delta`), as pure tensor math: per-token log-probabilities in,
+loss out; no model, no generation.
 
 It is TRL 1.16's `GRPOTrainer._compute_loss` with TRL's defaults for what is not a parameter here
-(no `delta`, no top-entropy mask, no off-policy mask, no vLLM importance-sampling correction, no
+(no top-entropy mask, no off-policy mask, no vLLM importance-sampling correction, no
 entropy bonus, and `use_bias_correction_kl=True`: the KL term is weighted by the importance ratio),
 and `group_advantages` is the advantage of `_generate_and_score_completions`. tests/test_policy_loss.py
 calls TRL's own code on the same tensors and checks the loss, its gradient and the metrics.
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
+TOKEN_MEAN = ("dapo", "cispo")  # averaged over every completion token of the global batch
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's: advantages / (std + 1e-4)
@@ -60,6 +62,7 @@ def policy_loss(
     epsilon_high: float,
     beta: float,
     max_completion_length: int,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """The clipped-surrogate loss (plus `beta` x KL to the reference) of a micro-batch of B completions.
 
@@ -68,12 +71,13 @@ def policy_loss(
     the reference (needed iff beta > 0); advantages: (B,); mask: (B, T), 1.0 on completion tokens.
 
     Returns (loss_sum, units, metric_sums); loss_sum / units is TRL's loss of this micro-batch:
-      dapo: the sum of per-token losses over the mask.sum() tokens;
+      dapo, cispo: the sum of per-token losses over the mask.sum() tokens;
       grpo: the sum over the B completions of the mean of its per-token losses;
       dr_grpo: the sum of per-token losses / max_completion_length, over B units.
     metric_sums (detached float64 sums): "clip_ratio_low", "clip_ratio_high", "clip_ratio" (the low, high
     and either region where the clipped term is taken, as TRL's clip_ratio/{low,high,region}_mean) over
-    "clip_units" (TRL's denominator: the tokens, or the completions under sequence-level sampling),
+    "clip_units" (TRL's denominator: the tokens, or the completions under sequence-level sampling; under
+    cispo "clip_ratio_high" and "clip_ratio" count the weights capped at epsilon_high, TRL's cispo_clip_ratio),
     "kl" (only when beta > 0) over "tokens".
     """
     if loss_type not in LOSS_TYPES:
@@ -89,8 +93,12 @@ def policy_loss(
         raise ValueError(f"importance_sampling: {importance_sampling!r}; one of {', '.join(IMPORTANCE_SAMPLING)}")
     ratio = torch.exp(log_weights)  # (B, T), or (B, 1) at sequence level
     advantages = advantages.unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+    if loss_type == "cispo":  # the weight clipped and its gradient stopped; the gradient is the log-probability's
+        per_token_loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # two-sided (TRL clamps after coef_2)
+        per_token_loss = -torch.min(unclipped * advantages, clipped * advantages)
     if beta != 0.0:
         ref_minus_policy = ref_logps - logps
         # k3 estimator of KL(policy || ref), times the ratio: TRL's use_bias_correction_kl (on by default)
@@ -99,7 +107,7 @@ def policy_loss(
     masked_loss = per_token_loss * mask  # also spreads a (B, 1) sequence-level loss over the tokens
 
     tokens = mask.sum()
-    if loss_type == "dapo":
+    if loss_type in TOKEN_MEAN:
         loss_sum, units = masked_loss.sum(), int(tokens.item())
     elif loss_type == "grpo":
         loss_sum, units = (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), logps.size(0)
@@ -107,8 +115,10 @@ def policy_loss(
         loss_sum, units = masked_loss.sum() / max_completion_length, logps.size(0)
 
     # TRL counts clipping per token, or per completion where the ratio has one column (sequence level)
-    low = (ratio < 1 - epsilon) & (advantages < 0)
-    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    if loss_type == "cispo":
+        low, high = torch.zeros_like(ratio, dtype=torch.bool), (ratio > epsilon_high) & (advantages > 0)
+    else:
+        low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
     weight = mask if ratio.size(1) > 1 else torch.ones_like(ratio)
     metric_sums = {
         "clip_ratio_low": (low * weight).sum(),
