@@ -152,6 +152,9 @@ RL = [
     ("rl off, prompt rows on", ["rl.method=null"], "data.format: prompt rows train only with rl.method"),
     ("cispo on the default cap", ["rl.loss_type=cispo"],
      "rl.epsilon_high: cispo caps the importance weight at epsilon_high itself"),
+    ("cispo on DAPO's clip-higher", ["rl.loss_type=cispo", "rl.epsilon_high=0.28"],
+     "so it must be at least 1; its default (epsilon) or a DAPO value would cap every weight below 1; ScaleRL uses "
+     "5.0, got 0.28"),
     ("delta with cispo", ["rl.loss_type=cispo", "rl.epsilon_high=5", "rl.delta=2"],
      "rl.delta: caps the ratio of the clipped surrogate, which cispo does not have"),
     ("delta taken for epsilon", ["rl.delta=0.2"], "rl.delta: a cap on the ratio, above 1"),

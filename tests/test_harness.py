@@ -154,6 +154,8 @@ def test_mistakes_are_one_line_before_the_model_loads(setup, tmp_path, capsys):
         (["--tasks", "sums", "--format", "alpaca"], "--format: reads --data rows"),
         (["--data", tmp_path / "x.jsonl", "--include", setup["tasks"]], "--include: only with --tasks"),
         (["--tasks", "sums", "--num-fewshot", "-1"], "--num-fewshot: must be 0 or more"),
+        (["--tasks", "sums", "--limit", "-1"], "--limit: must be positive, got -1"),
+        (["--tasks", "sums", "--max-new-tokens", "16"], "--max-new-tokens: reads --data rows"),
     ]
     for args, expected in cases:
         code = main(["eval", str(broken), *map(str, args)])
@@ -182,3 +184,11 @@ def test_without_the_harness_installed_it_is_one_line(setup, capsys, monkeypatch
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == ("error: eval --tasks: needs EleutherAI's lm-evaluation-harness: "
                                          "pip install 'lm-eval>=0.4.13,<0.5' (the toolkit's `eval` extra)"), err
+
+
+def test_a_group_file_runs_its_tasks(setup, tmp_path, capsys):
+    """A group YAML (`group:` and a list under `task:`) named by its file runs the tasks it lists."""
+    (tmp_path / "both.yaml").write_text("group: both\ntask: [sums, prose_bpb]\n")
+    result = evaluate(capsys, setup["adapter"], "--tasks", tmp_path / "both.yaml", "--include", setup["tasks"],
+                      "--limit", 2)
+    assert result["tasks"] == ["both"] and {"sums", "prose_bpb"} <= set(result["results"])

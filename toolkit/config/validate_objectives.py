@@ -71,9 +71,10 @@ def validate_rl(r: Recipe, need) -> None:
     need(rl.num_generations >= 2, "rl.num_generations",
          f"at least 2 (advantages compare the completions of a prompt), got {rl.num_generations}")
     need(rl.epsilon > 0, "rl.epsilon", f"must be positive, got {rl.epsilon}")
-    need(rl.loss_type != "cispo" or rl.epsilon_high is not None, "rl.epsilon_high",
-         "cispo caps the importance weight at epsilon_high itself, so its default (epsilon, a cap below 1) would "
-         "silence every token; set it (ScaleRL recommends 5.0)")
+    need(rl.loss_type != "cispo" or (rl.epsilon_high is not None and rl.epsilon_high >= 1), "rl.epsilon_high",
+         "cispo caps the importance weight at epsilon_high itself (not at 1 + epsilon_high), so it must be at least "
+         f"1; its default (epsilon) or a DAPO value would cap every weight below 1; ScaleRL uses 5.0, got "
+         f"{rl.epsilon_high}")
     need(rl.delta is None or rl.loss_type != "cispo", "rl.delta",
          "caps the ratio of the clipped surrogate, which cispo does not have; remove it")
     need(rl.delta is None or rl.delta > 1, "rl.delta",

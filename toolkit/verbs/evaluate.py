@@ -34,6 +34,7 @@ from . import harness
 
 FORMATS = ("alpaca", "messages", "text", "preference", "prompt")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
+DEFAULT_MAX_NEW_TOKENS = 128  # --max-new-tokens
 EXAMPLES = 3  # right and wrong answers each, shown in the summary and kept in the JSON
 
 
@@ -61,7 +62,7 @@ def add_arguments(p) -> None:
                    help="prompt rows (online RL's format): score each greedy answer with this reward function, as "
                         "rl.rewards names one (path/to/file.py:name, module:name, exact_match, numeric_match); "
                         "repeat for several. Default: the run's rl.rewards when MODEL_DIR is a run's final/")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="at most this many tokens per answer (128)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N rows")
     p.add_argument("--out", metavar="FILE", help="write the results as JSON to FILE")
@@ -78,16 +79,16 @@ def run(args) -> int:
     if bool(args.data) == bool(args.tasks):
         raise ToolkitError("eval: give --data FILE (loss and answers on rows) or --tasks NAME (lm-eval tasks), "
                            "not both" if args.data else "eval: give --data FILE or --tasks NAME")
+    for name in ("batch_size", "max_new_tokens", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ToolkitError(f"--{name.replace('_', '-')}: must be positive, got {value}")
     if args.tasks:
         return harness.run(args)
     for name in ("include", "num_fewshot", "chat_template"):
         if getattr(args, name) not in (None, False):
             raise ToolkitError(f"eval --{name.replace('_', '-')}: only with --tasks")
-
-    for name in ("batch_size", "max_new_tokens", "limit"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ToolkitError(f"--{name.replace('_', '-')}: must be positive, got {value}")
+    args.max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     if args.max_seq_len is not None and args.max_seq_len < 2:
         raise ToolkitError(f"--max-seq-len: must be at least 2, got {args.max_seq_len}")
     locate_model(args.model)  # a wrong path fails here, before torch is imported

@@ -25,7 +25,7 @@ from ..errors import ToolkitError
 from ..storage.disk import check_writable, write_file
 
 # --data options that mean nothing to a task, whose YAML says how its rows are read and scored
-DATA_ONLY = ("format", "max_seq_len", "train_on_prompt", "reward")
+DATA_ONLY = ("format", "max_seq_len", "train_on_prompt", "reward", "max_new_tokens")
 
 
 def add_arguments(p) -> None:
@@ -51,10 +51,6 @@ def run(args) -> int:
         raise ToolkitError("eval --tasks: needs EleutherAI's lm-evaluation-harness: pip install 'lm-eval>=0.4.13,<0.5' "
                            "(the toolkit's `eval` extra)")
     locate_model(args.model)  # a wrong path fails here, before anything heavy is imported
-    out = Path(args.out) if args.out else None
-    if out:
-        check_writable(out, "eval --out")
-    beside = run_eval_file(args.model)
     names, include = task_names(args.tasks, args.include or [])
     import logging
 
@@ -75,12 +71,19 @@ def run(args) -> int:
             get_task_dict([name], manager)
         except Exception as e:  # the harness's and datasets' errors on a user's task: many kinds
             raise ToolkitError(f"eval --tasks: task {name!r} could not be built: {first_line(e)}") from None
+    out = Path(args.out) if args.out else None
+    if out:
+        check_writable(out, "eval --out")
+    beside = run_eval_file(args.model)  # after the tasks: a mistyped one leaves nothing in the run folder
 
     from lm_eval.models.huggingface import HFLM
 
     from ..model.inference import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
+    if args.chat_template and not tokenizer.chat_template:
+        raise ToolkitError(f"eval --chat-template: {args.model}'s tokenizer has no chat template; leave the flag out "
+                           "(a base model's tasks are plain text)")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size)
     started = time.perf_counter()
     result = simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot,
@@ -155,7 +158,9 @@ def task_file_name(path: Path) -> str:
         config = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ToolkitError(f"eval --tasks: {path} is not YAML: {first_line(e)}") from None
-    name = config.get("task", config.get("group")) if isinstance(config, dict) else None
+    name = None
+    if isinstance(config, dict):  # a group file has `group:` and a list under `task:`
+        name = config.get("task") if isinstance(config.get("task"), str) else config.get("group")
     if not isinstance(name, str) or not name:
         raise ToolkitError(f"eval --tasks: {path} is not an lm-eval task file (it has no `task:` name)")
     return name

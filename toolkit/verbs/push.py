@@ -11,10 +11,11 @@ unreachable Hub is one line naming the repository and the endpoint.
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, command
 
 
 def add_arguments(p) -> None:
@@ -22,7 +23,8 @@ def add_arguments(p) -> None:
                    help="a model folder: a run's final/, a merged model or a LoRA adapter folder")
     p.add_argument("repo", metavar="USER/NAME", help="the Hub repository (created when it does not exist)")
     p.add_argument("--private", action="store_true", help="create the repository private")
-    p.add_argument("--revision", default=None, metavar="BRANCH", help="push to this branch (default: main)")
+    p.add_argument("--revision", default=None, metavar="BRANCH",
+                   help="push to this branch, made from main when it does not exist (default: main)")
     p.add_argument("--message", default=None, metavar="TEXT", help="the commit message")
     p.add_argument("--dry-run", action="store_true",
                    help="check the folder, the id and the token, list the files, and push nothing")
@@ -49,15 +51,17 @@ def run(args) -> int:
     if constants.HF_HUB_OFFLINE:
         raise ToolkitError(f"push: {offline}")
     if not token:
-        raise ToolkitError("push: no Hugging Face token: run `.venv/bin/hf auth login`, or set HF_TOKEN")
+        raise ToolkitError(f"push: no Hugging Face token: run `{command('hf auth login')}`, or set HF_TOKEN")
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     try:
         api.create_repo(repo, repo_type="model", private=args.private, exist_ok=True)
+        if args.revision:
+            api.create_branch(repo, branch=args.revision, repo_type="model", exist_ok=True)
         commit = api.upload_folder(repo_id=repo, folder_path=folder, repo_type="model", revision=args.revision,
                                    commit_message=args.message or f"Upload {folder.name} with toolkit push",
-                                   allow_patterns=[str(f.relative_to(folder)) for f in files])
+                                   allow_patterns=[glob.escape(str(f.relative_to(folder))) for f in files])
     except Exception as e:  # huggingface_hub's HTTP and connection errors: many kinds, each ends the push
         raise ToolkitError(f"push: {endpoint}/{repo}: {hub_problem(e)}") from None
     print(f"pushed {len(files)} files to {getattr(commit, 'repo_url', f'{endpoint}/{repo}')} "
@@ -97,7 +101,7 @@ def checked_repo_id(repo: str) -> str:
 def hub_problem(e: Exception) -> str:
     status = getattr(getattr(e, "response", None), "status_code", None)
     if status in (401, 403):
-        return f"the Hub refused the token (HTTP {status}); log in again with `.venv/bin/hf auth login`"
+        return f"the Hub refused the token (HTTP {status}); log in again with `{command('hf auth login')}`"
     text = str(e).strip().splitlines()
     line = text[0] if text else type(e).__name__
     if os.environ.get("HF_ENDPOINT"):
