@@ -22,6 +22,7 @@ from helpers import (
     short_recipe,
     user_error_line,
     write_jsonl,
+    write_recipe,
 )
 
 
@@ -272,6 +273,42 @@ def test_model_chat_template_renders_and_labels_the_assistant_turns(tmp_path, gi
     assert fingerprint(sources, cfg, tok) != fingerprint(sources, cfg, plain)
     tok.save_pretrained(tmp_path / "final")
     assert AutoTokenizer.from_pretrained(tmp_path / "final").chat_template == template
+
+
+THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+            "{% if enable_thinking is defined and enable_thinking is false %}assistant: <think></think>"
+            "{% else %}assistant: {% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_every_rendering_the_cache_key_and_final(tmp_path):
+    """model.chat_template_kwargs (TRL's chat_template_kwargs; Qwen3's enable_thinking=False): online RL's
+    prompts render the template's other branch, the prepared data's fingerprint changes, and the tokenizer
+    saved as final/ renders the same without being told; a name a template cannot read is one line."""
+    from transformers import AutoTokenizer
+
+    from toolkit.config import ConfigError, load_recipe
+    from toolkit.data.prepare import fingerprint
+    from toolkit.data.sources import resolve_sources
+    from toolkit.data.tokenize import prompt_example
+    from toolkit.model.load import build_tokenizer
+
+    plain = build_tokenizer(ModelConfig(preset="tiny-llama-mini", chat_template=THINKING))
+    told = build_tokenizer(ModelConfig(preset="tiny-llama-mini", chat_template=THINKING,
+                                       chat_template_kwargs={"enable_thinking": False}))
+    row = {"prompt": [{"role": "user", "content": "2 + 2?"}]}
+    assert prompt_example(row, plain)[0] == "user: 2 + 2?\nassistant: "
+    assert prompt_example(row, told)[0] == "user: 2 + 2?\nassistant: <think></think>"
+    cfg = DataConfig(train_files=[str(write_jsonl(tmp_path / "p.jsonl", [row]))], format="prompt")
+    sources = resolve_sources(cfg.train_files, cfg, "data.train_files")
+    assert fingerprint(sources, cfg, told) != fingerprint(sources, cfg, plain)
+    told.save_pretrained(tmp_path / "final")
+    again = AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert again.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True).endswith(
+        "<think></think>")
+    recipe = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "o"), model={"preset": "tiny-llama"},
+                          data={"train_files": ["a.jsonl"]})
+    with pytest.raises(ConfigError, match=r"model.chat_template_kwargs.enable-thinking: not a name a template can "):
+        load_recipe(recipe, ["model.chat_template_kwargs={enable-thinking: false}"])
 
 
 def test_a_model_chat_template_that_is_not_jinja_is_one_line_naming_the_key():

@@ -117,6 +117,12 @@ class ModelConfig:
     add both markers to add_special_tokens to make each one token, so that `generate` stops at
     `<|im_end|>`). Read when the run starts (a changed file prepares the data again); the tokenizer
     saved in final/ holds it, so `generate`, `eval` and `merge` use it. Unset: the tokenizer's."""
+    chat_template_kwargs: dict[str, Union[bool, int, float, str]] = field(default_factory=dict)
+    """Variables for the chat template (TRL's `chat_template_kwargs`), e.g. `{enable_thinking: false}`
+    for Qwen3 without its thinking block: set at the top of the template, so every rendering (the
+    training rows, online RL's prompts, samples) sees them, the prepared data's cache key changes
+    with them, and the tokenizer saved in final/ keeps them (`generate` and `eval` render as training
+    did). Needs a chat template (the tokenizer's or model.chat_template)."""
     rope_scaling: Optional[RopeScaling] = None
     """Extend the context: RoPE scaling set in the model's config (its rope_theta kept) before it is
     built, so training, final/config.json, checkpoints and `toolkit checkpoint convert` carry it;

@@ -10,6 +10,9 @@ from ..errors import command
 from .model import CHAT_TEMPLATES, ROPE_KEYS, ModelConfig
 from .recipe import Recipe
 
+JINJA_WORDS = {"true", "false", "none", "True", "False", "None", "and", "or", "not", "in", "is", "if", "else", "for",
+               "set", "loop", "self", "super", "block", "macro", "endfor", "endif"}
+
 
 def validate_model(r: Recipe, need) -> None:
     """The model and lora sections, in the order their keys are checked."""
@@ -24,6 +27,9 @@ def validate_model(r: Recipe, need) -> None:
          f"each token must be non-empty text, got {r.model.add_special_tokens!r}")
     if r.model.chat_template is not None:
         validate_chat_template(r.model, need)
+    for key in r.model.chat_template_kwargs:
+        need(key.isidentifier() and key not in JINJA_WORDS, f"model.chat_template_kwargs.{key}",
+             "not a name a template can read (letters, digits and _, not a Jinja keyword)")
     if r.model.rope_scaling is not None:
         rope = r.model.rope_scaling
         needed, allowed = ROPE_KEYS[rope.rope_type]

@@ -79,7 +79,24 @@ def build_tokenizer(cfg: ModelConfig):
         tokenizer.add_tokens(new, special_tokens=True)
     if cfg.chat_template is not None:
         set_chat_template(tokenizer, cfg.chat_template)
+    if cfg.chat_template_kwargs:
+        set_template_variables(tokenizer, cfg.chat_template_kwargs)
     return tokenizer
+
+
+def set_template_variables(tokenizer, variables: dict) -> None:
+    """model.chat_template_kwargs as `{%- set name = value %}` at the top of the tokenizer's template (each
+    one, where a tokenizer has several): every rendering sees them, and the tokenizer saved with the run
+    keeps them. A tokenizer without a template is one line."""
+    import json
+
+    if not tokenizer.chat_template:
+        raise ToolkitError("model.chat_template_kwargs: the tokenizer has no chat template to give them to; "
+                           "give one with model.chat_template")
+    head = "".join(f"{{%- set {name} = {json.dumps(value)} %}}" for name, value in variables.items())
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ({k: head + v for k, v in template.items()} if isinstance(template, dict)
+                               else head + template)
 
 
 def set_chat_template(tokenizer, value: str) -> None:
