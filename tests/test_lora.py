@@ -46,3 +46,24 @@ def test_adapters_stay_fp32_over_a_bf16_base():
     model = apply_lora(base, LoraConfig(enabled=True, r=4))
     for n, p in model.named_parameters():
         assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), n
+
+
+def test_disable_dropout_zeroes_every_dropout_layer_lora_included():
+    """rl.disable_dropout (TRL's disable_dropout_in_model): every nn.Dropout's rate 0, LoRA's too; the
+    network then gives the same output in training mode twice (it did not before)."""
+    import torch
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    from toolkit.config import ModelConfig
+    from toolkit.model.load import build_model, disable_dropout
+
+    torch.manual_seed(0)
+    model = get_peft_model(build_model(ModelConfig(preset="tiny-llama-mini")),
+                           PeftLora(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"],
+                                    init_lora_weights=False)).train()
+    ids = torch.randint(3, 200, (2, 12))
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout draws differ
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert disable_dropout(model) == len(layers) > 0 and all(m.p == 0.0 for m in layers)
+    assert torch.equal(model(ids).logits, model(ids).logits)

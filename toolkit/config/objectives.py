@@ -117,3 +117,7 @@ class RLConfig:
     """Stop, in one line naming the reward functions, after this many generated batches in a row in
     which no completion was scored (every function said None for every one): such a batch teaches
     nothing. The first one is reported when it happens. 0: never stop."""
+    disable_dropout: bool = False
+    """Set every dropout layer's rate to 0 (TRL's `disable_dropout`, off by default as in TRL), LoRA's
+    included, so that the loss, the old-policy and the reference passes see the same network and a
+    ratio of 1 means an unchanged policy. Sampling always runs without dropout."""

@@ -84,6 +84,14 @@ def build_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every `nn.Dropout` layer's rate set to 0 (TRL's `disable_dropout_in_model`); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    for m in layers:
+        m.p = 0.0
+    return len(layers)
+
+
 def set_template_variables(tokenizer, variables: dict) -> None:
     """model.chat_template_kwargs as `{%- set name = value %}` at the top of the tokenizer's template (each
     one, where a tokenizer has several): every rendering sees them, and the tokenizer saved with the run

@@ -39,6 +39,7 @@ from ..model.load import (
     build_tokenizer,
     compile_layers,
     count_parameters,
+    disable_dropout,
     fit_vocabulary,
     isolation_probe,
     token_rows,
@@ -243,6 +244,8 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
     model with its adapter disabled), checked by the backend and said at the start of the run."""
     if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks, scores with the rewards
         check_positions(recipe, model.config)
+        if recipe.rl.disable_dropout:
+            log(f"rl: dropout off in {disable_dropout(model)} layers (rl.disable_dropout)")
         d = recipe.data
         sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
