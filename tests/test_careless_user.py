@@ -159,6 +159,11 @@ RL = [
      "rl.delta: caps the ratio of the clipped surrogate, which cispo does not have"),
     ("delta taken for epsilon", ["rl.delta=0.2"], "rl.delta: a cap on the ratio, above 1"),
     ("a TRL loss type not built", ["rl.loss_type=bnpo"], "rl.loss_type: must be one of grpo, dapo, dr_grpo, cispo"),
+    ("top entropy share as a percent", ["rl.top_entropy_quantile=20"],
+     "rl.top_entropy_quantile: the share of tokens kept, in (0, 1] (1: every token; TRL's paper keeps 0.2), got 20"),
+    ("no top entropy tokens", ["rl.top_entropy_quantile=0"], "rl.top_entropy_quantile: the share of tokens kept"),
+    ("no eval completions", ["rl.num_generations_eval=0"],
+     "rl.num_generations_eval: at least 1 completion per eval prompt, got 0"),
 ]
 PREFERENCE = [
     ("beta 0", ["preference.beta=0"], "preference.beta: must be positive, got 0.0"),

@@ -37,7 +37,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old, processes=1, accumulation=1,
-             num_items=None, delta=None):
+             num_items=None, delta=None, top_entropy_quantile=1.0, entropies=None):
     """TRL's `_compute_loss` of one micro-batch, on a stub trainer set up as `GRPOTrainer.__init__` sets itself up
     from a real GRPOConfig (TRL's defaults for everything not named); `num_items`: the completion tokens of the
     whole generation batch, over every process (TRL gathers it; default: this micro-batch's).
@@ -46,9 +46,9 @@ def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, loss_type=loss_type, beta=beta,
         epsilon=EPSILON, epsilon_high=high_of(loss_type), importance_sampling_level=importance_sampling, delta=delta,
         max_completion_length=T, per_device_train_batch_size=B, num_generations=3,
-        gradient_accumulation_steps=accumulation,
+        gradient_accumulation_steps=accumulation, top_entropy_quantile=top_entropy_quantile,
     )
-    entropies = torch.rand(B, T, dtype=torch.float64)
+    entropies = torch.rand(B, T, dtype=torch.float64) if entropies is None else entropies
     stub = types.SimpleNamespace(
         args=args, loss_type=args.loss_type, beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
         importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
@@ -56,10 +56,12 @@ def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old
         use_vllm=args.use_vllm, vllm_importance_sampling_correction=args.vllm_importance_sampling_correction,
         _entropy_bonus_enabled=args.entropy_coef != 0.0 or args.use_adaptive_entropy, aux_loss_enabled=False,
         model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation,
-        accelerator=types.SimpleNamespace(num_processes=processes, reduce=lambda x, reduction: x, gather=lambda x: x),
+        accelerator=types.SimpleNamespace(num_processes=processes, reduce=lambda x, reduction: x, gather=lambda x: x,
+                                          pad_across_processes=lambda x, dim, pad_index: x),
         _metrics={"train": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, entropies, None),
     )
+    stub.get_high_entropy_mask = types.MethodType(grpo_trainer.GRPOTrainer.get_high_entropy_mask, stub)
     mask = data["mask"].long()
     inputs = {
         "prompt_ids": torch.ones(B, 4, dtype=torch.long), "prompt_mask": torch.ones(B, 4, dtype=torch.long),
@@ -140,6 +142,36 @@ def test_two_sided_clipping_by_delta_equals_trl(tmp_path, loss_type, importance_
     theirs, _ = trl_loss(tmp_path, data, theirs_logps, delta=DELTA, **config)
     our_logps = data["logps"].clone().requires_grad_()
     loss_sum, units, _ = ours(data, our_logps, delta=DELTA, **config)
+    torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
+    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
+    (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-5)
+    without, units_without, _ = ours(data, data["logps"], **config)
+    assert abs(float(without / units_without - loss_sum / units)) > 1e-4
+
+
+@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("cispo", 0.04)])
+@pytest.mark.parametrize("quantile", [0.2, 0.5])
+def test_top_entropy_quantile_equals_trl(tmp_path, loss_type, beta, quantile):
+    """TRL's top_entropy_quantile ("Beyond the 80/20 Rule"): the policy term only on the completion tokens whose
+    entropy is in the top share (TRL's get_high_entropy_mask threshold, called on the stub), the KL term on every
+    token; loss and gradient as TRL's, and not those without the mask."""
+    from toolkit.training.policy_loss import entropy_threshold, high_entropy_mask
+
+    data = batch(seed=50)
+    entropies = torch.rand(B, T, generator=torch.Generator().manual_seed(51), dtype=torch.float64)
+    config = dict(loss_type=loss_type, importance_sampling="token", beta=beta, old=True)
+    theirs_logps = data["logps"].clone().requires_grad_()
+    theirs, _ = trl_loss(tmp_path, data, theirs_logps, top_entropy_quantile=quantile, entropies=entropies, **config)
+    threshold = entropy_threshold(entropies[data["mask"].bool()], quantile)
+    kept = high_entropy_mask(entropies, data["mask"], threshold)
+    assert 0 < kept.sum() < data["mask"].sum()
+    assert kept.sum() == pytest.approx(quantile * data["mask"].sum(), abs=1)
+    our_logps = data["logps"].clone().requires_grad_()
+    loss_sum, units, _ = policy_loss(
+        our_logps, data["old_logps"], data["ref_logps"] if beta else None, data["advantages"], data["mask"],
+        loss_type=loss_type, importance_sampling="token", epsilon=EPSILON, epsilon_high=high_of(loss_type),
+        beta=beta, max_completion_length=T, entropy_mask=kept)
     torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
     (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
     (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)

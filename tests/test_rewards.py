@@ -318,3 +318,112 @@ def test_a_reward_that_never_scores_is_reported_logged_as_it_is_and_stops_the_ru
     objective.check_scored(3)
     message = one_line_error("in 2 generated batches in a row, up to step 4", objective.check_scored, 4)
     assert message.startswith("rl.rewards: regex scored no completion") and "rl.max_unscored_steps" in message
+
+
+# --- TRL's trainer_state, log_metric, log_extra and async functions
+
+
+def test_async_functions_run_together_on_one_loop_that_outlives_a_batch(monkeypatch):
+    """TRL runs async reward functions together (asyncio.gather) on one event loop for the whole run. Two functions
+    that each wait for the other's signal finish only when run together; a lock made at the first batch (a client
+    bound to its loop) still works at the second, which a fresh loop per call breaks."""
+    import asyncio
+
+    module = type(sys)("async_module")
+    module.events, module.loops, module.state = {}, [], {}
+
+    def event(name):
+        return module.events.setdefault((id(asyncio.get_running_loop()), name), asyncio.Event())
+
+    async def ping(completions, **kw):
+        event("ping").set()
+        await asyncio.wait_for(event("pong").wait(), timeout=10)
+        return [1.0] * len(completions)
+
+    async def pong(completions, **kw):
+        event("pong").set()
+        await asyncio.wait_for(event("ping").wait(), timeout=10)
+        module.loops.append(asyncio.get_running_loop())
+        module.state.setdefault("lock", asyncio.Lock())  # bound to the loop of its first use
+        async with module.state["lock"]:
+            await asyncio.sleep(0)
+        return [2.0] * len(completions)
+
+    module.ping, module.pong = ping, pong
+    monkeypatch.setitem(sys.modules, "async_module", module)
+    rewards = load_rewards([RewardConfig(function="async_module:ping"), RewardConfig(function="async_module:pong"),
+                            RewardConfig(function="exact_match")])
+    for step in (1, 2):
+        module.events.clear()
+        total, per = score(rewards, ["q", "q"], ["a", "b"], [{"answer": "a"}, {"answer": "c"}], step=step, rows=ROWS)
+        assert total.tolist() == [4.0, 3.0] and per["async_module:pong"].tolist() == [2.0, 2.0]
+    assert len(module.loops) == 2 and module.loops[0] is module.loops[1]
+
+
+def test_an_async_function_that_raises_names_its_row(monkeypatch):
+    module = type(sys)("async_bad")
+
+    async def judge(completions, **kw):
+        if any(c == "boom" for c in completions):
+            raise ConnectionError("judge unreachable")
+        return [0.0] * len(completions)
+    module.judge = judge
+    monkeypatch.setitem(sys.modules, "async_bad", module)
+    message = one_line_error("judge unreachable", score, load_rewards([RewardConfig(function="async_bad:judge")]),
+                             ["q", "q"], ["fine", "boom"], [{}, {}], step=4, rows=ROWS)
+    assert message == "train.jsonl row 2: reward async_bad:judge at step 4: raised ConnectionError: judge unreachable"
+
+
+def test_trainer_state_log_metric_and_log_extra_are_trls(monkeypatch):
+    """trainer_state is a transformers TrainerState (the caller's, global_step as TRL's: optimizer steps done);
+    log_metric values and log_extra columns are recorded under the function that logged them; a metric logged
+    twice keeps both values, a column needs one value per completion, given once per batch."""
+    from transformers import TrainerState
+
+    from toolkit.training.rewards import Logged
+
+    module = type(sys)("logging_module")
+
+    def judge(completions, trainer_state, log_metric, log_extra, **kw):
+        assert isinstance(trainer_state, TrainerState)
+        log_metric("judge_calls", 1.0)
+        log_metric("judge_calls", torch.tensor(3.0))
+        log_metric("seen_step", trainer_state.global_step)
+        log_extra("length", [len(c) for c in completions])
+        return [float(trainer_state.max_steps)] * len(completions)
+
+    def wrong_length(completions, log_extra, **kw):
+        log_extra("notes", ["only one"])
+        return [0.0] * len(completions)
+
+    def twice(completions, log_extra, **kw):
+        log_extra("length", [0] * len(completions))
+        return [0.0] * len(completions)
+
+    def not_a_number(completions, log_metric, **kw):
+        log_metric("score", "high")
+        return [0.0] * len(completions)
+
+    for f in (judge, wrong_length, twice, not_a_number):
+        setattr(module, f.__name__, f)
+    monkeypatch.setitem(sys.modules, "logging_module", module)
+    logged = Logged()
+    total, _ = score(load_rewards([RewardConfig(function="logging_module:judge")]), ["q", "q"], ["ab", "abc"],
+                     [{}, {}], step=5, rows=ROWS, state=TrainerState(global_step=4, max_steps=9), logged=logged)
+    assert total.tolist() == [9.0, 9.0]
+    assert logged.metrics == {"judge_calls": [1.0, 3.0], "seen_step": [4.0]} and logged.extra == {"length": [2, 3]}
+    assert logged.by == {"judge_calls": "logging_module:judge", "seen_step": "logging_module:judge",
+                         "length": "logging_module:judge"}
+    message = one_line_error("got 1 values for 2 completions", score,
+                             load_rewards([RewardConfig(function="logging_module:wrong_length")]), ["q", "q"],
+                             ["a", "b"], [{}, {}], step=1, rows=ROWS, logged=Logged())
+    assert message.startswith("train.jsonl row 1, train.jsonl row 2: reward logging_module:wrong_length at step 1: "
+                              "log_extra('notes', ...)"), message
+    message = one_line_error("already", score, load_rewards([RewardConfig(function="logging_module:judge"),
+                                                             RewardConfig(function="logging_module:twice")]),
+                             ["q"], ["a"], [{}], step=1, rows=ROWS[:1], logged=Logged())
+    assert "logging_module:twice" in message and "logging_module:judge" in message, message
+    message = one_line_error("give one finite number", score,
+                             load_rewards([RewardConfig(function="logging_module:not_a_number")]), ["q"], ["a"],
+                             [{}], step=1, rows=ROWS[:1])
+    assert "log_metric('score', 'high')" in message

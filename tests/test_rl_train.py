@@ -33,12 +33,15 @@ STEPS = 3
 TASKS = ROOT / "examples" / "data" / "tasks_messages_train.jsonl"
 # A reward with spread among a random model's completions (their lengths differ), so every step learns.
 REWARDS = '''
-def shorter(completions, **kwargs):
+def shorter(completions, trainer_state, log_metric, log_extra, **kwargs):
+    log_metric("seen_step", trainer_state.global_step)
+    log_metric("seen_max_steps", trainer_state.max_steps)
+    log_extra("characters", [len(c[0]["content"]) for c in completions])
     return [-len(c[0]["content"]) / 10 for c in completions]
 
 
 def fails_at_step_2(completions, trainer_state, **kwargs):
-    if trainer_state.global_step == 2:
+    if trainer_state.global_step == 1:  # TRL's: the optimizer steps done
         raise ValueError("the grader is down")
     return [0.0 for _ in completions]
 '''
@@ -65,7 +68,8 @@ def recipe(workdir, name, layout="single", lora=False, **extra):
         "lora": {"enabled": True, "r": 4, "alpha": 8} if lora else {"enabled": False},
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
                  "format": "prompt", "max_seq_len": 64},
-        "rl": {"method": "grpo", "num_generations": 4, "max_new_tokens": 6,
+        "rl": {"method": "grpo", "num_generations": 4, "max_new_tokens": 6, "top_entropy_quantile": 0.5,
+               "num_generations_eval": 2, "log_completions": True,
                "rewards": [f"{workdir / 'grader.py'}:shorter", {"function": "exact_match", "weight": 0.5}]},
         "train": {"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 2,
                   "max_steps": STEPS, "learning_rate": 1e-2, "eval_every_steps": STEPS, "log_every_steps": 1},
@@ -105,10 +109,18 @@ def assert_close(a, b, tol=1e-4, first=0):
         for k in KEYS:
             if x.get(k) is not None or y.get(k) is not None:
                 assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol * 1e-2), (x["step"], k, x[k], y[k])
+    assert table(a, first) == table(b, first)  # every rank's completions gathered, in some order
     wa, wb = load_weights(a / "final"), load_weights(b / "final")
     assert wa.keys() == wb.keys() and wa
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
+
+
+def table(run, first=0) -> list[tuple]:
+    """completions.jsonl's rows from step `first` on, as (step, completion, rewards, characters), sorted."""
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    return sorted((r["step"], r["completion"], r["reward"], r["reward_shorter"], r["reward_exact_match"],
+                   r["characters"]) for r in rows if r["step"] >= first)
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +132,20 @@ def single(workdir):
 def test_one_process_samples_scores_and_learns(single, workdir):
     run, log = single
     assert "rl: DAPO, 4 completions per prompt" in log and "rl: rewards" in log, log[-3000:]
+    assert "the policy term on the top 0.5 of the global batch's completion tokens by entropy" in log
     metrics = read_metrics(run)
     assert "eval_reward" in metrics[0] and "eval_loss" not in metrics[0]
+    for row in metrics[1:]:  # trainer_state as TRL's: the optimizer steps done, of the run's; log_metric's means
+        assert row["seen_step"] == row["step"] - 1 and row["seen_max_steps"] == STEPS
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [s for s in range(1, STEPS + 1) for _ in range(4 * 4)]  # 4 prompts x 4
+    for r in rows:
+        assert r["characters"] == len(r["completion"])
+        assert r["reward_shorter"] == pytest.approx(-len(r["completion"]) / 10)
+        assert r["reward"] == pytest.approx(r["reward_shorter"] + 0.5 * r["reward_exact_match"])
+        assert r["prompt"][-1]["role"] == "user" and isinstance(r["advantage"], float)
+    for group in range(0, len(rows), 4):  # advantages are centred within each prompt's group
+        assert sum(r["advantage"] for r in rows[group:group + 4]) == pytest.approx(0, abs=1e-5)
     for row in metrics[1:]:
         assert 1 <= row["completion_length_min"] <= row["completion_length"] <= row["completion_length_max"] <= 6
         assert 0 <= row["zero_std_groups"] < 1 and row["reward_std"] > 0  # the length reward has spread
@@ -158,6 +182,7 @@ def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
                 for r in read_metrics(folder)]
 
     assert comparable(run) == comparable(single[0])
+    assert table(run) == table(single[0])  # the rows a killed step wrote are dropped, as metrics.jsonl's
     want, have = load_weights(single[0] / "final"), load_weights(run / "final")
     assert all(torch.equal(want[k], have[k]) for k in want)
 

@@ -117,6 +117,21 @@ class RLConfig:
     """Stop, in one line naming the reward functions, after this many generated batches in a row in
     which no completion was scored (every function said None for every one): such a batch teaches
     nothing. The first one is reported when it happens. 0: never stop."""
+    top_entropy_quantile: float = 1.0
+    """Only the tokens whose entropy is in this top share of the global batch's completion tokens get
+    the policy term (TRL's top_entropy_quantile, "Beyond the 80/20 Rule": 0.2 keeps the 20% most
+    uncertain tokens; the KL term still counts on every token); 1: every token. The threshold is
+    taken over the whole global batch, with one extra forward without gradient per step, so it does
+    not depend on micro-batches or ranks (TRL takes it per micro-batch: equal where the global batch
+    is one micro-batch on one process)."""
+    num_generations_eval: Optional[int] = None
+    """Completions sampled per eval prompt; eval_reward is their mean reward. None: one (TRL's
+    default is num_generations)."""
+    log_completions: bool = False
+    """Append every generated completion to completions.jsonl in the run folder (TRL's
+    log_completions): step, prompt, completion, reward and each function's (null: no opinion),
+    advantage, and the columns reward functions gave log_extra. A row per completion of every step:
+    about (prompt + completion text) x num_generations x prompts per step."""
     disable_dropout: bool = False
     """Set every dropout layer's rate to 0 (TRL's `disable_dropout`, off by default as in TRL), LoRA's
     included, so that the loss, the old-policy and the reference passes see the same network and a

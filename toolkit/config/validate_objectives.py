@@ -102,6 +102,10 @@ def validate_rl(r: Recipe, need) -> None:
     need(rl.max_unscored_steps >= 0, "rl.max_unscored_steps", f"must be 0 (never stop) or more, got "
          f"{rl.max_unscored_steps}")
     need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
+    need(0 < rl.top_entropy_quantile <= 1, "rl.top_entropy_quantile",
+         f"the share of tokens kept, in (0, 1] (1: every token; TRL's paper keeps 0.2), got {rl.top_entropy_quantile}")
+    need(rl.num_generations_eval is None or rl.num_generations_eval >= 1, "rl.num_generations_eval",
+         f"at least 1 completion per eval prompt, got {rl.num_generations_eval}")
     need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
          + ", ".join(BUILT_IN_REWARDS) + ")")
     rl.rewards = [e if isinstance(e, RewardConfig) else RewardConfig(function=e) for e in rl.rewards]

@@ -26,8 +26,8 @@ from ..config import Recipe, dump_recipe, load_recipe
 from ..errors import ToolkitError
 from . import checkpoint, inputs
 
-RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "checkpoints", "base-model", "tensorboard", "profile",
-             "profile.json", "hang", "plot.png"}
+RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "completions.jsonl", "checkpoints", "base-model",
+             "tensorboard", "profile", "profile.json", "hang", "plot.png"}
 LOCK = ".toolkit.lock"  # pid, host and start time of the run writing this folder
 # What a run folder may hold besides RUN_FILES: its results and what a killed save leaves (checkpoint.tidy).
 RUN_RESULTS = {"final", "final.tmp", ".del-final", "base-model.tmp", ".del-base-model", LOCK}
@@ -40,7 +40,8 @@ RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "resume_
                      "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size",
                      "train.report_to", "train.peak_tflops", "train.profile_steps", "train.watchdog",
                      "train.watchdog_seconds", "data.padding_free", "model.attn_implementation", "train.compile",
-                     "data.num_proc", "data.eval_files", "train.eval_every_steps", "train.max_nonfinite_steps"}
+                     "data.num_proc", "data.eval_files", "train.eval_every_steps", "train.max_nonfinite_steps",
+                     "rl.log_completions", "rl.num_generations_eval"}
 
 
 def open_run(accelerator, recipe: Recipe, lock: "RunLock") -> Path | None:
@@ -319,7 +320,8 @@ def record_launch(recipe: Recipe, state: checkpoint.TrainerState, ds_config: dic
     removed = clear_for_overwrite(out) if recipe.overwrite and recipe.resume is None else []
     (out / "config.yaml").write_text(dump_recipe(recipe))
     write_manifest(out / "manifest.json", recipe, state, ds_config, resumed_from=resumed_from, summary=summary)
-    keep_metrics_until(out / "metrics.jsonl", state.step if resumed_from is not None else -1)
+    for rows in ("metrics.jsonl", "completions.jsonl"):
+        keep_metrics_until(out / rows, state.step if resumed_from is not None else -1)
     return removed
 
 

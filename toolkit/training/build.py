@@ -77,6 +77,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     objective = setup_objective(backend, recipe, built.model, log, tokenizer, rewards)
     data = setup_data(recipe, tokenizer, built.packing, accelerator, preemption, lock, log)
     loaders = setup_loaders(backend, recipe, data, tokenizer, built)
+    objective.max_steps = loaders.total_steps
     state = setup_state(backend, recipe, data, loaders, resume_from, identities)
     optimizer, scheduler, ds_config = setup_optimizer(backend, built.model, recipe, loaders.total_steps)
     train_loader = backend.prepare_train_loader(loaders.train)  # the loop moves batches itself, after counting
@@ -251,7 +252,8 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
         objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                                    adapter=model if recipe.lora.enabled else None,
-                                   router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0)
+                                   router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
+                                   out=Path(recipe.output_dir))
     else:
         objective = objectives.for_recipe(recipe, model)
     backend.check_objective(objective)

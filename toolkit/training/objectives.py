@@ -29,7 +29,8 @@ class Objective(ABC):
        loader's, as they are, for an objective trained on a dataset; an objective that makes its own
        batch (sampling completions for the loader's prompts, scoring them) returns what it made.
        `iterations`: optimizer steps taken on each global batch (the loader repeats it that often);
-       `resumable_after(step)`: whether a checkpoint after `step` holds all a resume needs.
+       `resumable_after(step)`: whether a checkpoint after `step` holds all a resume needs;
+       `max_steps`: the run's optimizer steps, set once the loaders know them.
     2. `host_counts(micro_batches)`: [units, tokens, squared document lengths], counted on the host
        before the batches move (no device synchronisation). `units` is what the loss is averaged
        over across the whole global batch (every micro-batch, every rank).
@@ -49,6 +50,7 @@ class Objective(ABC):
     eval_metrics: ClassVar[tuple[str, ...]] = ()  # step metrics that evaluation reports too (eval_<name>)
     has_eval_loss: ClassVar[bool] = True
     iterations: int = 1
+    max_steps: int = 0
 
     def step_batches(self, model, micro_batches: list[dict[str, torch.Tensor]],
                      step: int) -> list[dict[str, torch.Tensor]]:

@@ -14,12 +14,18 @@ straddle ranks. rl.scale_rewards=batch divides by the standard deviation of the 
 reduced over the ranks. Evaluation samples one answer per eval prompt (the same seeds at every
 evaluation) and reports the mean reward (`eval_reward`, and `eval_reward_<function>`): held-out
 accuracy where the reward is a correctness check.
+
+What reward functions log goes where TRL puts it: log_metric values into the step's metrics (the mean over the
+calls of every rank), log_extra columns into the completions table (rl.log_completions: completions.jsonl in the
+run folder, a row per completion with its prompt, rewards and advantage).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -29,10 +35,17 @@ from ..data.formats import IGNORE
 from ..errors import ToolkitError
 from ..model.inference import stop_token_ids
 from ..model.sampling import completion_seed, sample
+from ..storage import disk
 from . import rewards as reward_functions
 from .loss import token_logps_each
 from .objectives import Objective
-from .policy_loss import TOKEN_MEAN, group_advantages, policy_loss
+from .policy_loss import TOKEN_MEAN, entropy_threshold, group_advantages, high_entropy_mask, policy_loss
+
+# Metric names the loop and this objective write in a step's row: a reward function's log_metric cannot take one.
+ROW_METRICS = frozenset({
+    "step", "epoch", "loss", "lr", "grad_norm", "tokens", "time", "skipped_steps", "loss_scale", "compiled_graphs",
+    "peak_memory_gib", "mfu", "tflops_per_device", "eta_seconds", "samples_per_second", "tokens_per_second",
+    "target_tokens_per_second", "clip_ratio_low", "clip_ratio_high", "clip_ratio", "entropy", "kl"})
 
 
 class GroupRL(Objective):
@@ -42,7 +55,7 @@ class GroupRL(Objective):
     has_eval_loss = False
 
     def __init__(self, cfg, rewards: list, tokenizer, backend, seed: int, sources: list[str],
-                 eval_sources: list[str], adapter=None, router_coef: float = 0.0):
+                 eval_sources: list[str], adapter=None, router_coef: float = 0.0, out: Path | None = None):
         self.cfg, self.rewards, self.tokenizer, self.backend = cfg, rewards, tokenizer, backend
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
@@ -57,6 +70,8 @@ class GroupRL(Objective):
         self.shown: list[dict] = []
         self.unscored = 0  # generated batches in a row without one scored completion (rl.max_unscored_steps)
         self.stops: list[int] | None = None  # where a completion ends: set on first use, from the model
+        self.table = out / "completions.jsonl" if out is not None and cfg.log_completions else None
+        self.last_step = 0  # the optimizer steps done when evaluation runs (trainer_state.global_step)
 
     # ------------------------------------------------------------------ the contract
 
@@ -77,10 +92,13 @@ class GroupRL(Objective):
                 + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
                 + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
                 + (f"; {c.num_iterations} optimizer steps per generated batch" if c.num_iterations > 1 else "")
+                + (f"; the policy term on the top {c.top_entropy_quantile:g} of the global batch's completion "
+                   "tokens by entropy" if c.top_entropy_quantile < 1 else "")
                 + f"; the loss is a mean over {self.unit}",
                 f"rl: rewards {names}; groups stay on one rank"
                 + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")
-                + f"; sampling from {self.backend.sampling_line()}"] \
+                + f"; sampling from {self.backend.sampling_line()}"
+                + (f"; completions logged to {self.table}" if self.table else "")] \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
 
@@ -104,7 +122,9 @@ class GroupRL(Objective):
         return [units, tokens, squared]
 
     def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
+        self.last_step = step
         if (step - 1) % self.iterations and self.made is not None:
+            self.mark_high_entropy(model, self.made)
             return self.made
         started = time.perf_counter()
         if step == 2:
@@ -116,7 +136,9 @@ class GroupRL(Objective):
         seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
         completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
         rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
-        rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows)
+        logged = reward_functions.Logged()
+        rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
+                                           global_step=step - 1, logged=logged)
         advantages = group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
         made, start = [], 0
         for b in micro_batches:
@@ -128,8 +150,12 @@ class GroupRL(Objective):
             start += n
         if self.iterations > 1 or self.cfg.beta > 0:
             self.add_fixed_logps(model, made)
+        self.mark_high_entropy(model, made)
         self.made = made
-        self.generated = self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started)
+        generated = self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started)
+        self.generated = {**generated, **self.logged_metrics(logged, taken=set(generated))}
+        self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
+                         logged)
         self.check_scored(step)
         return made
 
@@ -160,11 +186,12 @@ class GroupRL(Objective):
             return self.evaluate_prompts(model, batch)
         mask = batch["completion_mask"]
         logps, entropy = self.per_token(model, batch)
+        high = high_entropy_mask(entropy, mask, batch["entropy_threshold"]) if "entropy_threshold" in batch else None
         loss, _, sums = policy_loss(
             logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
             loss_type=self.cfg.loss_type, importance_sampling=self.cfg.importance_sampling,
             epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high, beta=self.cfg.beta,
-            max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta)
+            max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta, entropy_mask=high)
         sums = {**sums, "entropy": (entropy * mask).sum().double()}
         for name, value in sums.items():
             self.sums[name] = self.sums.get(name, 0) + value.detach().double()
@@ -221,12 +248,20 @@ class GroupRL(Objective):
         ids = completion[:-1] if completion and completion[-1] in self.stops else completion
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def score(self, fields: list[dict], completions: list[list[int]], step: int, rows: list[str]):
+    def score(self, fields: list[dict], completions: list[list[int]], step: int, rows: list[str], *,
+              global_step: int, logged: reward_functions.Logged | None = None):
+        """The rewards of the completions, the functions called as TRL calls them: trainer_state is a TrainerState
+        at `global_step` (the optimizer steps done, as TRL's at that point), of this run's steps."""
+        from transformers import TrainerState
+
         prompts = [f.get("prompt") for f in fields]
         texts = [self.text(c) for c in completions]  # a chat prompt's completion is passed as a message (score)
         columns = [{k: v for k, v in f.items() if k != "prompt"} for f in fields]
+        main = self.accelerator.is_main_process
+        state = TrainerState(global_step=global_step, max_steps=self.max_steps, is_world_process_zero=main,
+                             is_local_process_zero=self.accelerator.is_local_main_process)
         return reward_functions.score(self.rewards, prompts, texts, columns, step=step, rows=rows,
-                                      completion_ids=completions)
+                                      completion_ids=completions, state=state, logged=logged)
 
     def batch_std(self, rewards: torch.Tensor) -> torch.Tensor | None:
         """The global batch's reward std (unbiased, as torch.std), reduced over ranks; only for scale_rewards=batch."""
@@ -283,6 +318,74 @@ class GroupRL(Objective):
                 with self.adapter.disable_adapter():
                     batch["ref_logps"] = self.per_token(model, inputs)[0]
 
+    @torch.no_grad()
+    def mark_high_entropy(self, model, made: list[dict]) -> None:
+        """rl.top_entropy_quantile < 1: the step's entropy threshold (TRL's get_high_entropy_mask) over every
+        completion token of the global batch, under the policy as this step starts (one pass without gradient, on
+        every step: the weights change between a generated batch's iterations). TRL takes it per micro-batch,
+        which the layout changes; it equals this where the global batch is one micro-batch on one process."""
+        if self.cfg.top_entropy_quantile >= 1:
+            return
+        device, local = self.accelerator.device, []
+        for batch in made:
+            inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+            entropy = self.per_token(model, inputs)[1]
+            local.append(entropy[batch["completion_mask"].to(device).bool()].float())
+        values = torch.cat(local)
+        if self.accelerator.num_processes > 1:  # entropies are never negative: -1 marks the padding
+            values = self.accelerator.gather(self.accelerator.pad_across_processes(values, dim=0, pad_index=-1.0))
+            values = values[values >= 0]
+        threshold = entropy_threshold(values, self.cfg.top_entropy_quantile).cpu()
+        for batch in made:
+            batch["entropy_threshold"] = threshold
+
+    def logged_metrics(self, logged: reward_functions.Logged, taken: set[str]) -> dict[str, float]:
+        """log_metric's values: each name's mean over the calls of every rank (TRL's), in the step's metrics; a
+        name in `taken` (the step's generation metrics) or the row's other metrics is refused."""
+        names = sorted(logged.metrics)
+        if self.accelerator.num_processes > 1:  # every rank reduces the same names in the same order
+            from accelerate.utils import gather_object
+
+            names = sorted(set(gather_object(names)))
+        for name in names:
+            if name in ROW_METRICS or name in taken or name.startswith("eval_"):
+                raise ToolkitError(f"rl.rewards: {logged.by.get(name, 'a reward function')}: log_metric({name!r}) "
+                                   "takes the name of a metric the run writes; give it another name")
+        sums = torch.tensor([[sum(logged.metrics.get(n, [])), len(logged.metrics.get(n, []))] for n in names],
+                            dtype=torch.float64).reshape(-1, 2)
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
+        return {n: s / c if c else math.nan for n, (s, c) in zip(names, sums.tolist())}
+
+    def write_table(self, step: int, fields: list[dict], completions: list[list[int]], rewards: torch.Tensor,
+                    per_function: dict[str, torch.Tensor], advantages: torch.Tensor,
+                    logged: reward_functions.Logged) -> None:
+        """rl.log_completions: a row per completion of the global batch (every rank's, gathered) appended to
+        completions.jsonl: step, prompt, completion, reward and each function's (null: no opinion), advantage and
+        the columns the functions gave log_extra."""
+        own = {"step", "prompt", "completion", "reward", "advantage", *self.names.values()}
+        for column in logged.extra:
+            if column in own:
+                raise ToolkitError(f"rl.rewards: {logged.by.get(column, 'a reward function')}: log_extra({column!r}) "
+                                   "takes the name of a column the completions table has; give it another name")
+        if self.table is None:
+            return
+
+        def value(x: float):
+            return None if math.isnan(x) else x
+        values = {self.names[name]: v.tolist() for name, v in per_function.items()}
+        rows = [{"step": step, "prompt": f.get("prompt"), "completion": self.text(c), "reward": value(r),
+                 **{name: value(v[i]) for name, v in values.items()}, "advantage": a,
+                 **{column: extra[i] for column, extra in logged.extra.items()}}
+                for i, (f, c, r, a) in enumerate(zip(fields, completions, rewards.tolist(), advantages.tolist()))]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rows = gather_object(rows)
+        if self.accelerator.is_main_process:
+            with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
+                f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
         """Reward mean and std (total and per function), completion lengths, the share cut at
         max_new_tokens and of groups without reward spread, over the global batch."""
@@ -321,24 +424,27 @@ class GroupRL(Objective):
     # ------------------------------------------------------------------ evaluation
 
     def evaluate_prompts(self, model, batch: dict) -> torch.Tensor:
-        """One completion per eval prompt, sampled as in training with the same seeds at every
-        evaluation (step -1), scored: the sum of rewards of the real prompts (the loss of an eval
-        batch is 0; the reward is the metric). The mean reward of the policy's samples, not of its
-        most likely answers, which sharpening does not change."""
+        """rl.num_generations_eval completions (default one) per eval prompt, sampled as in training with the
+        same seeds at every evaluation (step -1), scored: the sum of rewards over the real prompts' completions
+        (the loss of an eval batch is 0; the reward is the metric). The mean reward of the policy's samples, not
+        of its most likely answers, which sharpening does not change."""
+        g = self.cfg.num_generations_eval or 1
         keys = batch["keys"].cpu().tolist()
-        seeds = [completion_seed(self.seed, -1, source, row, 0) for source, row in keys]
-        completions = self.generate(model, batch["prompt_ids"], seeds)
-        valid = batch["valid"].cpu().tolist()
-        rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding" for (s, r), v in zip(keys, valid)]
-        rewards, per_function = self.score(batch["fields"], completions, 0, rows)
+        seeds = [completion_seed(self.seed, -1, source, row, k) for source, row in keys for k in range(g)]
+        completions = self.generate(model, [p for p in batch["prompt_ids"] for _ in range(g)], seeds)
+        valid = [v for v in batch["valid"].cpu().tolist() for _ in range(g)]
+        rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding"
+                for (s, r), v in zip([k for k in keys for _ in range(g)], valid)]
+        rewards, per_function = self.score([f for f in batch["fields"] for _ in range(g)], completions, 0, rows,
+                                           global_step=self.last_step)
         kept = torch.tensor(valid, dtype=torch.bool)
         for name, values in [("reward", rewards), *((self.names[n], v) for n, v in per_function.items())]:
             self.sums[name] = self.sums.get(name, 0) + torch.nan_to_num(values.double())[kept].sum()
         self.sums["prompts"] = self.sums.get("prompts", 0) + float(kept.sum())
         if self.accelerator.is_main_process and len(self.shown) < 3:
-            for i in range(len(completions)):
+            for i in range(0, len(completions), g):
                 if valid[i] and len(self.shown) < 3:
-                    prompt = self.tokenizer.decode(batch["prompt_ids"][i], skip_special_tokens=True)
+                    prompt = self.tokenizer.decode(batch["prompt_ids"][i // g], skip_special_tokens=True)
                     self.shown.append({"prompt": prompt, "answer": self.text(completions[i]),
                                        "reward": float(rewards[i])})
         return torch.zeros((), device=self.accelerator.device)

@@ -3,7 +3,7 @@ sampling; INTELLECT-2's two-sided clipping by `delta`), as pure tensor math: per
 loss out; no model, no generation.
 
 It is TRL 1.16's `GRPOTrainer._compute_loss` with TRL's defaults for what is not a parameter here
-(no top-entropy mask, no off-policy mask, no vLLM importance-sampling correction, no
+(no off-policy mask, no vLLM importance-sampling correction, no
 entropy bonus, and `use_bias_correction_kl=True`: the KL term is weighted by the importance ratio),
 and `group_advantages` is the advantage of `_generate_and_score_completions`. tests/test_policy_loss.py
 calls TRL's own code on the same tensors and checks the loss, its gradient and the metrics.
@@ -63,12 +63,14 @@ def policy_loss(
     beta: float,
     max_completion_length: int,
     delta: float | None = None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """The clipped-surrogate loss (plus `beta` x KL to the reference) of a micro-batch of B completions.
 
     logps, old_logps, ref_logps: (B, T) log-probabilities of the completion tokens under the policy (with
     its gradient), the policy that sampled them (None: `logps` detached, i.e. one iteration per batch) and
-    the reference (needed iff beta > 0); advantages: (B,); mask: (B, T), 1.0 on completion tokens.
+    the reference (needed iff beta > 0); advantages: (B,); mask: (B, T), 1.0 on completion tokens;
+    entropy_mask: (B, T) bool, the tokens whose policy term counts (TRL's top_entropy_quantile; None: all).
 
     Returns (loss_sum, units, metric_sums); loss_sum / units is TRL's loss of this micro-batch:
       dapo, cispo: the sum of per-token losses over the mask.sum() tokens;
@@ -99,6 +101,8 @@ def policy_loss(
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
         unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # two-sided (TRL clamps after coef_2)
         per_token_loss = -torch.min(unclipped * advantages, clipped * advantages)
+    if entropy_mask is not None:  # before the KL term, as TRL: the KL still counts on every token
+        per_token_loss = per_token_loss * entropy_mask
     if beta != 0.0:
         ref_minus_policy = ref_logps - logps
         # k3 estimator of KL(policy || ref), times the ratio: TRL's use_bias_correction_kl (on by default)
@@ -131,3 +135,17 @@ def policy_loss(
         metric_sums["kl"] = (per_token_kl * mask).sum()
     metric_sums = {name: value.detach().double() for name, value in metric_sums.items()}
     return loss_sum, units, metric_sums
+
+
+def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The entropy at or above which a token is among the top `quantile` of `entropies` (the completion tokens'
+    entropies, flat): TRL's get_high_entropy_mask threshold, torch.quantile at 1 - quantile in float32. None
+    given: +inf (no token)."""
+    if entropies.numel() == 0:
+        return torch.tensor(float("inf"))
+    return torch.quantile(entropies.float(), 1 - quantile)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the completion tokens whose entropy is at least `threshold` (TRL's comparison)."""
+    return ((entropies * mask.float()) >= threshold) & mask.bool()

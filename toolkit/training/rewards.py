@@ -5,7 +5,10 @@ prompts, completions, completion_ids, trainer_state, log_extra, log_metric and e
 value per completion), so a function written for TRL works unchanged. It returns one real number, or None (no
 opinion), per completion. A completion's total is TRL's: the weighted sum over the functions with the None terms left
 out (nansum), and NaN where every function said None (TRL marks it unscorable: left out of its group's baseline, no
-advantage). Here trainer_state carries only global_step, and log_extra / log_metric accept their calls and drop them.
+advantage). trainer_state is a transformers TrainerState as TRL's (global_step: the optimizer steps done, 0 at the
+first; max_steps); log_metric(name, value) and log_extra(column, values) record into a `Logged` if given.
+Async functions run together, after the synchronous ones, on one event loop that lives as long as the process (a
+daemon thread, as TRL's), so a client a function made at the first step still works at the next.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import math
 import numbers
 import re
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -33,7 +37,7 @@ from ..errors import ToolkitError
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 _PER_BATCH = ("trainer_state", "log_extra", "log_metric")  # one object for the batch, not a list per completion
-_SHARED = ("log_extra", "log_metric")  # callables; every other argument is copied for each call
+_SHARED = ("trainer_state", "log_extra", "log_metric")  # not copied for each call
 _CHECK_ROWS = 4
 _CHECK_COMPLETIONS = ("", "The answer is 42.")
 
@@ -47,6 +51,17 @@ class Reward:
     """Called as TRL calls reward functions."""
     column: Optional[str] = None
     """exact_match and numeric_match: the column holding the expected answer."""
+
+
+@dataclass
+class Logged:
+    """What the functions handed log_metric and log_extra while scoring one batch (TRL's keywords)."""
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    """name -> the values logged (a function may log a name once per call)."""
+    extra: dict[str, list] = field(default_factory=dict)
+    """column -> one value per completion, for the completions table."""
+    by: dict[str, str] = field(default_factory=dict)
+    """name or column -> the function that logged it, to name it in an error."""
 
 
 def load_rewards(entries: list[RewardConfig]) -> list[Reward]:
@@ -63,21 +78,25 @@ def load_rewards(entries: list[RewardConfig]) -> list[Reward]:
 
 
 def score(rewards: list[Reward], prompts: list, completions: list, columns: list[dict], *, step: int,
-          rows: list[str], completion_ids: Optional[list[list[int]]] = None
-          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          rows: list[str], completion_ids: Optional[list[list[int]]] = None, state: Any = None,
+          logged: Optional[Logged] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Score the i-th completion of prompts[i] (a text, or chat messages: a text completion is then passed as
     [{"role": "assistant", "content": text}], as TRL does), its row's other columns in columns[i], its row described by
-    rows[i] ("train.jsonl row 17"). Returns (the weighted total, float32 (n,); each function's values, NaN for None)."""
+    rows[i] ("train.jsonl row 17"); `step` names where in an error. `state` is passed as trainer_state (default: a
+    TrainerState at global_step `step`); what the functions log goes into `logged` (default: dropped). Returns (the
+    weighted total, float32 (n,); each function's values, NaN for None)."""
     assert rewards, "validate_rl requires at least one reward function"
+    from transformers import TrainerState
+
     completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) and isinstance(p, list) else c
                    for p, c in zip(prompts, completions)]
     reserved = set(TRL_KEYWORDS)  # a column of the same name is shadowed, as in TRL
     keys = [k for k in dict.fromkeys(k for row in columns for k in row) if k not in reserved]
     kwargs = {"prompts": list(prompts), "completions": completions, "completion_ids": completion_ids,
-              "trainer_state": SimpleNamespace(global_step=step), "log_extra": _drop, "log_metric": _drop,
+              "trainer_state": state if state is not None else TrainerState(global_step=step),
               **{k: [row.get(k) for row in columns] for k in keys}}
-    per_function = {r.name: torch.tensor(_call(r, kwargs, len(completions), step, rows), dtype=torch.float32)
-                    for r in rewards}
+    per_function = {name: torch.tensor(v, dtype=torch.float32)
+                    for name, v in _call_all(rewards, kwargs, len(completions), step, rows, logged).items()}
     values = torch.stack(list(per_function.values()), dim=1)
     total = (values * torch.tensor([r.weight for r in rewards], dtype=torch.float32)).nansum(dim=1)
     total[values.isnan().all(dim=1)] = math.nan  # every function said None: unscorable, as TRL
@@ -170,13 +189,28 @@ def _takes_trl_keywords(function: Callable) -> bool:
 # --- calling
 
 
-def _call(reward: Reward, kwargs: dict, n: int, step: int, rows: list[str]) -> list[float]:
-    """One function on the whole batch: its n values, NaN for None, or a one-line ToolkitError."""
-    try:
-        out = _invoke(reward.function, kwargs)
-    except Exception as err:
-        row, err = _first_failure(reward.function, kwargs, n, rows, err)
-        raise ToolkitError(f"{_where(reward, step, row)}: {_describe(err)}") from None
+def _call_all(rewards: list[Reward], kwargs: dict, n: int, step: int, rows: list[str],
+              logged: Optional[Logged]) -> dict[str, list[float]]:
+    """Every function on the whole batch, as TRL's _calculate_rewards: the synchronous ones in order, then the async
+    ones together (asyncio.gather) on the process's event loop. Their values, NaN for None, or a one-line error."""
+    out, waiting = {}, []
+    for reward in rewards:
+        try:
+            result = reward.function(**_arguments(reward, kwargs, logged))
+        except Exception as err:
+            raise _failure(reward, kwargs, n, step, rows, err) from None
+        if inspect.isawaitable(result):
+            waiting.append((reward, result))
+        else:
+            out[reward.name] = result
+    for (reward, _), result in zip(waiting, _together([w for _, w in waiting]) if waiting else []):
+        if isinstance(result, Exception):
+            raise _failure(reward, kwargs, n, step, rows, result) from None
+        out[reward.name] = result
+    return {r.name: _values(r, out[r.name], n, step, rows) for r in rewards}
+
+
+def _values(reward: Reward, out: Any, n: int, step: int, rows: list[str]) -> list[float]:
     if isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim == 1:
         out = out.tolist()
     if not isinstance(out, (list, tuple)):
@@ -202,27 +236,80 @@ def _call(reward: Reward, kwargs: dict, n: int, step: int, rows: list[str]) -> l
     return values
 
 
-def _invoke(function: Callable, kwargs: dict) -> Any:
-    """One call on its own copy of the arguments: a function that changes prompts, completions or a column in place
-    changes nothing another function (or the loss) sees."""
-    out = function(**{k: v if k in _SHARED else copy.deepcopy(v) for k, v in kwargs.items()})
-    return asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL also takes async functions
+def _arguments(reward: Reward, kwargs: dict, logged: Optional[Logged]) -> dict:
+    """The function's own copy of the arguments (one that changes prompts, completions or a column in place changes
+    nothing another function or the loss sees), with log_metric and log_extra recording under its name."""
+    n = len(kwargs["completions"])
+    name = reward.name
+
+    def log_metric(metric: str, value: float) -> None:
+        if not isinstance(metric, str) or not metric:
+            raise ToolkitError(f"log_metric({metric!r}, ...): give the metric a name (a text)")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ToolkitError(f"log_metric({metric!r}, {_short(value)}): give one finite number")
+        if logged is not None:
+            logged.metrics.setdefault(metric, []).append(float(value))
+            logged.by.setdefault(metric, name)
+
+    def log_extra(column: str, values: list) -> None:
+        if not isinstance(column, str) or not column:
+            raise ToolkitError(f"log_extra({column!r}, ...): give the column a name (a text)")
+        if isinstance(values, (torch.Tensor, np.ndarray)):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            raise ToolkitError(f"log_extra({column!r}, ...): got {got} for {n} completions; give one per completion")
+        if logged is not None and column in logged.extra:
+            raise ToolkitError(f"log_extra({column!r}, ...): {logged.by[column]} already gave this batch's "
+                               f"{column!r}; give each column once per batch")
+        if logged is not None:
+            logged.extra.setdefault(column, []).extend(values)
+            logged.by.setdefault(column, name)
+
+    return {**{k: v if k in _SHARED else copy.deepcopy(v) for k, v in kwargs.items()},
+            "log_metric": log_metric, "log_extra": log_extra}
 
 
-def _first_failure(function: Callable, kwargs: dict, n: int, rows: list[str], err: Exception
-                   ) -> tuple[str, Exception]:
-    """The first completion that fails alone, to name its row; else the batch, with the batch's error."""
+_LOOP: Optional[asyncio.AbstractEventLoop] = None
+
+
+def _together(awaitables: list) -> list:
+    """Await them together on the process's one event loop, started on a daemon thread at first use (TRL's
+    start_event_loop_in_daemon): an HTTP client or lock a function made at one step is bound to that loop and still
+    works at the next. Each result, or the exception it raised."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, name="toolkit-rewards", daemon=True).start()
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+    return asyncio.run_coroutine_threadsafe(gather(), _LOOP).result()
+
+
+def _invoke(reward: Reward, kwargs: dict) -> Any:
+    out = reward.function(**_arguments(reward, kwargs, None))
+    if inspect.isawaitable(out):
+        out = _together([out])[0]
+        if isinstance(out, Exception):
+            raise out
+    return out
+
+
+def _failure(reward: Reward, kwargs: dict, n: int, step: int, rows: list[str], err: Exception) -> ToolkitError:
+    """A one-line error naming the first completion that fails alone (its row), else the batch with the batch's
+    error."""
+    row = _batch(rows)
     for i in range(n):
         one = {k: v if k in _PER_BATCH or v is None else v[i:i + 1] for k, v in kwargs.items()}
         try:
-            _invoke(function, one)
+            _invoke(reward, one)
         except Exception as single:
-            return rows[i], single
-    return _batch(rows), err
-
-
-def _drop(*args, **kwargs) -> None:
-    """log_extra and log_metric: accepted so TRL functions run; nothing is recorded yet."""
+            row, err = rows[i], single
+            break
+    return ToolkitError(f"{_where(reward, step, row)}: {_describe(err)}")
 
 
 def _where(reward: Reward, step: int, row: str) -> str:
