@@ -42,6 +42,12 @@ class RewardConfig:
     column's number), `regex` (1.0 where `pattern` matches the completion, else 0.0). A function is
     called as TRL calls one: `f(prompts=..., completions=..., **columns)`, every other column of the
     rows as a keyword, and returns one float (or None: no opinion) per completion."""
+    model: Optional[str] = None
+    """Instead of a function, a reward model: a sequence-classification model folder (or Hub id), as
+    TRL's reward models. Each completion's reward is its first logit on the prompt + completion
+    text, a chat prompt rendered with the reward model's own chat template (the completion as the
+    assistant's message); scored in one batch on this process's device, in the folder's dtype, a
+    whole copy on every rank (ZeRO-3 and FSDP do not shard it). Its metric is reward_<folder name>."""
     weight: float = 1.0
     """This function's weight in the total reward (a weighted sum; None counts as no term)."""
     column: str = "answer"

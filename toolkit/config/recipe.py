@@ -11,7 +11,7 @@ from .model import LoraConfig, ModelConfig
 from .objectives import PreferenceConfig, RLConfig
 from .train import CheckpointConfig, TrainConfig
 
-CHANGEABLE_INPUTS = ("model", "rewards")  # storage/inputs.py records each by content
+CHANGEABLE_INPUTS = ("model", "rewards", "reward_models")  # storage/inputs.py records each by content
 
 
 @dataclass
@@ -33,7 +33,8 @@ class Recipe:
     optimizer step (its length from this recipe). Off: another global batch is refused."""
     resume_accept_changed: list[str] = field(default_factory=list)
     """Inputs a resume may find changed since its checkpoint: `model` (the base model's weights and
-    config, at model.path) and `rewards` (the code of rl.rewards' functions). Each is recorded by
+    config, at model.path), `rewards` (the code of rl.rewards' functions) and `reward_models` (the
+    weights and config of rl.rewards' reward models). Each is recorded by
     content in every checkpoint; a resume that finds one changed is refused, naming it, unless listed
     here. The same content at another path is no change."""
     model: ModelConfig = field(default_factory=ModelConfig)

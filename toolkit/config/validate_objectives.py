@@ -112,6 +112,14 @@ def validate_rl(r: Recipe, need) -> None:
     for i, e in enumerate(rl.rewards):
         key = f"rl.rewards[{i}]"
         need(math.isfinite(e.weight), f"{key}.weight", f"must be a finite number, got {e.weight}")
+        if e.model is not None:
+            need(not e.function, f"{key}.model", f"a reward model or a function ({e.function!r}), not both")
+            need(e.pattern is None, f"{key}.pattern", "only the built-in regex reward takes a pattern")
+            need(bool(str(e.model).strip()), f"{key}.model", "empty: give a sequence-classification model folder "
+                 "or Hub id")
+            continue
+        need(bool(e.function), f"{key}.function", "give a function (file.py:name, module:name or a built-in) or "
+             "a reward model (model: FOLDER)")
         name, sep, attr = e.function.rpartition(":")
         if e.function in BUILT_IN_REWARDS:
             need(e.function != "regex" or bool(e.pattern), f"{key}.pattern", "the regex reward needs a pattern")

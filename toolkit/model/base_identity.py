@@ -80,7 +80,8 @@ def check(adapter: str | Path, base_folder: str | Path, verb: str,
 def identities(recipe, rewards: list = ()) -> dict[str, str]:
     """{input: content fingerprint} of what a run learns from besides its data (storage/inputs.py compares
     them on resume): `model`, the base folder's `fingerprint` (and its Python code under trust_remote_code);
-    `rewards`, the source files of rl.rewards' functions, by function name, not path. A preset model is its
+    `rewards`, the source files of rl.rewards' functions, by function name, not path; `reward_models`, the
+    reward models' folders by content. A preset model is its
     name and seed, already in the recipe; built-in rewards are the toolkit's."""
     from ..config import BUILT_IN_REWARDS
     from .hub import resolve_model
@@ -97,6 +98,9 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
                    if r.name.partition("#")[0] not in BUILT_IN_REWARDS and (f := _source_file(r.function)) is not None})
     if code:
         out["rewards"] = hashlib.sha256(b"".join(name.encode() + source for name, source in code)).hexdigest()[:16]
+    models = [fingerprint(folder) for r in rewards if (folder := getattr(r.function, "folder", None)) is not None]
+    if models:  # a reward model (training/reward_model.py) by its weights
+        out["reward_models"] = hashlib.sha256("".join(models).encode()).hexdigest()[:16]
     return out
 
 

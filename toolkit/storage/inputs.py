@@ -1,6 +1,6 @@
 """What a run learns from besides its data, identified by content: the base model (its weights and
-config, and under trust_remote_code its Python code) and the reward functions' code. Recorded in
-every checkpoint (`trainer_state.json` `inputs`, made by `model.base_identity.identities`) and the
+config, and under trust_remote_code its Python code), the reward functions' code and the reward
+models. Recorded in every checkpoint (`trainer_state.json` `inputs`, made by `model.base_identity.identities`) and the
 manifest. A resume, or `checkpoint convert`, that finds one changed is refused in one line naming it
 (`resume_accept_changed` lets a resume go on); where the content is the same, its path does not
 matter (a model copied to where this machine keeps models). The data is compared by its own
@@ -13,7 +13,8 @@ from pathlib import Path
 from ..errors import ToolkitError
 
 WHAT = {"model": "the base model (model.path: its weights and config)",
-        "rewards": "the reward functions' code (rl.rewards)"}
+        "rewards": "the reward functions' code (rl.rewards)",
+        "reward_models": "the reward models' weights and config (rl.rewards' model entries)"}
 # Recipe keys that only say where an input is: not compared on resume where the input is compared by content.
 PATH_KEYS = {"model.path": "model"}
 

@@ -34,6 +34,7 @@ import torch
 
 from ..config import BUILT_IN_REWARDS, RewardConfig
 from ..errors import ToolkitError
+from .reward_model import load_reward_model
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 _PER_BATCH = ("trainer_state", "log_extra", "log_metric")  # one object for the batch, not a list per completion
@@ -121,6 +122,9 @@ def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], row
 
 
 def _load(i: int, entry: RewardConfig, modules: dict[Path, ModuleType]) -> Reward:
+    if entry.model is not None:
+        function = load_reward_model(f"rl.rewards[{i}].model", entry.model)
+        return Reward(function.__name__, entry.weight, function)
     text = entry.function
     if text in BUILT_IN_REWARDS:
         column = None if text == "regex" else entry.column

@@ -1,0 +1,108 @@
+"""Reward models as rewards of online RL (training/reward_model.py, rl.rewards entries with `model:`): scored as
+TRL 1.16's GRPOTrainer scores with one (its own `_calculate_rewards` on a real trainer, chat and text prompts);
+what is not a one-label sequence-classification model is refused in one line; a GRPO run trains with one."""
+
+import math
+
+import pytest
+import torch
+
+from families import build_family, family_config, family_tokenizer
+from helpers import read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
+
+CHAT = [[{"role": "user", "content": "Say yes."}], [{"role": "user", "content": "Name a colour, quickly."}]]
+TEXT = ["Say yes: ", "Name a colour: "]
+ANSWERS = ["yes", "no no no", "red", "a very long answer about colours and more"]
+
+
+def write_reward_model(folder, labels=1, seed=5):
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = family_tokenizer("llama3")
+    config = family_config("llama3", len(tokenizer), tokenizer)
+    config.num_labels = labels
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reward_model")
+    return {"policy": build_family("llama3", root / "policy"), "rm": write_reward_model(root / "rm"),
+            "two": write_reward_model(root / "two_labels", labels=2), "root": root}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_reward_model_scores_as_trls_calculate_rewards(folders, kind, tmp_path):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from toolkit.config import RewardConfig
+    from toolkit.training.rewards import load_rewards, score
+
+    prompts = [p for p in (CHAT if kind == "chat" else TEXT) for _ in range(2)]
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=8)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folders["policy"], dtype=torch.float32),
+                          reward_funcs=[str(folders["rm"])], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                          processing_class=AutoTokenizer.from_pretrained(folders["policy"]))
+    completions = [[{"role": "assistant", "content": a}] for a in ANSWERS] if kind == "chat" else ANSWERS
+    want = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[1]] * 4)[:, 0]
+    rewards = load_rewards([RewardConfig(model=str(folders["rm"]), weight=2.0)])
+    assert [r.name for r in rewards] == ["rm"]
+    total, per = score(rewards, prompts, ANSWERS, [{} for _ in prompts], step=1, rows=[f"row {i}" for i in range(4)])
+    torch.testing.assert_close(per["rm"], want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total, 2 * want.float(), rtol=1e-5, atol=1e-6)
+    assert len(set(per["rm"].tolist())) == 4  # four answers, four scores: the model read each one
+
+
+def test_what_is_not_a_reward_model_is_refused_in_one_line(folders, tmp_path):
+    from toolkit.config import RewardConfig, load_recipe
+    from toolkit.errors import ToolkitError
+    from toolkit.training.rewards import load_rewards
+
+    cases = [(folders["policy"], "is a LlamaForCausalLM, not a sequence-classification reward model"),
+             (folders["two"], "has 2 labels; a reward model has one"),
+             (tmp_path / "nowhere", "folder not found")]
+    for source, match in cases:
+        with pytest.raises(ToolkitError, match=match) as err:
+            load_rewards([RewardConfig(model=str(source))])
+        assert str(err.value).startswith("rl.rewards[0].model: ") and "\n" not in str(err.value), err.value
+    for entry, match in [({"model": str(folders["rm"]), "function": "exact_match"}, "a reward model or a function"),
+                         ({"weight": 2.0}, r"rl.rewards\[0\].function: give a function")]:
+        path = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama-mini"},
+                            data={"train_files": [str(tmp_path / "p.jsonl")], "format": "prompt"},
+                            rl={"method": "grpo", "rewards": [entry]})
+        with pytest.raises(ToolkitError, match=match):
+            load_recipe(path)
+
+
+@pytest.mark.launch
+def test_grpo_trains_with_a_reward_model(folders):
+    """A run whose reward is a reward model beside a function: its metric reward_<folder> is logged every step, the
+    model's identity is recorded with the checkpoint, and a resume with another reward model is refused."""
+    root = folders["root"]
+    write_jsonl(root / "prompts.jsonl", [{"prompt": c} for c in CHAT * 4])
+    path = write_recipe(root / "grpo.yaml", output_dir=str(root / "run"), seed=3,
+                        model={"path": str(folders["policy"])},
+                        data={"train_files": [str(root / "prompts.jsonl")], "format": "prompt", "max_seq_len": 256},
+                        rl={"method": "grpo", "num_generations": 2, "max_new_tokens": 4,
+                            "rewards": [{"model": str(folders["rm"])}, {"function": "regex", "pattern": "e"}]},
+                        train={"micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "log_every_steps": 1},
+                        checkpoint={"every_steps": 1})
+    result = run_toolkit("train", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(root / "run")[1:]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward_rm"]) for r in rows)
+    assert all(r["reward"] == pytest.approx(r["reward_rm"] + r["reward_regex"]) for r in rows)
+    write_reward_model(folders["rm"], seed=6)  # other weights in the same folder
+    line = user_error_line(run_toolkit("train", str(path), "train.max_steps=3", "resume=auto"))
+    assert "the reward models' weights and config (rl.rewards' model entries) changed" in line, line
