@@ -162,6 +162,12 @@ RL = [
     ("top entropy share as a percent", ["rl.top_entropy_quantile=20"],
      "rl.top_entropy_quantile: the share of tokens kept, in (0, 1] (1: every token; TRL's paper keeps 0.2), got 20"),
     ("no top entropy tokens", ["rl.top_entropy_quantile=0"], "rl.top_entropy_quantile: the share of tokens kept"),
+    ("a GRPO loss type under rloo", ["rl.method=rloo", "rl.loss_type=grpo"],
+     "rl.loss_type: a GRPO setting: rloo's loss is TRL's RLOO (one ratio per completion, leave-one-out advantages)"),
+    ("an RLOO key under grpo", ["rl.normalize_advantages=true"],
+     "rl.normalize_advantages: an RLOO setting (rl.method=rloo)"),
+    ("a reward clip range upside down", ["rl.method=rloo", "rl.reward_clip_range=[1, 0]"],
+     "rl.reward_clip_range: [low, high] with low below high, got [1.0, 0.0]"),
     ("no eval completions", ["rl.num_generations_eval=0"],
      "rl.num_generations_eval: at least 1 completion per eval prompt, got 0"),
 ]
@@ -176,7 +182,7 @@ PREFERENCE = [
     ("packed pairs", ["data.packing=true"], "data.packing: preference pairs are not packed"),
     ("pairs as prompts", ["data.format=prompt"], "data.format: preference.method=dpo trains on pairs"),
     ("pairs without a method", ["preference.method=null"], "data.format: preference pairs train only with a"),
-    ("rl keys on preference", ["rl.num_generations=4"], "rl.num_generations: set only with rl.method (grpo)"),
+    ("rl keys on preference", ["rl.num_generations=4"], "rl.num_generations: set only with rl.method (grpo or rloo)"),
 ]
 LONG_CONTEXT = [
     ("fixed: a RoPE factor below 1", ["model.rope_scaling={rope_type: linear, factor: 0.5}"],

@@ -125,7 +125,7 @@ def ours(folder, batch, trainer, *, lora, rl: dict, loss: str):
     sys.modules["grpo_trl_rewards"] = module
     rewards = load_rewards([RewardConfig(function="grpo_trl_rewards:reward_len"),
                             RewardConfig(function="grpo_trl_rewards:reward_vowels")])
-    cfg = RLConfig(method="grpo", num_generations=G, max_new_tokens=MAX_NEW, rewards=[], **rl)
+    cfg = RLConfig(**{"method": "grpo", "num_generations": G, "max_new_tokens": MAX_NEW, "rewards": [], **rl})
     if cfg.epsilon_high is None:
         cfg.epsilon_high = cfg.epsilon
     objective = GroupRL(cfg, rewards, batch["tokenizer"], backend, 0, ["train"], ["train"],
@@ -231,3 +231,95 @@ def test_grpo_equals_trls_trainer_from_completions_to_gradients(tmp_path, folder
     print(f"{name}: worst relative gradient difference {worst:.2e}")
     if rl.get("num_iterations", 1) > 1 and not real:  # the second iteration's ratios moved off 1: clipping exercised
         assert sums["clip_ratio"].item() > 0 or rl.get("loss_type") == "dr_grpo"
+
+
+# --- RLOO: TRL's RLOOTrainer (no rollout_func: its prompt tokenizer and single-turn generation hand over the
+# given prompts and completions; its own _generate decodes them and the rest is its code)
+
+
+def rloo_trainer(tmp_path, folder, batch, *, lora, **config):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import RLOOConfig, RLOOTrainer
+
+    args = RLOOConfig(output_dir=str(tmp_path / "rloo"), report_to=[], use_cpu=True, bf16=False, seed=0,
+                      per_device_train_batch_size=G * PROMPTS, num_generations=G, max_completion_length=MAX_NEW,
+                      gradient_accumulation_steps=1, learning_rate=1e-6, save_strategy="no", logging_steps=1,
+                      **{"beta": 0.0, **config})
+    peft = None
+    if lora:
+        from peft import LoraConfig
+        peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = RLOOTrainer(model=model, reward_funcs=[reward_len, reward_vowels], args=args,
+                              train_dataset=Dataset.from_list([{"prompt": t} for t in batch["texts"]]),
+                              processing_class=batch["tokenizer"], peft_config=peft)
+    trainer._tokenize_prompts = lambda prompts: ([batch["prompt_ids"][batch["texts"].index(p)] for p in prompts],
+                                                 None, {})
+    trainer._generate_single_turn = lambda prompt_ids, images, fields: [list(c) for c in batch["completions"]]
+    if lora:
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for name, parameter in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    parameter.copy_(0.05 * torch.randn(parameter.shape, generator=g))
+    return trainer
+
+
+RLOO_CASES = {  # (lora, RLOOConfig keys = rl keys)
+    "T0.7": (False, dict(temperature=0.7)),
+    "normalized-clipped-rewards": (False, dict(normalize_advantages=True, reward_clip_range=(0.0, 0.5))),
+    "mask-truncated-2-iterations": (False, dict(mask_truncated_completions=True, num_iterations=2, epsilon=0.05,
+                                                epsilon_high=0.1)),
+    "lora-beta-2-iterations": (True, dict(beta=0.05, num_iterations=2, temperature=0.7)),
+}
+
+
+@pytest.mark.parametrize("name", list(RLOO_CASES))
+def test_rloo_equals_trls_trainer_from_completions_to_gradients(tmp_path, folder, batch, name):
+    """rl.method=rloo against TRL's RLOOTrainer: the leave-one-out advantages (rewards clipped, minus beta x the
+    summed log-ratio to the reference, standardised), the KL metric, the sequence-level clipped loss and every
+    gradient, over a second iteration too."""
+    lora, keys = RLOO_CASES[name]
+    trainer = rloo_trainer(tmp_path, folder, batch, lora=lora, **keys)
+    rl = {"method": "rloo", **{k: list(v) if isinstance(v, tuple) else v for k, v in keys.items()}}
+    model, objective, micro = ours(folder, batch, trainer, lora=lora, rl=rl, loss="full")
+    trainer.model.train()
+    model.train()
+    theirs = trainer._generate_and_score_completions([{"prompt": t} for t in batch["texts"] for _ in range(G)])
+    mine = objective.step_batches(model, [micro], step=1)[0]
+    torch.testing.assert_close(mine["advantages"].double(), theirs["advantages"].double(), rtol=1e-5, atol=1e-5)
+    assert mine["advantages"].abs().sum() > 0
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    if keys.get("beta"):
+        assert objective.generated["kl"] == pytest.approx(trl_metrics["kl"], rel=1e-5, abs=1e-9)
+        assert trl_metrics["kl"] != 0
+    real, worst = "smollm2" in str(folder).lower(), 0.0
+    for iteration in range(keys.get("num_iterations", 1)):
+        trainer.model.zero_grad()
+        model.zero_grad()
+        trainer.current_gradient_accumulation_steps = 1
+        loss_theirs = trainer.compute_loss(trainer.model, theirs)
+        loss_theirs.backward()
+        loss_mine = objective.loss_sum(model, mine) / objective.units(mine)
+        loss_mine.backward()
+        sums = objective.step_metrics(torch.device("cpu"))
+        assert loss_mine.item() == pytest.approx(loss_theirs.item(), rel=1e-5, abs=1e-6), iteration
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        assert sums["entropy"].item() / sums["tokens"].item() == pytest.approx(metrics["entropy"], rel=1e-5)
+        assert sums["clip_ratio"].item() / sums["clip_units"].item() == pytest.approx(metrics["clip_ratio/region_mean"])
+        g_theirs, g_mine = grads(trainer.model), grads(model)
+        assert g_theirs.keys() == g_mine.keys() and g_mine
+        assert sum(g.abs().sum() for g in g_mine.values()) > 0 or (real and iteration)
+        for key in g_mine:
+            difference = (g_mine[key] - g_theirs[key]).norm() / g_theirs[key].norm().clamp(min=1e-12)
+            assert difference < (1e-4 if real else 1e-5), (iteration, key, difference.item())
+            worst = max(worst, difference.item())
+        with torch.no_grad():
+            for m in (trainer.model, model):
+                for key, p in m.named_parameters():
+                    if key in g_theirs:
+                        p -= (0.01 if real else 20.0) * g_theirs[key]
+    print(f"rloo {name}: worst relative gradient difference {worst:.2e}")

@@ -166,6 +166,27 @@ def test_two_processes_equal_one(layout, workdir, single):
     assert_close(single[0], run)
 
 
+def rloo_rl(workdir) -> dict:
+    return {"method": "rloo", "num_generations": 4, "max_new_tokens": 6, "normalize_advantages": True,
+            "reward_clip_range": [-0.4, 0.0], "num_generations_eval": 2, "log_completions": True,
+            "rewards": [f"{workdir / 'grader.py'}:shorter", {"function": "exact_match", "weight": 0.5}]}
+
+
+def test_rloo_learns_and_zero3_equals_one_process(workdir):
+    """rl.method=rloo (TRL's RLOOTrainer, equal to it in test_grpo_trl.py) in the loop: one process learns; ZeRO-3
+    on 2 processes samples the same completions and ends with the same losses and weights within 1e-4 (the
+    advantages standardised over the global batch, reduced over ranks)."""
+    run, log = train(workdir, "rloo", rl=rloo_rl(workdir))
+    assert "rl: RLOO (leave-one-out baselines, one ratio per completion)" in log, log[-3000:]
+    assert "rewards clipped to [-0.4, 0]; advantages standardised over the global batch" in log
+    rows = read_metrics(run)
+    assert all(row["reward_std"] > 0 for row in rows[1:])
+    table = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert abs(sum(r["advantage"] for r in table if r["step"] == 1) / 16) < 1e-5  # standardised: mean 0
+    zero3, _ = train(workdir, "rloo_zero3", "zero3", rl=rloo_rl(workdir))
+    assert_close(run, zero3)
+
+
 def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
     """Killed after step 1 is logged: resumed on one process it ends bitwise like the run never
     killed; its step-1 checkpoint resumed under FSDP on 2 processes ends within 1e-4."""

@@ -62,12 +62,16 @@ BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
 
 @dataclass
 class RLConfig:
-    method: Optional[Literal["grpo"]] = None
+    method: Optional[Literal["grpo", "rloo"]] = None
     """None: no online RL. `grpo`: each optimizer step samples rl.num_generations completions per
     prompt of its global batch (data.format=prompt) with the policy as it stands, scores them with
     rl.rewards, normalises the rewards within each prompt's group into advantages, and takes the
     clipped policy-gradient loss on them (GRPO and its variants through loss_type and
-    importance_sampling). micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
+    importance_sampling). `rloo` (TRL's RLOOTrainer): the same sampling and rewards; each
+    completion's advantage is its reward minus the mean of its group's other completions'
+    (leave-one-out), with rl.beta's KL to the reference subtracted from the reward, and the clipped
+    loss is taken on each completion's whole log-probability (one ratio per completion), averaged
+    over completions. micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
     num_generations completions."""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo"] = "dapo"
     """How per-token losses are averaged, as TRL 1.16: `dapo` over every completion token of the
@@ -90,8 +94,16 @@ class RLConfig:
     at delta too, so a negative advantage cannot push a ratio up without bound; above 1 (TRL
     recommends above 1 + epsilon_high). None: one-sided, as GRPO."""
     beta: float = 0.0
-    """Weight of the KL term to the reference model (0 as TRL: no reference pass). Above 0 the
-    reference is the base with the LoRA adapter disabled (lora.enabled: no second model)."""
+    """Weight of the KL term to the reference model (0 as TRL's GRPO: no reference pass; TRL's RLOO
+    default is 0.05). Above 0 the reference is the base with the LoRA adapter disabled
+    (lora.enabled: no second model). grpo adds beta x KL per token to the loss; rloo subtracts beta x
+    each completion's summed log-ratio to the reference from its reward, as TRL's."""
+    normalize_advantages: bool = False
+    """rloo: the advantages standardised over the global batch (minus their mean, divided by their
+    std + 1e-4), TRL's RLOO key of that name."""
+    reward_clip_range: Optional[list[float]] = None
+    """rloo: [low, high] each completion's total reward is clipped to before the KL and the
+    baseline, TRL's RLOO key of that name; None: not clipped."""
     num_iterations: int = 1
     """Optimizer steps taken on each generated batch (the old policy's log-probabilities are kept
     for the ratio); a run's steps count every one of them."""

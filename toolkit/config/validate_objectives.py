@@ -61,13 +61,25 @@ def validate_rl(r: Recipe, need) -> None:
     formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
                                  if isinstance(e, DataSource) and e.format}
     if rl.method is None:
-        need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo)")
+        need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo or rloo)")
         changed = [f.name for f in dataclasses.fields(RLConfig) if getattr(rl, f.name) != getattr(RLConfig(), f.name)]
-        need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo)")
+        need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo or rloo)")
         return
     need(formats == {"prompt"}, "data.format",
          f"rl.method={rl.method} samples completions for prompts: data.format (and every entry's format) must be "
          f"prompt, got {', '.join(sorted(formats))}")
+    default = RLConfig()
+    if rl.method == "rloo":  # GRPO's loss settings have no meaning under RLOO's sequence-level loss
+        for name in ("loss_type", "importance_sampling", "scale_rewards", "delta", "top_entropy_quantile"):
+            need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
+                 "a GRPO setting: rloo's loss is TRL's RLOO (one ratio per completion, leave-one-out advantages); "
+                 "remove it")
+    else:
+        for name in ("normalize_advantages", "reward_clip_range"):
+            need(getattr(rl, name) == getattr(default, name), f"rl.{name}", "an RLOO setting (rl.method=rloo)")
+    need(rl.reward_clip_range is None or (len(rl.reward_clip_range) == 2
+                                          and rl.reward_clip_range[0] < rl.reward_clip_range[1]),
+         "rl.reward_clip_range", f"[low, high] with low below high, got {rl.reward_clip_range}")
     need(rl.num_generations >= 2, "rl.num_generations",
          f"at least 2 (advantages compare the completions of a prompt), got {rl.num_generations}")
     need(rl.epsilon > 0, "rl.epsilon", f"must be positive, got {rl.epsilon}")

@@ -215,8 +215,9 @@ def extra_forwards(recipe: Recipe) -> float:
     completion, with the KV cache), its reference (rl.beta) and old log-probabilities
     (rl.num_iterations > 1), once per generated batch."""
     rl = recipe.rl
-    if rl.method is not None:
-        return (1 + (rl.beta > 0) + (rl.num_iterations > 1)) / rl.num_iterations
+    if rl.method is not None:  # rloo's KL in the reward needs the sampling policy's log-probabilities too
+        old = rl.num_iterations > 1 or (rl.method == "rloo" and rl.beta > 0)
+        return (1 + (rl.beta > 0) + old) / rl.num_iterations
     return float(recipe.preference.reference == "adapter")
 
 

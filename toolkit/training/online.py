@@ -39,7 +39,16 @@ from ..storage import disk
 from . import rewards as reward_functions
 from .loss import token_logps_each
 from .objectives import Objective
-from .policy_loss import TOKEN_MEAN, entropy_threshold, group_advantages, high_entropy_mask, policy_loss
+from .policy_loss import (
+    TOKEN_MEAN,
+    entropy_threshold,
+    group_advantages,
+    high_entropy_mask,
+    leave_one_out,
+    leave_one_out_advantages,
+    policy_loss,
+    rloo_loss,
+)
 
 # Metric names the loop and this objective write in a step's row: a reward function's log_metric cannot take one.
 ROW_METRICS = frozenset({
@@ -49,7 +58,7 @@ ROW_METRICS = frozenset({
 
 
 class GroupRL(Objective):
-    """rl.method=grpo: the clipped policy-gradient loss over groups of sampled completions."""
+    """rl.method grpo or rloo: the clipped policy-gradient loss over groups of sampled completions."""
 
     eval_metrics = ("reward",)
     has_eval_loss = False
@@ -60,7 +69,8 @@ class GroupRL(Objective):
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
-        self.unit = "completion tokens" if cfg.loss_type in TOKEN_MEAN else "completions"
+        self.rloo = cfg.method == "rloo"
+        self.unit = "completion tokens" if cfg.loss_type in TOKEN_MEAN and not self.rloo else "completions"
         self.names = {r.name: f"reward_{r.name.rpartition(':')[2]}" for r in rewards}  # reward_<function name>
         self.eval_metrics = ("reward", *self.names.values())
         self.iterations = cfg.num_iterations
@@ -79,6 +89,8 @@ class GroupRL(Objective):
         c = self.cfg
         variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO", "cispo": "CISPO"}[c.loss_type] \
             + (" with sequence-level ratios (GSPO)" if c.importance_sampling == "sequence" else "")
+        if self.rloo:
+            variant = "RLOO (leave-one-out baselines, one ratio per completion)"
         names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards)
         return [f"rl: {variant}, {c.num_generations} completions per prompt (seeded per prompt and step), at most "
                 f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
@@ -88,9 +100,14 @@ class GroupRL(Objective):
                 + (f"; importance weight capped at {c.epsilon_high:g}" if c.loss_type == "cispo" else
                    f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
                    + (f", ratio capped at {c.delta:g} (two-sided)" if c.delta is not None else ""))
-                + "; advantages scaled by the "
-                + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
-                + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
+                + (("; rewards clipped to [{:g}, {:g}]".format(*c.reward_clip_range) if c.reward_clip_range else "")
+                   + ("; advantages standardised over the global batch" if c.normalize_advantages else "")
+                   + (f"; reward minus {c.beta:g} x the summed log-ratio to the base (adapter disabled)" if c.beta
+                      else "; no reference model")
+                   if self.rloo else
+                   "; advantages scaled by the "
+                   + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
+                   + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model"))
                 + (f"; {c.num_iterations} optimizer steps per generated batch" if c.num_iterations > 1 else "")
                 + (f"; the policy term on the top {c.top_entropy_quantile:g} of the global batch's completion "
                    "tokens by entropy" if c.top_entropy_quantile < 1 else "")
@@ -112,8 +129,8 @@ class GroupRL(Objective):
         if "completion_mask" not in batch:  # an eval batch of prompts: its real prompts
             return int(batch["valid"].sum())
         mask = batch["completion_mask"]
-        # grpo / dr_grpo: every completion, one left out as truncated too (TRL's mean over the batch's rows)
-        return int(mask.sum()) if self.cfg.loss_type in TOKEN_MEAN else mask.shape[0]
+        # grpo / dr_grpo / rloo: every completion, one left out as truncated too (TRL's mean over the batch's rows)
+        return int(mask.sum()) if self.unit == "completion tokens" else mask.shape[0]
 
     def host_counts(self, micro_batches: list[dict]) -> list[float]:
         units = sum(self.units(b) for b in micro_batches)
@@ -139,7 +156,8 @@ class GroupRL(Objective):
         logged = reward_functions.Logged()
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
                                            global_step=step - 1, logged=logged)
-        advantages = group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
+        advantages = torch.zeros_like(rewards) if self.rloo else \
+            group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
         made, start = [], 0
         for b in micro_batches:
             n = len(b["prompt_ids"]) * g
@@ -150,9 +168,12 @@ class GroupRL(Objective):
             start += n
         if self.iterations > 1 or self.cfg.beta > 0:
             self.add_fixed_logps(model, made)
+        kl = {}
+        if self.rloo:
+            advantages, kl = self.rloo_advantages(rewards, made)
         self.mark_high_entropy(model, made)
         self.made = made
-        generated = self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started)
+        generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started), **kl}
         self.generated = {**generated, **self.logged_metrics(logged, taken=set(generated))}
         self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
                          logged)
@@ -187,11 +208,15 @@ class GroupRL(Objective):
         mask = batch["completion_mask"]
         logps, entropy = self.per_token(model, batch)
         high = high_entropy_mask(entropy, mask, batch["entropy_threshold"]) if "entropy_threshold" in batch else None
-        loss, _, sums = policy_loss(
-            logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
-            loss_type=self.cfg.loss_type, importance_sampling=self.cfg.importance_sampling,
-            epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high, beta=self.cfg.beta,
-            max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta, entropy_mask=high)
+        if self.rloo:
+            loss, _, sums = rloo_loss(logps, batch.get("old_logps"), batch["advantages"], mask,
+                                      epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high)
+        else:
+            loss, _, sums = policy_loss(
+                logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
+                loss_type=self.cfg.loss_type, importance_sampling=self.cfg.importance_sampling,
+                epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high, beta=self.cfg.beta,
+                max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta, entropy_mask=high)
         sums = {**sums, "entropy": (entropy * mask).sum().double()}
         for name, value in sums.items():
             self.sums[name] = self.sums.get(name, 0) + value.detach().double()
@@ -201,7 +226,7 @@ class GroupRL(Objective):
         sums, self.sums = self.sums, {}
         names = ["prompts", *self.eval_metrics] if "prompts" in sums else \
             ["clip_ratio_low", "clip_ratio_high", "clip_ratio", "clip_units", "entropy", "tokens"] \
-            + (["kl"] if self.cfg.beta else [])
+            + (["kl"] if self.cfg.beta and not self.rloo else [])  # rloo's KL is in the reward: generated
         return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
                 for name in names}
 
@@ -312,11 +337,44 @@ class GroupRL(Objective):
         device = self.accelerator.device
         for batch in made:
             inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-            if self.iterations > 1:
+            if self.iterations > 1 or self.rloo:  # rloo: its KL in the reward is of the policy that sampled
                 batch["old_logps"] = self.per_token(model, inputs)[0]
             if self.cfg.beta > 0:
                 with self.adapter.disable_adapter():
                     batch["ref_logps"] = self.per_token(model, inputs)[0]
+
+    def rloo_advantages(self, rewards: torch.Tensor, made: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
+        """rl.method=rloo, TRL's RLOO: the rewards clipped (rl.reward_clip_range), minus rl.beta x each completion's
+        summed log-ratio of the policy that sampled it to the reference, then leave-one-out advantages, standardised
+        over the global batch where rl.normalize_advantages (moments reduced over ranks), written into `made`.
+        Returns them and the `kl` metric (the mean per-token log-ratio over the global batch) where beta > 0."""
+        c, device = self.cfg, self.accelerator.device
+        r = rewards.clone()
+        if c.reward_clip_range:
+            r = r.clamp(*c.reward_clip_range)
+        metrics = {}
+        if c.beta > 0:
+            per_token = [(b["old_logps"] - b["ref_logps"]) * b["completion_mask"].to(device) for b in made]
+            r = r - c.beta * torch.cat([t.sum(-1) for t in per_token]).float().cpu()
+            local = torch.stack([sum(t.sum() for t in per_token), sum(b["completion_mask"].sum() for b in made)])
+            kl, tokens = self.accelerator.reduce(local.double().to(device), "sum").tolist()
+            metrics["kl"] = kl / max(tokens, 1.0)
+        moments = None
+        if c.normalize_advantages:  # over every rank's scored completions, as TRL's over the gathered batch
+            raw = leave_one_out(r, c.num_generations).double()
+            raw = raw[~raw.isnan()]
+            local = torch.tensor([raw.sum(), (raw * raw).sum(), float(len(raw))], dtype=torch.float64)
+            s, s2, n = self.accelerator.reduce(local.to(device), "sum").cpu().tolist()
+            moments = (torch.tensor(s / n if n else math.nan),
+                       torch.tensor(max(s2 - s * s / n, 0.0) / max(n - 1, 1) if n else math.nan).sqrt())
+            moments = tuple(m.to(r.dtype) for m in moments)
+        advantages = leave_one_out_advantages(r, c.num_generations, moments, c.normalize_advantages)
+        start = 0
+        for batch in made:
+            n = len(batch["advantages"])
+            batch["advantages"] = advantages[start:start + n].float()
+            start += n
+        return advantages, metrics
 
     @torch.no_grad()
     def mark_high_entropy(self, model, made: list[dict]) -> None:

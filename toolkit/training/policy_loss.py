@@ -1,12 +1,13 @@
-"""The online-RL loss of the GRPO family (GRPO, DAPO, Dr. GRPO, CISPO; GSPO with sequence-level importance
-sampling; INTELLECT-2's two-sided clipping by `delta`), as pure tensor math: per-token log-probabilities in,
-loss out; no model, no generation.
+"""The online-RL losses: the GRPO family (GRPO, DAPO, Dr. GRPO, CISPO; GSPO with sequence-level importance
+sampling; INTELLECT-2's two-sided clipping by `delta`) and RLOO's, as pure tensor math: per-token
+log-probabilities in, loss out; no model, no generation.
 
 It is TRL 1.16's `GRPOTrainer._compute_loss` with TRL's defaults for what is not a parameter here
 (no off-policy mask, no vLLM importance-sampling correction, no
 entropy bonus, and `use_bias_correction_kl=True`: the KL term is weighted by the importance ratio),
 and `group_advantages` is the advantage of `_generate_and_score_completions`. tests/test_policy_loss.py
 calls TRL's own code on the same tensors and checks the loss, its gradient and the metrics.
+`leave_one_out_advantages` and `rloo_loss` are TRL 1.16's RLOOTrainer's advantages and `_compute_loss`.
 
 The loss comes back as a sum over units plus their number, not as a mean, so that the caller divides
 by the count over all micro-batches and ranks: one micro-batch on one process gives TRL's loss.
@@ -149,3 +150,44 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """(B, T) bool: the completion tokens whose entropy is at least `threshold` (TRL's comparison)."""
     return ((entropies * mask.float()) >= threshold) & mask.bool()
+
+
+# --- RLOO (TRL 1.16's RLOOTrainer)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int, moments: tuple | None = None,
+                             normalize: bool = False) -> torch.Tensor:
+    """RLOO's advantages of `rewards` (n_prompts * group_size,), each prompt's completions contiguous: the reward
+    minus the mean of its group's other scored rewards (TRL's leave-one-out baseline; NaN rewards, unscorable, left
+    out); `normalize`: then minus their mean over the batch, divided by their std + 1e-4, the mean and unbiased std
+    given as `moments` (over every rank, by the caller) or taken here. A group with one scored completion and an
+    unscorable completion get 0."""
+    advantages = leave_one_out(rewards, group_size)
+    if normalize:
+        mean, std = moments if moments is not None else (advantages.nanmean(), nanstd(advantages[None])[0])
+        advantages = (advantages - mean) / (std + STD_EPSILON)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def leave_one_out(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each reward minus the mean of its group's other scored rewards; NaN where unscorable or alone."""
+    grouped = rewards.view(-1, group_size)
+    scored = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    return rewards - ((grouped.nansum(dim=1, keepdim=True) - grouped) / (scored - 1)).view(-1)
+
+
+def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, *,
+              epsilon: float, epsilon_high: float) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+    """TRL's RLOO `_compute_loss` of a micro-batch of B completions: one ratio per completion, of its summed
+    log-probability (the product of its tokens' ratios), clipped as PPO's; the loss a sum over the B completions
+    (TRL's is their mean: one micro-batch on one process gives TRL's loss). Metric sums as `policy_loss`'s, clipping
+    counted per completion."""
+    sequence = (logps * mask).sum(-1)
+    old = sequence.detach() if old_logps is None else (old_logps * mask).sum(-1)
+    ratio = torch.exp(sequence - old)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    loss = -torch.min(ratio * advantages, clipped * advantages)
+    low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+    sums = {"clip_ratio_low": low.sum(), "clip_ratio_high": high.sum(), "clip_ratio": (low | high).sum(),
+            "clip_units": torch.tensor(float(logps.size(0))), "tokens": mask.sum()}
+    return loss.sum(), logps.size(0), {name: value.detach().double() for name, value in sums.items()}
