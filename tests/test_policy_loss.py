@@ -294,3 +294,16 @@ def test_token_logps_and_entropies_equal_trls_fused_head(kind, temperature):
     if temperature != 1.0:  # the check can fail: at T = 1 the two differ
         plain, _ = token_logps_each(model, {"input_ids": ids, "attention_mask": mask, "labels": labels})
         assert (plain - want[completion]).abs().max() > 1e-2
+
+
+def test_the_entropy_threshold_above_torch_quantiles_limit_is_its_interpolation(monkeypatch):
+    """More completion tokens than torch.quantile takes (2^24) in a global batch: the threshold is the same linear
+    interpolation between order statistics (checked here with the limit lowered)."""
+    from toolkit.training import policy_loss as module
+
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want = [module.entropy_threshold(values, q) for q in (0.2, 0.5, 0.37, 1.0)]
+    monkeypatch.setattr(module, "QUANTILE_LIMIT", 100)
+    have = [module.entropy_threshold(values, q) for q in (0.2, 0.5, 0.37, 1.0)]
+    for w, h in zip(want, have):
+        torch.testing.assert_close(h, w, rtol=0, atol=1e-7)

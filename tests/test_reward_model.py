@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from families import build_family, family_config, family_tokenizer
-from helpers import read_metrics, run_toolkit, user_error_line, write_jsonl, write_recipe
+from helpers import (
+    accelerate_launch,
+    finish,
+    launch_config_for,
+    read_metrics,
+    run_toolkit,
+    start,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
 
 CHAT = [[{"role": "user", "content": "Say yes."}], [{"role": "user", "content": "Name a colour, quickly."}]]
 TEXT = ["Say yes: ", "Name a colour: "]
@@ -87,22 +97,38 @@ def test_what_is_not_a_reward_model_is_refused_in_one_line(folders, tmp_path):
 
 @pytest.mark.launch
 def test_grpo_trains_with_a_reward_model(folders):
-    """A run whose reward is a reward model beside a function: its metric reward_<folder> is logged every step, the
-    model's identity is recorded with the checkpoint, and a resume with another reward model is refused."""
+    """A run whose reward is a reward model beside a function: its metric reward_<folder> is logged every step; under
+    ZeRO-3 on 2 processes (which would build the reward model partitioned, empty) every rank scores with it whole, as
+    one process does; the model's identity is recorded with the checkpoint, and a resume with another reward model
+    is refused."""
     root = folders["root"]
     write_jsonl(root / "prompts.jsonl", [{"prompt": c} for c in CHAT * 4])
+    # 5 eval prompts in batches of 2: on 2 ranks one batch is padding only, which is sampled but not scored
+    write_jsonl(root / "eval.jsonl", [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(5)])
     path = write_recipe(root / "grpo.yaml", output_dir=str(root / "run"), seed=3,
                         model={"path": str(folders["policy"])},
-                        data={"train_files": [str(root / "prompts.jsonl")], "format": "prompt", "max_seq_len": 256},
+                        data={"train_files": [str(root / "prompts.jsonl")], "eval_files": [str(root / "eval.jsonl")],
+                              "format": "prompt", "max_seq_len": 256},
                         rl={"method": "grpo", "num_generations": 2, "max_new_tokens": 4,
                             "rewards": [{"model": str(folders["rm"])}, {"function": "regex", "pattern": "e"}]},
-                        train={"micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "log_every_steps": 1},
+                        train={"micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "log_every_steps": 1,
+                               "eval_batch_size": 2, "eval_every_steps": 2},
                         checkpoint={"every_steps": 1})
     result = run_toolkit("train", str(path))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(root / "run")[1:]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward_rm"]) for r in rows)
     assert all(r["reward"] == pytest.approx(r["reward_rm"] + r["reward_regex"]) for r in rows)
+    zero3 = accelerate_launch(launch_config_for("zero3", root)) + [
+        "toolkit", "train", str(path), f"output_dir={root / 'zero3'}", "train.micro_batch_size=1"]
+    rc, out, err = finish(start(zero3))
+    assert rc == 0, err[-3000:]
+    for mine, theirs in zip(read_metrics(root / "run"), read_metrics(root / "zero3"), strict=True):
+        for key in ("reward_rm", "eval_reward", "eval_reward_rm"):
+            assert (mine.get(key) is None) == (theirs.get(key) is None), key
+            if mine.get(key) is not None:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-4), key
+    assert read_metrics(root / "run")[-1]["eval_reward_rm"] != 0
     write_reward_model(folders["rm"], seed=6)  # other weights in the same folder
     line = user_error_line(run_toolkit("train", str(path), "train.max_steps=3", "resume=auto"))
     assert "the reward models' weights and config (rl.rewards' model entries) changed" in line, line

@@ -387,7 +387,7 @@ def test_trainer_state_log_metric_and_log_extra_are_trls(monkeypatch):
     def judge(completions, trainer_state, log_metric, log_extra, **kw):
         assert isinstance(trainer_state, TrainerState)
         log_metric("judge_calls", 1.0)
-        log_metric("judge_calls", torch.tensor(3.0))
+        log_metric(name="judge_calls", value=torch.tensor(3.0))  # TRL's parameter names
         log_metric("seen_step", trainer_state.global_step)
         log_extra("length", [len(c) for c in completions])
         return [float(trainer_state.max_steps)] * len(completions)
@@ -423,7 +423,11 @@ def test_trainer_state_log_metric_and_log_extra_are_trls(monkeypatch):
                                                              RewardConfig(function="logging_module:twice")]),
                              ["q"], ["a"], [{}], step=1, rows=ROWS[:1], logged=Logged())
     assert "logging_module:twice" in message and "logging_module:judge" in message, message
-    message = one_line_error("give one finite number", score,
+    message = one_line_error("give one number", score,
                              load_rewards([RewardConfig(function="logging_module:not_a_number")]), ["q"], ["a"],
                              [{}], step=1, rows=ROWS[:1])
     assert "log_metric('score', 'high')" in message
+    message = one_line_error("the completions table has a column of that name", score,
+                             load_rewards([RewardConfig(function="logging_module:judge")]), ["q"], ["a"], [{}], step=1,
+                             rows=ROWS[:1], logged=Logged(reserved=frozenset({"length"})))
+    assert "log_extra('length', ...)" in message

@@ -69,8 +69,8 @@ def test_an_rl_run_counts_prompts_and_completions(tmp_path):
            "10.0 MiB (64 completions sampled at once" in estimate, estimate
     # no learning rate in the recipe: the line says it got SFT's default and what TRL's GRPO default is (issue 49)
     optimizer = next(line for line in lines if line.startswith("optimizer "))
-    assert optimizer.endswith("(recipe); that lr is the default, made for SFT: TRL's GRPO default is 1e-6 (full "
-                              "fine-tuning); set train.learning_rate"), optimizer
+    assert optimizer.endswith("(recipe); that lr is the default, made for SFT: TRL's GRPO and RLOO default is 1e-6 "
+                              "(full fine-tuning); set train.learning_rate"), optimizer
     lines = run_summary(load_recipe(path, ["train.learning_rate=1e-6"]), backend, None, rows=100, eval_rows=10,
                         steps_per_epoch=6, total_steps=10)
     assert next(line for line in lines if line.startswith("optimizer ")).endswith("matrices only (recipe)")

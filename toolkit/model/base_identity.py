@@ -81,7 +81,7 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
     """{input: content fingerprint} of what a run learns from besides its data (storage/inputs.py compares
     them on resume): `model`, the base folder's `fingerprint` (and its Python code under trust_remote_code);
     `rewards`, the source files of rl.rewards' functions, by function name, not path; `reward_models`, the
-    reward models' folders by content. A preset model is its
+    reward models' folders by content (weights, config, tokenizer files). A preset model is its
     name and seed, already in the recipe; built-in rewards are the toolkit's."""
     from ..config import BUILT_IN_REWARDS
     from .hub import resolve_model
@@ -98,10 +98,20 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
                    if r.name.partition("#")[0] not in BUILT_IN_REWARDS and (f := _source_file(r.function)) is not None})
     if code:
         out["rewards"] = hashlib.sha256(b"".join(name.encode() + source for name, source in code)).hexdigest()[:16]
-    models = [fingerprint(folder) for r in rewards if (folder := getattr(r.function, "folder", None)) is not None]
+    models = [fingerprint(folder) + _tokenizer_files(folder)  # its tokenizer and template change its scores too
+              for r in rewards if (folder := getattr(r.function, "folder", None)) is not None]
     if models:  # a reward model (training/reward_model.py) by its weights
         out["reward_models"] = hashlib.sha256("".join(models).encode()).hexdigest()[:16]
     return out
+
+
+def _tokenizer_files(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "tokenizer.model", "vocab.json", "merges.txt"):
+        f = Path(folder) / name
+        h.update(name.encode() + (f.read_bytes() if f.is_file() else b""))
+    return h.hexdigest()
 
 
 def _source_file(function) -> str | None:

@@ -326,8 +326,9 @@ def record_launch(recipe: Recipe, state: checkpoint.TrainerState, ds_config: dic
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """On resume, drop metric rows a killed run logged after its last checkpoint (and a row the
-    kill cut short: it cannot be read, and was written after the checkpoint anyway)."""
+    """On resume, drop the rows (metrics.jsonl's, completions.jsonl's) a killed run logged after its
+    last checkpoint (and a row the kill cut short: it cannot be read, and was written after the
+    checkpoint anyway)."""
     if not path.exists():
         return
 
@@ -338,9 +339,11 @@ def keep_metrics_until(path: Path, step: int) -> None:
         except ValueError:
             return math.inf
 
-    rows = [line for line in path.read_text(errors="replace").splitlines() if line.strip() and step_of(line) <= step]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in rows))
+    with open(path, errors="replace") as rows, open(tmp, "w") as kept:  # line by line: completions.jsonl is large
+        for line in rows:
+            if line.strip() and step_of(line) <= step:
+                kept.write(line.rstrip("\n") + "\n")
     tmp.replace(path)
 
 

@@ -213,11 +213,12 @@ def extra_forwards(recipe: Recipe) -> float:
     """Forwards without gradient per trained token besides training's own, for MFU: DPO's reference
     through the disabled adapter; online RL's sampling (about one forward over the prompt and its
     completion, with the KV cache), its reference (rl.beta) and old log-probabilities
-    (rl.num_iterations > 1), once per generated batch."""
+    (rl.num_iterations > 1, or rloo's KL), once per generated batch; rl.top_entropy_quantile's entropy
+    pass every step."""
     rl = recipe.rl
     if rl.method is not None:  # rloo's KL in the reward needs the sampling policy's log-probabilities too
         old = rl.num_iterations > 1 or (rl.method == "rloo" and rl.beta > 0)
-        return (1 + (rl.beta > 0) + old) / rl.num_iterations
+        return (1 + (rl.beta > 0) + old) / rl.num_iterations + (rl.top_entropy_quantile < 1)  # its entropy pass
     return float(recipe.preference.reference == "adapter")
 
 

@@ -87,30 +87,9 @@ class GroupRL(Objective):
 
     def describe(self) -> list[str]:
         c = self.cfg
-        variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO", "cispo": "CISPO"}[c.loss_type] \
-            + (" with sequence-level ratios (GSPO)" if c.importance_sampling == "sequence" else "")
-        if self.rloo:
-            variant = "RLOO (leave-one-out baselines, one ratio per completion)"
         names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.rewards)
-        return [f"rl: {variant}, {c.num_generations} completions per prompt (seeded per prompt and step), at most "
-                f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
-                + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
-                + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
-                + (f", repetition_penalty {c.repetition_penalty:g}" if c.repetition_penalty != 1 else "")
-                + (f"; importance weight capped at {c.epsilon_high:g}" if c.loss_type == "cispo" else
-                   f"; clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
-                   + (f", ratio capped at {c.delta:g} (two-sided)" if c.delta is not None else ""))
-                + (("; rewards clipped to [{:g}, {:g}]".format(*c.reward_clip_range) if c.reward_clip_range else "")
-                   + ("; advantages standardised over the global batch" if c.normalize_advantages else "")
-                   + (f"; reward minus {c.beta:g} x the summed log-ratio to the base (adapter disabled)" if c.beta
-                      else "; no reference model")
-                   if self.rloo else
-                   "; advantages scaled by the "
-                   + {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
-                   + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model"))
+        return [f"rl: {self.loss_text()}"
                 + (f"; {c.num_iterations} optimizer steps per generated batch" if c.num_iterations > 1 else "")
-                + (f"; the policy term on the top {c.top_entropy_quantile:g} of the global batch's completion "
-                   "tokens by entropy" if c.top_entropy_quantile < 1 else "")
                 + f"; the loss is a mean over {self.unit}",
                 f"rl: rewards {names}; groups stay on one rank"
                 + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")
@@ -118,6 +97,32 @@ class GroupRL(Objective):
                 + (f"; completions logged to {self.table}" if self.table else "")] \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
+
+    def loss_text(self) -> str:
+        """The method, its sampling and its loss's settings, in words."""
+        c = self.cfg
+        sampling = (f"{c.num_generations} completions per prompt (seeded per prompt and step), at most "
+                    f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
+                    + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
+                    + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
+                    + (f", repetition_penalty {c.repetition_penalty:g}" if c.repetition_penalty != 1 else ""))
+        if self.rloo:
+            return (f"RLOO (leave-one-out baselines, one ratio per completion), {sampling}; "
+                    f"clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
+                    + ("; rewards clipped to [{:g}, {:g}]".format(*c.reward_clip_range) if c.reward_clip_range else "")
+                    + ("; advantages standardised over the global batch" if c.normalize_advantages else "")
+                    + (f"; reward minus {c.beta:g} x the summed log-ratio to the base (adapter disabled)" if c.beta
+                       else "; no reference model"))
+        variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO", "cispo": "CISPO"}[c.loss_type] \
+            + (" with sequence-level ratios (GSPO)" if c.importance_sampling == "sequence" else "")
+        clip = (f"importance weight capped at {c.epsilon_high:g}" if c.loss_type == "cispo" else
+                f"clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
+                + (f", ratio capped at {c.delta:g} (two-sided)" if c.delta is not None else ""))
+        scale = {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
+        return (f"{variant}, {sampling}; {clip}; advantages scaled by the {scale}"
+                + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
+                + (f"; the policy term on the top {c.top_entropy_quantile:g} of the global batch's completion "
+                   "tokens by entropy" if c.top_entropy_quantile < 1 else ""))
 
     def unsplittable(self) -> str | None:
         return "online RL samples and scores whole completions, not rows split across ranks"
@@ -153,7 +158,7 @@ class GroupRL(Objective):
         seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
         completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
         rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
-        logged = reward_functions.Logged()
+        logged = reward_functions.Logged(reserved=frozenset(self.table_columns()))
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
                                            global_step=step - 1, logged=logged)
         advantages = torch.zeros_like(rewards) if self.rloo else \
@@ -356,7 +361,8 @@ class GroupRL(Objective):
         if c.beta > 0:
             per_token = [(b["old_logps"] - b["ref_logps"]) * b["completion_mask"].to(device) for b in made]
             r = r - c.beta * torch.cat([t.sum(-1) for t in per_token]).float().cpu()
-            local = torch.stack([sum(t.sum() for t in per_token), sum(b["completion_mask"].sum() for b in made)])
+            local = torch.stack([sum(t.sum() for t in per_token),
+                                 sum(b["completion_mask"].sum() for b in made).to(device)])
             kl, tokens = self.accelerator.reduce(local.double().to(device), "sum").tolist()
             metrics["kl"] = kl / max(tokens, 1.0)
         moments = None
@@ -415,17 +421,17 @@ class GroupRL(Objective):
             sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
         return {n: s / c if c else math.nan for n, (s, c) in zip(names, sums.tolist())}
 
+    def table_columns(self) -> list[str]:
+        """The completions table's own columns: a reward function's log_extra cannot take one (refused in the call,
+        on the rank that makes it, before any collective)."""
+        return ["step", "prompt", "completion", "reward", *self.names.values(), "advantage"]
+
     def write_table(self, step: int, fields: list[dict], completions: list[list[int]], rewards: torch.Tensor,
                     per_function: dict[str, torch.Tensor], advantages: torch.Tensor,
                     logged: reward_functions.Logged) -> None:
         """rl.log_completions: a row per completion of the global batch (every rank's, gathered) appended to
         completions.jsonl: step, prompt, completion, reward and each function's (null: no opinion), advantage and
         the columns the functions gave log_extra."""
-        own = {"step", "prompt", "completion", "reward", "advantage", *self.names.values()}
-        for column in logged.extra:
-            if column in own:
-                raise ToolkitError(f"rl.rewards: {logged.by.get(column, 'a reward function')}: log_extra({column!r}) "
-                                   "takes the name of a column the completions table has; give it another name")
         if self.table is None:
             return
 
@@ -493,9 +499,17 @@ class GroupRL(Objective):
         valid = [v for v in batch["valid"].cpu().tolist() for _ in range(g)]
         rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding"
                 for (s, r), v in zip([k for k in keys for _ in range(g)], valid)]
-        rewards, per_function = self.score([f for f in batch["fields"] for _ in range(g)], completions, 0, rows,
-                                           global_step=self.last_step)
         kept = torch.tensor(valid, dtype=torch.bool)
+        rewards = torch.full((len(completions),), math.nan)  # padding rows (filler of the last batches) unscored
+        per_function = {r.name: rewards.clone() for r in self.rewards}
+        if kept.any():
+            real = kept.nonzero().flatten().tolist()
+            fields = [f for f in batch["fields"] for _ in range(g)]
+            scored, scored_each = self.score([fields[i] for i in real], [completions[i] for i in real], 0,
+                                             [rows[i] for i in real], global_step=self.last_step)
+            rewards[kept] = scored
+            for name, values in scored_each.items():
+                per_function[name][kept] = values
         for name, values in [("reward", rewards), *((self.names[n], v) for n, v in per_function.items())]:
             self.sums[name] = self.sums.get(name, 0) + torch.nan_to_num(values.double())[kept].sum()
         self.sums["prompts"] = self.sums.get("prompts", 0) + float(kept.sum())

@@ -22,6 +22,7 @@ TOKEN_MEAN = ("dapo", "cispo")  # averaged over every completion token of the gl
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's: advantages / (std + 1e-4)
+QUANTILE_LIMIT = 2 ** 24  # the most elements torch.quantile takes
 
 
 def group_advantages(
@@ -144,7 +145,15 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
     given: +inf (no token)."""
     if entropies.numel() == 0:
         return torch.tensor(float("inf"))
-    return torch.quantile(entropies.float(), 1 - quantile)
+    values = entropies.float()
+    if values.numel() <= QUANTILE_LIMIT:
+        return torch.quantile(values, 1 - quantile)
+    # torch.quantile refuses more elements; its linear interpolation between the two nearest order statistics
+    ordered = values.sort().values
+    position = (1 - quantile) * (ordered.numel() - 1)
+    low = int(position)
+    high = min(low + 1, ordered.numel() - 1)
+    return torch.lerp(ordered[low], ordered[high], torch.tensor(position - low, dtype=ordered.dtype))
 
 
 def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ as padding where it has none), on this process's device at the first call."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -40,7 +40,9 @@ class ModelReward:
 
 def load_reward_model(key: str, source: str) -> ModelReward:
     """The reward model at `source` (a folder or a Hub id); anything that is not a one-label sequence-classification
-    model is refused in one line naming `key`."""
+    model with a tokenizer is refused in one line naming `key`. Loaded whole, outside ZeRO-3's partitioned loading
+    (accelerate's ZeRO-3 plugin makes transformers build every model under zero.Init, with empty weights that
+    only a prepared engine fills: this model is never prepared)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from ..model.hub import resolve_model
@@ -49,7 +51,10 @@ def load_reward_model(key: str, source: str) -> ModelReward:
         folder = Path(resolve_model(source))
     except ToolkitError as err:
         raise ToolkitError(f"{key}: {str(err).removeprefix('model.path: ')}") from None
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise ToolkitError(f"{key}: {source}: its config cannot be read: {_first_line(err)}") from None
     heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
     if not heads:
         raise ToolkitError(f"{key}: {source} is a {', '.join(config.architectures or ['model without a head'])}, "
@@ -57,14 +62,36 @@ def load_reward_model(key: str, source: str) -> ModelReward:
     if config.num_labels != 1:
         raise ToolkitError(f"{key}: {source} has {config.num_labels} labels; a reward model has one (its first "
                            "logit is the reward, as TRL's)")
-    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype="auto").eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        with _not_partitioned():
+            model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype="auto").eval()
+    except (OSError, ValueError, KeyError) as err:
+        raise ToolkitError(f"{key}: {source} cannot be loaded: {_first_line(err)}") from None
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ToolkitError(f"{key}: {source}'s tokenizer has neither a padding nor an end-of-text token: a batch "
+                               "of answers cannot be padded")
         tokenizer.pad_token = tokenizer.eos_token
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the last real token is scored
     return ModelReward(source, folder, model, tokenizer)
 
 
-def describe(reward: Any) -> str | None:
-    """The folder of a reward model's reward, else None."""
-    return str(reward.folder) if isinstance(reward, ModelReward) else None
+@contextlib.contextmanager
+def _not_partitioned():
+    """transformers' view of a ZeRO-3 run switched off while a model that stays whole loads."""
+    from transformers.integrations import deepspeed
+
+    held = deepspeed._hf_deepspeed_config_weak_ref() if deepspeed._hf_deepspeed_config_weak_ref else None
+    if held is not None:
+        deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if held is not None:
+            deepspeed.set_hf_deepspeed_config(held)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

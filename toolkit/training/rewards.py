@@ -63,6 +63,8 @@ class Logged:
     """column -> one value per completion, for the completions table."""
     by: dict[str, str] = field(default_factory=dict)
     """name or column -> the function that logged it, to name it in an error."""
+    reserved: frozenset = frozenset()
+    """Columns the completions table has already: log_extra refuses them."""
 
 
 def load_rewards(entries: list[RewardConfig]) -> list[Reward]:
@@ -244,18 +246,18 @@ def _arguments(reward: Reward, kwargs: dict, logged: Optional[Logged]) -> dict:
     """The function's own copy of the arguments (one that changes prompts, completions or a column in place changes
     nothing another function or the loss sees), with log_metric and log_extra recording under its name."""
     n = len(kwargs["completions"])
-    name = reward.name
+    who = reward.name
 
-    def log_metric(metric: str, value: float) -> None:
-        if not isinstance(metric, str) or not metric:
-            raise ToolkitError(f"log_metric({metric!r}, ...): give the metric a name (a text)")
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
+    def log_metric(name: str, value: float) -> None:  # TRL's parameter names: log_metric(name=..., value=...)
+        if not isinstance(name, str) or not name:
+            raise ToolkitError(f"log_metric({name!r}, ...): give the metric a name (a text)")
+        if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, np.ndarray) and value.size == 1:
             value = value.item()
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ToolkitError(f"log_metric({metric!r}, {_short(value)}): give one finite number")
+        if not isinstance(value, numbers.Real):  # NaN too: TRL averages it in as it is
+            raise ToolkitError(f"log_metric({name!r}, {_short(value)}): give one number")
         if logged is not None:
-            logged.metrics.setdefault(metric, []).append(float(value))
-            logged.by.setdefault(metric, name)
+            logged.metrics.setdefault(name, []).append(float(value))
+            logged.by.setdefault(name, who)
 
     def log_extra(column: str, values: list) -> None:
         if not isinstance(column, str) or not column:
@@ -265,12 +267,15 @@ def _arguments(reward: Reward, kwargs: dict, logged: Optional[Logged]) -> dict:
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise ToolkitError(f"log_extra({column!r}, ...): got {got} for {n} completions; give one per completion")
+        if logged is not None and column in logged.reserved:
+            raise ToolkitError(f"log_extra({column!r}, ...): the completions table has a column of that name; give "
+                               "it another name")
         if logged is not None and column in logged.extra:
             raise ToolkitError(f"log_extra({column!r}, ...): {logged.by[column]} already gave this batch's "
                                f"{column!r}; give each column once per batch")
         if logged is not None:
             logged.extra.setdefault(column, []).extend(values)
-            logged.by.setdefault(column, name)
+            logged.by.setdefault(column, who)
 
     return {**{k: v if k in _SHARED else copy.deepcopy(v) for k, v in kwargs.items()},
             "log_metric": log_metric, "log_extra": log_extra}
@@ -294,6 +299,7 @@ def _together(awaitables: list) -> list:
 
 
 def _invoke(reward: Reward, kwargs: dict) -> Any:
+    """One function on its own copy of the arguments, awaited if async; what it logs is dropped."""
     out = reward.function(**_arguments(reward, kwargs, None))
     if inspect.isawaitable(out):
         out = _together([out])[0]

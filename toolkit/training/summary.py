@@ -50,8 +50,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
         default_lr = recipe.rl.method and t.learning_rate == type(t)().learning_rate
         lines.append(f"optimizer AdamW lr {t.learning_rate:g}, betas ({t.adam_beta1:g}, {t.adam_beta2:g}), "
                      f"eps {t.adam_epsilon:g}, weight_decay {t.weight_decay:g} on matrices only (recipe)"
-                     + ("; that lr is the default, made for SFT: TRL's GRPO default is 1e-6 (full fine-tuning); set "
-                        "train.learning_rate" if default_lr else ""))
+                     + ("; that lr is the default, made for SFT: TRL's GRPO and RLOO default is 1e-6 (full "
+                        "fine-tuning); set train.learning_rate" if default_lr else ""))
     if "scheduler" in ds:
         lines.append(f"schedule {ds['scheduler'].get('type')} from {json_name}: {_params(ds['scheduler'])}; "
                      "the recipe's warmup-cosine and min_lr_ratio are not used")
