@@ -165,6 +165,43 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
 
 
+def iterations_agree(trainer, theirs, model, objective, mine, iterations: int, real: bool, metrics_agree):
+    """Each iteration: TRL's loss (its compute_loss on its generated batch) and ours, their entropy metrics (and
+    `metrics_agree`'s), and every parameter's gradient within 1e-5 relative to its norm (1e-4 on the real model;
+    element by element too on the tiny one); then the same SGD step on both, TRL's gradient. Returns (the worst
+    relative gradient difference, our last metric sums)."""
+    worst = 0.0
+    for iteration in range(iterations):
+        trainer.model.zero_grad()
+        model.zero_grad()
+        trainer.current_gradient_accumulation_steps = 1
+        loss_theirs = trainer.compute_loss(trainer.model, theirs)
+        loss_theirs.backward()
+        loss_mine = objective.loss_sum(model, mine) / objective.units(mine)
+        loss_mine.backward()
+        sums = objective.step_metrics(torch.device("cpu"))
+        assert loss_mine.item() == pytest.approx(loss_theirs.item(), rel=1e-5, abs=1e-6), iteration
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        assert sums["entropy"].item() / sums["tokens"].item() == pytest.approx(metrics["entropy"], rel=1e-5)
+        metrics_agree(sums, metrics)
+        g_theirs, g_mine = grads(trainer.model), grads(model)
+        assert g_theirs.keys() == g_mine.keys() and g_mine
+        assert sum(g.abs().sum() for g in g_mine.values()) > 0 or (real and iteration)  # all clipped: both 0
+        for key in g_mine:
+            difference = (g_mine[key] - g_theirs[key]).norm() / g_theirs[key].norm().clamp(min=1e-12)
+            assert difference < (1e-4 if real else 1e-5), (iteration, key, difference.item())
+            worst = max(worst, difference.item())
+            if not real:
+                torch.testing.assert_close(g_mine[key], g_theirs[key], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{key}: {m}")
+        with torch.no_grad():
+            for m in (trainer.model, model):
+                for key, p in m.named_parameters():
+                    if key in g_theirs:
+                        p -= (0.01 if real else 20.0) * g_theirs[key]
+    return worst, sums
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_grpo_equals_trls_trainer_from_completions_to_gradients(tmp_path, folder, batch, name):
     lora, loss, trl_config, rl = CASES[name]
@@ -198,36 +235,13 @@ def test_grpo_equals_trls_trainer_from_completions_to_gradients(tmp_path, folder
         torch.testing.assert_close(have[i, span], want[i, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(have_entropy[i, span], want_entropy[i, :n], rtol=1e-5, atol=1e-5)
 
-    real, worst = "smollm2" in str(folder).lower(), 0.0
-    for iteration in range(rl.get("num_iterations", 1)):
-        trainer.model.zero_grad()
-        model.zero_grad()
-        trainer.current_gradient_accumulation_steps = 1
-        loss_theirs = trainer.compute_loss(trainer.model, theirs)
-        loss_theirs.backward()
-        loss_mine = objective.loss_sum(model, mine) / objective.units(mine)
-        loss_mine.backward()
-        sums = objective.step_metrics(torch.device("cpu"))
-        assert loss_mine.item() == pytest.approx(loss_theirs.item(), rel=1e-5, abs=1e-6), iteration
-        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-        assert sums["entropy"].item() / sums["tokens"].item() == pytest.approx(metrics["entropy"], rel=1e-5)
+    real = "smollm2" in str(folder).lower()
+
+    def metrics_agree(sums, metrics):
         if rl.get("beta"):
             assert sums["kl"].item() / sums["tokens"].item() == pytest.approx(metrics["kl"], rel=1e-5, abs=1e-9)
-        g_theirs, g_mine = grads(trainer.model), grads(model)
-        assert g_theirs.keys() == g_mine.keys() and g_mine
-        assert sum(g.abs().sum() for g in g_mine.values()) > 0 or (real and iteration)  # all clipped: both 0
-        for key in g_mine:  # each parameter's gradient close to TRL's, relative to its norm
-            difference = (g_mine[key] - g_theirs[key]).norm() / g_theirs[key].norm().clamp(min=1e-12)
-            assert difference < (1e-4 if real else 1e-5), (iteration, key, difference.item())
-            worst = max(worst, difference.item())
-            if not real:  # and on the tiny model, element by element too
-                torch.testing.assert_close(g_mine[key], g_theirs[key], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{key}: {m}")
-        with torch.no_grad():  # the same SGD step on both (TRL's gradient) before the next iteration
-            for m in (trainer.model, model):
-                for key, p in m.named_parameters():
-                    if key in g_theirs:
-                        p -= (0.01 if real else 20.0) * g_theirs[key]
+    worst, sums = iterations_agree(trainer, theirs, model, objective, mine, rl.get("num_iterations", 1), real,
+                                   metrics_agree)
     print(f"{name}: worst relative gradient difference {worst:.2e}")
     if rl.get("num_iterations", 1) > 1 and not real:  # the second iteration's ratios moved off 1: clipping exercised
         assert sums["clip_ratio"].item() > 0 or rl.get("loss_type") == "dr_grpo"
@@ -296,30 +310,10 @@ def test_rloo_equals_trls_trainer_from_completions_to_gradients(tmp_path, folder
     if keys.get("beta"):
         assert objective.generated["kl"] == pytest.approx(trl_metrics["kl"], rel=1e-5, abs=1e-9)
         assert trl_metrics["kl"] != 0
-    real, worst = "smollm2" in str(folder).lower(), 0.0
-    for iteration in range(keys.get("num_iterations", 1)):
-        trainer.model.zero_grad()
-        model.zero_grad()
-        trainer.current_gradient_accumulation_steps = 1
-        loss_theirs = trainer.compute_loss(trainer.model, theirs)
-        loss_theirs.backward()
-        loss_mine = objective.loss_sum(model, mine) / objective.units(mine)
-        loss_mine.backward()
-        sums = objective.step_metrics(torch.device("cpu"))
-        assert loss_mine.item() == pytest.approx(loss_theirs.item(), rel=1e-5, abs=1e-6), iteration
-        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-        assert sums["entropy"].item() / sums["tokens"].item() == pytest.approx(metrics["entropy"], rel=1e-5)
+    real = "smollm2" in str(folder).lower()
+
+    def metrics_agree(sums, metrics):
         assert sums["clip_ratio"].item() / sums["clip_units"].item() == pytest.approx(metrics["clip_ratio/region_mean"])
-        g_theirs, g_mine = grads(trainer.model), grads(model)
-        assert g_theirs.keys() == g_mine.keys() and g_mine
-        assert sum(g.abs().sum() for g in g_mine.values()) > 0 or (real and iteration)
-        for key in g_mine:
-            difference = (g_mine[key] - g_theirs[key]).norm() / g_theirs[key].norm().clamp(min=1e-12)
-            assert difference < (1e-4 if real else 1e-5), (iteration, key, difference.item())
-            worst = max(worst, difference.item())
-        with torch.no_grad():
-            for m in (trainer.model, model):
-                for key, p in m.named_parameters():
-                    if key in g_theirs:
-                        p -= (0.01 if real else 20.0) * g_theirs[key]
+    worst, _ = iterations_agree(trainer, theirs, model, objective, mine, keys.get("num_iterations", 1), real,
+                                metrics_agree)
     print(f"rloo {name}: worst relative gradient difference {worst:.2e}")

@@ -131,6 +131,16 @@ def test_loss_gradient_and_metrics_equal_trl(tmp_path, loss_type, importance_sam
     assert all(value.dtype == torch.float64 and not value.requires_grad for value in sums.values())
 
 
+def same_loss_and_gradient_not_without(theirs, theirs_logps, mine, our_logps, data, config):
+    """Our loss and its gradient equal TRL's within 1e-5, and differ from ours without the setting under test."""
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
+    (our_grad,) = torch.autograd.grad(mine, our_logps)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-5)
+    without, units_without, _ = ours(data, data["logps"], **config)
+    assert abs(float(without / units_without - mine)) > 1e-4
+
+
 @pytest.mark.parametrize("loss_type, importance_sampling", list(itertools.product(["grpo", "dapo", "dr_grpo"],
                                                                                 ["token", "sequence"])))
 def test_two_sided_clipping_by_delta_equals_trl(tmp_path, loss_type, importance_sampling):
@@ -142,12 +152,7 @@ def test_two_sided_clipping_by_delta_equals_trl(tmp_path, loss_type, importance_
     theirs, _ = trl_loss(tmp_path, data, theirs_logps, delta=DELTA, **config)
     our_logps = data["logps"].clone().requires_grad_()
     loss_sum, units, _ = ours(data, our_logps, delta=DELTA, **config)
-    torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
-    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
-    (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
-    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-5)
-    without, units_without, _ = ours(data, data["logps"], **config)
-    assert abs(float(without / units_without - loss_sum / units)) > 1e-4
+    same_loss_and_gradient_not_without(theirs, theirs_logps, loss_sum / units, our_logps, data, config)
 
 
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("cispo", 0.04)])
@@ -172,12 +177,7 @@ def test_top_entropy_quantile_equals_trl(tmp_path, loss_type, beta, quantile):
         our_logps, data["old_logps"], data["ref_logps"] if beta else None, data["advantages"], data["mask"],
         loss_type=loss_type, importance_sampling="token", epsilon=EPSILON, epsilon_high=high_of(loss_type),
         beta=beta, max_completion_length=T, entropy_mask=kept)
-    torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-5, atol=1e-5)
-    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
-    (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
-    torch.testing.assert_close(our_grad, their_grad, rtol=1e-5, atol=1e-5)
-    without, units_without, _ = ours(data, data["logps"], **config)
-    assert abs(float(without / units_without - loss_sum / units)) > 1e-4
+    same_loss_and_gradient_not_without(theirs, theirs_logps, loss_sum / units, our_logps, data, config)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo"])
