@@ -72,6 +72,21 @@ def batch(folder):
     return {"tokenizer": tokenizer, "prompt_ids": prompts, "completions": completions, "texts": texts}
 
 
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def perturb_lora(model) -> None:
+    """B = 0 at the start would make A's gradient 0 and the policy equal the reference: B drawn instead."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=g))
+
+
 def trl_trainer(tmp_path, folder, batch, *, lora, **config):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -87,22 +102,14 @@ def trl_trainer(tmp_path, folder, batch, *, lora, **config):
         return {"prompt_ids": [batch["prompt_ids"][i] for i in index],
                 "completion_ids": [batch["completions"][k] for k in range(len(prompts))],
                 "logprobs": [[0.0] * len(batch["completions"][k]) for k in range(len(prompts))]}
-    peft = None
-    if lora:
-        from peft import LoraConfig
-        peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model, peft = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lora_config() if lora else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=model, reward_funcs=[reward_len, reward_vowels], args=args,
                               train_dataset=Dataset.from_list([{"prompt": t} for t in batch["texts"]]),
                               processing_class=batch["tokenizer"], peft_config=peft, rollout_func=rollout)
-    if lora:  # B = 0 at the start would make A's gradient 0 and the policy equal the reference
-        g = torch.Generator().manual_seed(11)
-        with torch.no_grad():
-            for name, parameter in trainer.model.named_parameters():
-                if "lora_B" in name:
-                    parameter.copy_(0.05 * torch.randn(parameter.shape, generator=g))
+    if lora:
+        perturb_lora(trainer.model)
     return trainer
 
 
@@ -260,11 +267,7 @@ def rloo_trainer(tmp_path, folder, batch, *, lora, **config):
                       per_device_train_batch_size=G * PROMPTS, num_generations=G, max_completion_length=MAX_NEW,
                       gradient_accumulation_steps=1, learning_rate=1e-6, save_strategy="no", logging_steps=1,
                       **{"beta": 0.0, **config})
-    peft = None
-    if lora:
-        from peft import LoraConfig
-        peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model, peft = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), lora_config() if lora else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = RLOOTrainer(model=model, reward_funcs=[reward_len, reward_vowels], args=args,
@@ -274,11 +277,7 @@ def rloo_trainer(tmp_path, folder, batch, *, lora, **config):
                                                  None, {})
     trainer._generate_single_turn = lambda prompt_ids, images, fields: [list(c) for c in batch["completions"]]
     if lora:
-        g = torch.Generator().manual_seed(11)
-        with torch.no_grad():
-            for name, parameter in trainer.model.named_parameters():
-                if "lora_B" in name:
-                    parameter.copy_(0.05 * torch.randn(parameter.shape, generator=g))
+        perturb_lora(trainer.model)
     return trainer
 
 
