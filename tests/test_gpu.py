@@ -358,13 +358,16 @@ def test_fp8_trains_close_to_bf16_on_cuda(workdir):  # noqa: F811
     assert got[-1] < got[0]
 
 
-def test_grpo_lora_with_kl_and_two_iterations_on_cuda(tmp_path):
-    """GRPO on CUDA with what runs the model outside the loss's forward: rl.beta > 0 (the reference
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_grpo_lora_with_kl_and_two_iterations_on_cuda(method, tmp_path):
+    """Online RL on CUDA with what runs the model outside the loss's forward: rl.beta > 0 (the reference
     through the disabled LoRA adapter) and rl.num_iterations 2 (the old policy's log-probabilities), bf16,
     one process and ZeRO-3 launched with one process. `sequences()` builds each batch on the host: the
     fixed log-probabilities must be taken on the device (a device mismatch here stopped step 1 before
-    the fix, found by reading; issue 49). The adapter starts at zero, so step 1's KL is 0; step 2 trains on
-    the same generated batch (same reward) after an update, so its KL is positive."""
+    the fix, found by reading; issue 49), and RLOO's KL in the reward sums them with the host's mask
+    (the same mismatch, found by review). The adapter starts at zero, so step 1's KL is 0; GRPO's step 2
+    trains on the same generated batch (same reward) after an update, so its KL is positive; RLOO measures
+    its KL when it generates, so its step 3 (a new batch after two updates) has one."""
     from test_rl_train import REWARDS, prompts
 
     from helpers import write_jsonl
@@ -378,7 +381,7 @@ def test_grpo_lora_with_kl_and_two_iterations_on_cuda(tmp_path):
                             model={"preset": "tiny-llama-mini"}, lora={"enabled": True, "r": 4, "alpha": 8},
                             data={"train_files": [str(tmp_path / "train.jsonl")],
                                   "eval_files": [str(tmp_path / "eval.jsonl")], "format": "prompt", "max_seq_len": 64},
-                            rl={"method": "grpo", "num_generations": 4, "max_new_tokens": 8, "beta": 0.04,
+                            rl={"method": method, "num_generations": 4, "max_new_tokens": 8, "beta": 0.04,
                                 "num_iterations": 2, "temperature": 0.9, "top_p": 0.95,
                                 "rewards": [f"{tmp_path / 'grader.py'}:shorter"]},
                             train={"micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 4,
@@ -389,11 +392,12 @@ def test_grpo_lora_with_kl_and_two_iterations_on_cuda(tmp_path):
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[name] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
     for name, rows in runs.items():
-        record(case=f"grpo_lora_kl_{name}_bf16", loss=[r["loss"] for r in rows], kl=[r["kl"] for r in rows],
+        record(case=f"{method}_lora_kl_{name}_bf16", loss=[r["loss"] for r in rows], kl=[r["kl"] for r in rows],
                reward=[r["reward"] for r in rows], generation_seconds=[r.get("generation_seconds") for r in rows],
                peak_memory_gib=rows[-1].get("peak_memory_gib"), gpu=device_name())
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        assert rows[0]["kl"] == pytest.approx(0, abs=1e-6) and rows[1]["kl"] > 0, rows
+        assert rows[0]["kl"] == pytest.approx(0, abs=1e-6), rows
+        assert (rows[1]["kl"] > 0) if method == "grpo" else (rows[2]["kl"] != 0), rows
         assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
         assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
