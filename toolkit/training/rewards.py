@@ -37,8 +37,9 @@ from ..errors import ToolkitError
 from .reward_model import load_reward_model
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
-_PER_BATCH = ("trainer_state", "log_extra", "log_metric")  # one object for the batch, not a list per completion
-_SHARED = ("trainer_state", "log_extra", "log_metric")  # not copied for each call
+# One object for the batch: neither copied for each call nor split per completion (log_metric and log_extra are
+# made for each call, by _arguments).
+_PER_BATCH = ("trainer_state",)
 _CHECK_ROWS = 4
 _CHECK_COMPLETIONS = ("", "The answer is 42.")
 
@@ -277,7 +278,7 @@ def _arguments(reward: Reward, kwargs: dict, logged: Optional[Logged]) -> dict:
             logged.extra.setdefault(column, []).extend(values)
             logged.by.setdefault(column, who)
 
-    return {**{k: v if k in _SHARED else copy.deepcopy(v) for k, v in kwargs.items()},
+    return {**{k: v if k in _PER_BATCH else copy.deepcopy(v) for k, v in kwargs.items()},
             "log_metric": log_metric, "log_extra": log_extra}
 
 
