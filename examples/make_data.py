@@ -62,6 +62,15 @@ def as_preference(row: dict, rng: random.Random) -> dict:
             "rejected": [{"role": "assistant", "content": wrong_answer(row, rng)}]}
 
 
+def as_unpaired(row: dict, rng: random.Random) -> dict:
+    """KTO's unpaired rows: the right answer labelled desirable, or (half of the rows) a wrong one
+    labelled undesirable."""
+    good = rng.random() < 0.5
+    return {"prompt": [{"role": "user", "content": f"{row['instruction']} {row['input']}"}],
+            "completion": [{"role": "assistant", "content": row["output"] if good else wrong_answer(row, rng)}],
+            "label": good}
+
+
 def as_prompt(row: dict) -> dict:
     """Online RL's prompt-only rows: the user turn, and the answer a reward function checks."""
     return {"prompt": [{"role": "user", "content": f"{row['instruction']} {row['input']}"}], "answer": row["output"]}
@@ -112,6 +121,9 @@ def main() -> None:
     lora_eval = second[args.train // 2:] + evaluation[: args.eval // 2]
     write_jsonl(out / "tasks_lora_train.jsonl", [as_messages(r) for r in lora_train])
     write_jsonl(out / "tasks_lora_eval.jsonl", [as_messages(r) for r in lora_eval])
+    unpaired = random.Random(args.seed + 3)  # its own stream: the files above stay as they were
+    write_jsonl(out / "tasks_unpaired_train.jsonl", [as_unpaired(r, unpaired) for r in train])
+    write_jsonl(out / "tasks_unpaired_eval.jsonl", [as_unpaired(r, unpaired) for r in evaluation])
     print(f"wrote {len(train)} train and {len(evaluation)} eval rows to {out}")
 
 

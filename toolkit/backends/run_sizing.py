@@ -57,7 +57,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
         check_dense(config)
     check_positions(recipe, config)
     model = count_model(config, recipe.model.preset or recipe.model.path, recipe.lora)
-    pairs = recipe.preference.method is not None  # a pair is two sequences in one forward
+    pairs = recipe.preference.method not in (None, "kto")  # a pair is two sequences in one forward (KTO's: two apart)
     rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
     per_row = 2 if pairs else rl.num_generations if rl else 1
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,

@@ -11,9 +11,10 @@ class DataSource:
     """An entry of data.train_files / data.eval_files written as a mapping."""
     path: str = ""
     """A .json, .jsonl, .parquet or .csv file, a folder or glob of such shards, or a Hub dataset id."""
-    format: Optional[Literal["alpaca", "messages", "text", "preference", "prompt"]] = None
+    format: Optional[Literal["alpaca", "messages", "text", "preference", "unpaired", "prompt"]] = None
     """This entry's format (default: data.format); every format renders through the same tokenizer.
-    `preference` entries mix only with `preference` entries, `prompt` entries with `prompt` entries."""
+    `preference` entries mix only with `preference` entries, `unpaired` with `unpaired`, `prompt` with
+    `prompt`."""
     weight: Optional[float] = None
     """Share of the training set drawn from this entry, relative to the other entries' weights
     (the set keeps its total size: a heavier entry is repeated, a lighter one subsampled)."""
@@ -38,7 +39,7 @@ class DataConfig:
     """Held-out data, the same kinds of entries as train_files; its loss is the eval loss."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
-    format: Literal["alpaca", "messages", "text", "preference", "prompt"] = "alpaca"
+    format: Literal["alpaca", "messages", "text", "preference", "unpaired", "prompt"] = "alpaca"
     """`alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
     template; ShareGPT `conversations` too), `text` (a `text` field, every token of it trained on, eos
     appended), or `preference` (`prompt`, `chosen`, `rejected`, each text or a list of chat messages,
@@ -48,7 +49,10 @@ class DataConfig:
     text completions get the tokenizer's eos appended, chat ones end as the template ends a turn.
     A pair longer than max_seq_len keeps its prompt and has its completions cut (or is dropped
     with overlong=drop); for preference.method, which needs it; not with packing (padding_free
-    puts a micro-batch's sequences in one row). Or `prompt` (online RL, rl.method): a `prompt` column,
+    puts a micro-batch's sequences in one row). Or `unpaired` (preference.method=kto, TRL's unpaired
+    preference format): `prompt`, `completion` (each text or a list of chat messages, as `preference`)
+    and `label` (true: desirable, false: undesirable), one sequence per row with targets on the
+    completion. Or `prompt` (online RL, rl.method): a `prompt` column,
     text or a list of chat messages (TRL's prompt-only formats), rendered up to where the answer
     starts; every other column of the row (an `answer`, say) goes to the reward functions. A prompt
     longer than max_seq_len is dropped (a cut prompt would lose where the answer starts)."""

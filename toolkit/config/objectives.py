@@ -9,22 +9,34 @@ from typing import Literal, Optional, Union
 
 @dataclass
 class PreferenceConfig:
-    method: Optional[Literal["dpo", "orpo", "simpo"]] = None
+    method: Optional[Literal["dpo", "orpo", "simpo", "kto"]] = None
     """None: supervised fine-tuning. `dpo` (Direct Preference Optimization, against a reference
     model), `orpo` (odds-ratio preference plus the chosen completion's NLL, no reference) or `simpo`
     (length-normalised margin, no reference); data.format must be `preference`. The loss is
     averaged over the global batch's pairs; metrics.jsonl gets rewards_chosen, rewards_rejected,
-    reward_margin and reward_accuracy (the share of pairs whose chosen reward is higher)."""
+    reward_margin and reward_accuracy (the share of pairs whose chosen reward is higher). Or `kto`
+    (Kahneman-Tversky Optimization, TRL's KTOTrainer, against a reference model): data.format must be
+    `unpaired`, each row one completion labelled desirable or not; the loss is averaged over the
+    global batch's completions; metrics.jsonl gets kl, rewards_chosen and rewards_rejected (the mean
+    implied reward of the desirable and the undesirable completions) and reward_margin."""
     beta: Optional[float] = None
-    """The method's β (default 0.1 as TRL for dpo and orpo, whose β is ORPO's λ; 2.0 for simpo, as the SimPO paper)."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """dpo only: `sigmoid` (the DPO loss) or `ipo` (squared, on per-token average log-ratios)."""
+    """The method's β (default 0.1 as TRL for dpo, orpo and kto, whose β is ORPO's λ; 2.0 for simpo, as the SimPO
+    paper)."""
+    loss_type: Optional[Literal["sigmoid", "ipo", "kto", "apo_zero_unpaired"]] = None
+    """dpo: `sigmoid` (the DPO loss, the default) or `ipo` (squared, on per-token average log-ratios).
+    kto: `kto` (the default: the implied reward against the KL estimate) or `apo_zero_unpaired`
+    (APO-zero's unpaired form: desirable rewards pushed up, undesirable down, no KL estimate)."""
     label_smoothing: float = 0.0
     """dpo sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
     gamma: Optional[float] = None
     """simpo only: the target reward margin γ (default 0.5 as TRL's simpo_gamma; the loss uses γ/β)."""
+    desirable_weight: float = 1.0
+    """kto only: the weight of a desirable completion's loss (TRL's key of that name; with fewer
+    desirable than undesirable rows, the KTO paper's range is undesirable/desirable rows x 1 to 1.33)."""
+    undesirable_weight: float = 1.0
+    """kto only: the weight of an undesirable completion's loss (TRL's key of that name)."""
     reference: Literal["auto", "adapter", "precomputed"] = "auto"
-    """dpo only: where the reference log-probabilities come from. `adapter` (LoRA only): the model
+    """dpo and kto: where the reference log-probabilities come from. `adapter` (LoRA only): the model
     with its adapter disabled, one extra forward without gradient per micro-batch, no second model;
     `precomputed`: one pass over the train and eval data before step 1 with the starting weights,
     on whatever backend is launched, stored beside the prepared data and keyed by the base model,

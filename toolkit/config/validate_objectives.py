@@ -21,30 +21,41 @@ def validate_preference(r: Recipe, need) -> None:
     if p.method is None:
         need("preference" not in formats or r.rl.method is not None, "data.format",
              "preference pairs train only with a preference.method (dpo, orpo or simpo)")
+        need("unpaired" not in formats, "data.format", "unpaired rows train only with preference.method=kto")
         changed = [f.name for f in dataclasses.fields(PreferenceConfig)
                    if getattr(p, f.name) != getattr(PreferenceConfig(), f.name)]
         need(not changed, f"preference.{changed[0] if changed else ''}",
-             "set only with preference.method (dpo, orpo or simpo)")
+             "set only with preference.method (dpo, orpo, simpo or kto)")
         return
-    need(formats == {"preference"}, "data.format",
-         f"preference.method={p.method} trains on pairs: data.format (and every entry's format) must be "
-         f"preference, got {', '.join(sorted(formats))}")
+    wanted = "unpaired" if p.method == "kto" else "preference"
+    need(formats == {wanted}, "data.format",
+         f"preference.method={p.method} trains on "
+         + ("unpaired rows (prompt, completion, label)" if p.method == "kto" else "pairs")
+         + f": data.format (and every entry's format) must be {wanted}, got {', '.join(sorted(formats))}")
     if p.beta is None:
         p.beta = 2.0 if p.method == "simpo" else 0.1
     need(p.beta > 0, "preference.beta", f"must be positive, got {p.beta}")
-    need(p.loss_type == "sigmoid" or p.method == "dpo", "preference.loss_type",
-         f"a DPO setting; preference.method={p.method} has its own loss")
+    loss_types = {"dpo": ("sigmoid", "ipo"), "kto": ("kto", "apo_zero_unpaired")}
+    need(p.loss_type is None or p.loss_type in loss_types.get(p.method, ()), "preference.loss_type",
+         f"preference.method={p.method} takes " + (" or ".join(loss_types[p.method]) if p.method in loss_types
+                                                   else "no loss_type: it has its own loss") + f", got {p.loss_type}")
+    if p.method in loss_types and p.loss_type is None:
+        p.loss_type = loss_types[p.method][0]
     need(0.0 <= p.label_smoothing < 0.5, "preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
-    need(p.label_smoothing == 0 or (p.method, p.loss_type) in (("dpo", "sigmoid"), ("simpo", "sigmoid")),
+    need(p.label_smoothing == 0 or (p.method, p.loss_type) == ("dpo", "sigmoid") or p.method == "simpo",
          "preference.label_smoothing", "applies to dpo with loss_type=sigmoid and to simpo only")
     need(p.gamma is None or p.method == "simpo", "preference.gamma", f"a SimPO setting, not {p.method}'s")
     if p.method == "simpo" and p.gamma is None:
         p.gamma = 0.5
-    need(p.reference == "auto" or p.method == "dpo", "preference.reference",
+    for name in ("desirable_weight", "undesirable_weight"):
+        value = getattr(p, name)
+        need(p.method == "kto" or value == 1.0, f"preference.{name}", f"a KTO setting, not {p.method}'s")
+        need(math.isfinite(value) and value > 0, f"preference.{name}", f"must be a positive number, got {value}")
+    need(p.reference == "auto" or p.method in ("dpo", "kto"), "preference.reference",
          f"{p.method} needs no reference model; remove the key")
     need(p.reference != "adapter" or r.lora.enabled, "preference.reference",
          "adapter: the reference is the model with its LoRA adapter disabled, which needs lora.enabled=true")
-    if p.method == "dpo" and p.reference == "auto":
+    if p.method in ("dpo", "kto") and p.reference == "auto":
         p.reference = "adapter" if r.lora.enabled else "precomputed"
     need(not r.data.packing, "data.packing", "preference pairs are not packed (data.padding_free puts a micro-batch's "
          "sequences in one row without padding)")

@@ -19,18 +19,26 @@ from .formats import IGNORE
 
 class Examples(torch.utils.data.Dataset):
     """Examples read from Arrow by index: one document each, or (packed) one row of documents
-    with `position_ids` restarting at each. Index None (eval padding) gives None."""
+    with `position_ids` restarting at each. Index None (eval padding) gives None.
+
+    An unpaired example (KTO, data.format=unpaired: it has a `label`) comes with its mismatched
+    sequence as `rejected_input_ids` / `rejected_labels`: its own prompt followed by the completion
+    of the example before it in this part (the last one's for the first), cut to `kl_max_length`,
+    as TRL pairs completions (rotated by one) for its KL estimate. The pairing is the prepared
+    data's order, so it is the same whatever the batches, ranks or resume."""
 
     def __init__(self, docs, bins=None):
         self.table = docs  # every column, for counting
-        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "fields")
+        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "fields", "label")
                    if docs is not None and c in docs.column_names]
         if "fields" in columns:  # an online-RL prompt: its place (source, row) seeds its completions
             columns += ["source", "row"]
         self.docs = docs.select_columns(columns).with_format("numpy") if docs is not None else None
         self.bins = bins.with_format("numpy") if bins is not None else None
-        self.pairs = "rejected_input_ids" in columns
-        self.reference = None  # preference pairs: each example's reference log-probabilities (chosen, rejected)
+        self.unpaired = "label" in columns
+        self.pairs = "rejected_input_ids" in columns or self.unpaired
+        self.kl_max_length: int | None = None  # unpaired: the longest mismatched sequence (data.max_seq_len)
+        self.reference = None  # pairs: each example's reference log-probabilities (chosen or completion, rejected or KL)
 
     def __len__(self) -> int:
         if self.docs is None:
@@ -42,6 +50,8 @@ class Examples(torch.utils.data.Dataset):
             return None
         if self.bins is None:
             example = self.docs[int(i)]
+            if self.unpaired:
+                example.update(mismatched(example, self.docs[(int(i) - 1) % len(self.docs)], self.kl_max_length))
             if self.reference is not None:
                 example["reference"] = self.reference[int(i)]
             return example
@@ -52,6 +62,20 @@ class Examples(torch.utils.data.Dataset):
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+def mismatched(example: dict, other: dict, max_length: int | None) -> dict:
+    """`example`'s prompt (its tokens before the first target) followed by `other`'s completion (from
+    its first target on, with its labels), cut to `max_length`: KTO's mismatched pair, as
+    `rejected_input_ids` / `rejected_labels`."""
+    def start(labels) -> int:
+        return int(np.argmax(np.asarray(labels) != IGNORE))
+
+    a, b = start(example["labels"]), start(other["labels"])
+    ids = np.concatenate([np.asarray(example["input_ids"])[:a], np.asarray(other["input_ids"])[b:]])
+    labels = np.concatenate([np.full(a, IGNORE, dtype=np.asarray(other["labels"]).dtype),
+                             np.asarray(other["labels"])[b:]])
+    return {"rejected_input_ids": ids[:max_length], "rejected_labels": labels[:max_length]}
 
 
 def bins_dataset(bins: list[np.ndarray]):
@@ -133,6 +157,9 @@ class Collator:
     - `pairs` (preference pairs): the chosen sequences are the batch's first rows (padding-free:
       documents) and the rejected ones those after them, in the same order, so both go through one
       forward; `reference_logps` holds their reference log-probabilities where the examples carry them.
+      Unpaired examples (KTO) are two batches in one: the completions' under the usual keys, the
+      mismatched sequences' under the same keys prefixed `kl_` (they are taken without gradient,
+      apart), and `kto_labels` (desirable or not); `reference_logps` as for pairs.
 
     An example of None (eval padding, see EvalShardSampler) becomes a row (padding-free: a document)
     without targets; a batch of nothing but None (a rank whose eval share ran out) is one such row
@@ -204,10 +231,16 @@ class Collator:
 
     def pair_batch(self, examples: list[dict | None]) -> dict:
         none = {"input_ids": [self.pad_token_id], "labels": [IGNORE]}
-        rows = ([e or none for e in examples]
-                + [{"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]} if e else none
-                   for e in examples])
-        batch = Collator(self.pad_token_id, padding_free=self.padding_free, bounds=self.bounds)(rows)
+        first = [e or none for e in examples]
+        second = [{"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]} if e else none
+                  for e in examples]
+        collate = Collator(self.pad_token_id, padding_free=self.padding_free, bounds=self.bounds)
+        if any(e is not None and "label" in e for e in examples):  # unpaired: two batches, the mismatched one as kl_*
+            batch = {**collate(first), **{f"kl_{k}": v for k, v in collate(second).items()},
+                     "kto_labels": torch.as_tensor([int(e["label"]) if e is not None else 0 for e in examples],
+                                                   dtype=torch.bool)}
+        else:
+            batch = collate(first + second)
         if any(e is not None and "reference" in e for e in examples):
             reference = np.zeros((len(examples), 2))
             for i, e in enumerate(examples):

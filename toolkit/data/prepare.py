@@ -273,7 +273,13 @@ def label_audit(example: dict, tokenizer, width: int = 240) -> str:
         parts.append(f"[[{text}]]" if target[run[0]] else text)
     line = (f"first training example, trained tokens in [[ ]] ({int(target.sum())} of {len(ids)} tokens): "
             + "".join(parts))
-    if "rejected_input_ids" in example:  # a preference pair: the rejected completion as trained against
+    if "label" in example:  # unpaired (KTO): the label, and the mismatched completion its KL estimate takes
+        other = np.asarray(example["rejected_input_ids"])[np.asarray(example["rejected_labels"]) != IGNORE]
+        line = line.replace("first training example", "first training example, "
+                            + ("desirable" if example["label"] else "undesirable"), 1)
+        line += (" | mismatched for the KL estimate: the same prompt with the previous row's completion "
+                 f"[[{tokenizer.decode(other.tolist()).replace(chr(10), chr(92) + 'n')}]]")
+    elif "rejected_input_ids" in example:  # a preference pair: the rejected completion as trained against
         rejected = np.asarray(example["rejected_input_ids"])[np.asarray(example["rejected_labels"]) != IGNORE]
         line = line.replace("first training example", "first training pair, chosen", 1)
         line += f" | rejected: [[{tokenizer.decode(rejected.tolist()).replace(chr(10), chr(92) + 'n')}]]"

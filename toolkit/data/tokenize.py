@@ -163,6 +163,8 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
             out.append(_example(*r, i, o, fmt, tokenizer, max_seq_len, train_on_prompt))
             if fmt == "prompt":  # one prompt, no targets (its completions are sampled in training)
                 out[-1].update(n_targets=1, full_targets=1, fields=json.dumps(rows[k], default=str))
+            if fmt == "unpaired":
+                out[-1]["label"] = 0 if k in missing else desirable(rows[k])
             out[-1]["missing"] = missing.get(k, "")
             out[-1]["note"] = "" if k in missing or fmt != "messages" else trailing_system_turn(rows[k])
             out[-1]["row"] = indices[k]
@@ -186,6 +188,7 @@ def _features(fmt: str = "text"):
     return Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("int32")),
                      **(pairs if fmt == "preference" else {}),
                      **({"fields": Value("string")} if fmt == "prompt" else {}),
+                     **({"label": Value("int8")} if fmt == "unpaired" else {}),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
                      "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
                      "note": Value("string"), "row": Value("int32")})
@@ -221,6 +224,9 @@ def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, in
         return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
     if fmt == "preference":
         return preference_examples(row, tokenizer)
+    if fmt == "unpaired":
+        desirable(row)  # a label that is neither true nor false is refused with the row's number
+        return preference_examples(row, tokenizer, ("completion",))
     if fmt == "prompt":
         return [prompt_example(row, tokenizer)]
     return chat_examples(chat_messages(row), row.get("tools") or None, tokenizer)
@@ -318,69 +324,80 @@ def sharegpt_messages(turns) -> list[dict] | None:
     return messages
 
 
-def preference_examples(row: dict, tokenizer) -> list[tuple[str, list[tuple[int, int]], bool]]:
-    """A preference row as its two examples, prompt + chosen and prompt + rejected, each with its
-    completion as the span that carries loss (TRL's standard and conversational formats).
+def preference_examples(row: dict, tokenizer, names: tuple[str, ...] = ("chosen", "rejected")
+                        ) -> list[tuple[str, list[tuple[int, int]], bool]]:
+    """A preference row as its examples, prompt + chosen and prompt + rejected (`names`: the
+    completion columns; an unpaired row's is `completion`), each with its completion as the span
+    that carries loss (TRL's standard and conversational formats).
     Text: the completions get eos (unless they end with it), and BOS is added as for `text`.
     Chat: the prompt is the template's rendering with the generation prompt, each completion what
     the template adds after it (where the prompt alone renders differently, the text both share).
-    A row without `prompt` whose chosen and rejected conversations open alike has those turns as
+    A pair without `prompt` whose chosen and rejected conversations open alike has those turns as
     its prompt. Empty or identical completions: MissingField (the 1% rule)."""
-    chosen, rejected = row.get("chosen"), row.get("rejected")
-    if chosen is None or rejected is None:
-        raise MissingField("chosen" if chosen is None else "rejected")
-    chat = isinstance(chosen, list)
-    if chat != isinstance(rejected, list):
+    values = [row.get(name) for name in names]
+    for name, value in zip(names, values):
+        if value is None:
+            raise MissingField(name)
+    chat = isinstance(values[0], list)
+    if any(chat != isinstance(v, list) for v in values):
         raise ToolkitError("chosen and rejected must both be text or both be lists of chat messages")
     if chat:
         prompt = row.get("prompt")
-        if prompt is None and "prompt" not in row:  # implicit prompt: the turns both conversations open with
+        if prompt is None and "prompt" not in row and len(values) == 2:  # implicit prompt: the turns both open with
+            chosen, rejected = values
             shared = 0
             while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
                 shared += 1
-            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            prompt, values = chosen[:shared], [chosen[shared:], rejected[shared:]]
         if prompt is None:
             raise MissingField("prompt")
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        need_chat_template(tokenizer, "preference pairs written as chat messages")
+        need_chat_template(tokenizer, "preference rows written as chat messages")
         checked = {}
-        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        for name, value in (("prompt", prompt), *zip(names, values)):
             if not value:
                 raise MissingField(name, "is empty")
             answer = [{"role": "assistant", "content": ""}] if name == "prompt" else []
             checked[name] = template_fields(chat_messages({name: value + answer}, name)[:len(value)], tokenizer, name)
         prompt = checked["prompt"]
-        (chosen, at_chosen), (rejected, at_rejected) = (completion_turns(prompt, checked[name], name)
-                                                        for name in ("chosen", "rejected"))
+        turns, starts = zip(*(completion_turns(prompt, checked[name], name) for name in names))
         tools = row.get("tools") or None
         before = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
-        texts = [tokenizer.apply_chat_template(prompt + turns, tools=tools, tokenize=False)
-                 for turns in (chosen, rejected)]
+        texts = [tokenizer.apply_chat_template(prompt + t, tools=tools, tokenize=False) for t in turns]
         cut = min(len(os.path.commonprefix([before, t])) for t in texts)
         completions = [t[cut:] for t in texts]
         check_rendered(prompt, before, "prompt")
-        check_rendered(chosen, completions[0], "chosen", at_chosen)
-        check_rendered(rejected, completions[1], "rejected", at_rejected)
-        empty = [not "".join(str(m.get("content") or "") for m in turns).strip() and not any(
-            m.get("tool_calls") for m in turns) for turns in (chosen, rejected)]
-        spans = [completion_spans(prompt, turns, tools, tokenizer, t, cut)
-                 for turns, t in zip((chosen, rejected), texts)]
+        for name, t, completion, at in zip(names, turns, completions, starts):
+            check_rendered(t, completion, name, at)
+        empty = [not "".join(str(m.get("content") or "") for m in t).strip() and not any(
+            m.get("tool_calls") for m in t) for t in turns]
+        spans = [completion_spans(prompt, t, tools, tokenizer, text, cut) for t, text in zip(turns, texts)]
         has_specials = True
     else:
         prompt = text_value(row, "prompt")
-        completions = [text_value(row, name) for name in ("chosen", "rejected")]
+        completions = [text_value(row, name) for name in names]
         empty = [not c.strip() for c in completions]
         eos = tokenizer.eos_token or ""
         completions = [c if c.endswith(eos) else c + eos for c in completions]
         texts, cut, has_specials = [prompt + c for c in completions], len(prompt), False
         spans = [[(cut, len(t))] for t in texts]
-    for name, is_empty in zip(("chosen", "rejected"), empty):
+    for name, is_empty in zip(names, empty):
         if is_empty:
             raise MissingField(name, "is empty")
-    if completions[0] == completions[1]:
+    if len(completions) == 2 and completions[0] == completions[1]:
         raise MissingField("chosen", "is identical to rejected")
     return [(t, s, has_specials) for t, s in zip(texts, spans)]
+
+
+def desirable(row: dict) -> int:
+    """An unpaired row's `label`: 1 (desirable) for true, 0 for false (TRL's booleans; 1 and 0 too)."""
+    label = row.get("label")
+    if label is None:
+        raise MissingField("label")
+    if isinstance(label, bool) or label in (0, 1):
+        return int(label)
+    raise ToolkitError(f"label must be true (desirable) or false (undesirable), got {label!r}")
 
 
 def completion_spans(prompt: list[dict], turns: list[dict], tools, tokenizer, text: str, cut: int) -> list:
@@ -579,7 +596,7 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
     """Labels: a token is a target when its first character lies inside a span that carries loss."""
     ids = np.asarray(enc_ids, dtype=np.int64)
     starts = np.asarray([a for a, _ in offsets], dtype=np.int64)
-    if fmt in ("text", "preference", "prompt") and tokenizer.bos_token_id is not None and not has_specials:
+    if fmt in ("text", "preference", "unpaired", "prompt") and tokenizer.bos_token_id is not None and not has_specials:
         ids, starts = np.concatenate([[tokenizer.bos_token_id], ids]), np.concatenate([[0], starts])
     if fmt == "text" or train_on_prompt:
         target = np.ones(len(ids), dtype=bool)

@@ -214,12 +214,17 @@ def extra_forwards(recipe: Recipe) -> float:
     through the disabled adapter; online RL's sampling (about one forward over the prompt and its
     completion, with the KV cache), its reference (rl.beta) and old log-probabilities
     (rl.num_iterations > 1, or rloo's KL), once per generated batch; rl.top_entropy_quantile's entropy
-    pass every step."""
+    pass every step; KTO's pass over the mismatched sequences (and their reference's through the
+    disabled adapter)."""
     rl = recipe.rl
     if rl.method is not None:  # rloo's KL in the reward needs the sampling policy's log-probabilities too
         old = rl.num_iterations > 1 or (rl.method == "rloo" and rl.beta > 0)
         return (1 + (rl.beta > 0) + old) / rl.num_iterations + (rl.top_entropy_quantile < 1)  # its entropy pass
-    return float(recipe.preference.reference == "adapter")
+    p = recipe.preference
+    if p.method == "kto":  # the mismatched sequences' pass for the KL estimate, and the reference of both
+        kl = p.loss_type == "kto"
+        return kl + (p.reference == "adapter") * (1 + kl)
+    return float(p.reference == "adapter")
 
 
 def setup_lora(backend: backends.Backend, recipe: Recipe, model, rows: list[int], out: Path):
@@ -257,7 +262,7 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                                    router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
                                    out=Path(recipe.output_dir))
     else:
-        objective = objectives.for_recipe(recipe, model)
+        objective = objectives.for_recipe(recipe, model, backend.accelerator)
     backend.check_objective(objective)
     for line in objective.describe():
         log(line)
@@ -303,6 +308,7 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {ranks} "
                            + ("processes)" if ranks == world else f"data-parallel ranks of {world} processes)"))
+    data.train.kl_max_length = data.eval.kl_max_length = recipe.data.max_seq_len  # KTO's mismatched sequences
     collate = Collator(tokenizer.pad_token_id, packed=built.packing, padding_free=built.padding_free,
                        bounds=built.config.attn_implementation == "varlen", pairs=data.train.pairs,
                        multiple=backend.sequence_parallel, prompts=recipe.rl.method is not None)

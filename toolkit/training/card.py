@@ -60,14 +60,14 @@ def model_card(recipe: Recipe, state, rows: list[dict], base_folder: Path | None
 def objective_tag(recipe: Recipe) -> str:
     if recipe.rl.method:
         return recipe.rl.method
-    return recipe.preference.method if recipe.data.format == "preference" else "sft"
+    return recipe.preference.method if recipe.data.format in ("preference", "unpaired") else "sft"
 
 
 def objective_text(recipe: Recipe) -> str:
     if recipe.rl.method:
         rewards = ", ".join(r if isinstance(r, str) else r.function for r in recipe.rl.rewards)
         return f"online RL ({recipe.rl.method}, {recipe.rl.loss_type} loss) rewarded by {rewards}"
-    if recipe.data.format == "preference":
+    if recipe.data.format in ("preference", "unpaired"):
         return f"preference training ({recipe.preference.method}, beta {recipe.preference.beta:g})"
     return "supervised fine-tuning"
 

@@ -234,6 +234,7 @@ def evaluate(accelerator, model, eval_loader, objective: Objective, monitor: Mon
         faults.at("eval")
     model.eval()
     objective.step_metrics(accelerator.device)  # a clean start: only the eval batches' metrics below
+    objective.begin_eval(model, eval_loader)
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in eval_loader:
         batch = to_device(batch, accelerator.device)

@@ -2,10 +2,12 @@
 its objective through one typed contract, `Objective`, and knows nothing else about the loss, so
 another objective is a class here, not branches in the loop.
 
-Three implement it: `Supervised` (units: target tokens) and `Preference` (units: pairs) here, and
-online RL's `online.GroupRL` (units: completion tokens or completions), which makes its own batch in
-`step_batches` (called once per optimizer step on the micro-batches the loader gave, before anything
-is counted): it samples completions for the loader's prompts and scores them before the loss.
+Four implement it: `Supervised` (units: target tokens) and `Preference` (units: pairs) here, KTO's
+`kto.Unpaired` (units: completions), which takes its KL estimate over the global batch in
+`step_batches`, and online RL's `online.GroupRL` (units: completion tokens or completions), which
+makes its own batch in `step_batches` (called once per optimizer step on the micro-batches the
+loader gave, before anything is counted): it samples completions for the loader's prompts and scores
+them before the loss.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Objective(ABC):
 
     Evaluation calls `loss_sum` and `units` per eval batch, then `step_metrics` and `finish_metrics`,
     and reports the metrics named in `eval_metrics` (and `eval_loss` where `has_eval_loss`), and
-    says the answers of `eval_samples()`. `describe()` gives the start-of-run lines; `unsplittable()`
+    says the answers of `eval_samples()`; `begin_eval(model, batches)` comes first. `describe()` gives the start-of-run lines; `unsplittable()`
     says why the loss cannot be taken on rows split across ranks (sequence parallelism), if so."""
 
     unit: ClassVar[str]  # what the loss is a mean over, in words ("target tokens", "pairs")
@@ -64,6 +66,10 @@ class Objective(ABC):
 
     def eval_samples(self) -> list[dict]:
         return []
+
+    def begin_eval(self, model, batches) -> None:
+        """Before evaluation's batches: what the objective takes over the whole eval set first
+        (KTO's KL estimate); `batches` iterates this rank's eval batches on the host."""
 
     def host_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[float]:
         """Units, processed tokens (packed and padding-free rows carry no mask, so their little
@@ -215,11 +221,8 @@ class Preference(Objective):
     @staticmethod
     def valid(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per pair: whether both its sequences have targets (eval padding has none)."""
-        sequences = sequence_index(batch)
-        targets = batch["labels"][:, 1:] != IGNORE
-        n = int(sequences.max()) + 1
-        has_targets = torch.zeros(n, dtype=torch.long, device=targets.device).index_add(
-            0, sequences[targets], torch.ones_like(sequences[targets])) > 0
+        has_targets = sequences_with_targets(batch)
+        n = len(has_targets)
         return has_targets[:n // 2] & has_targets[n // 2:]
 
     def reference_logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -253,11 +256,24 @@ class Preference(Objective):
                 for name in self.eval_metrics}
 
 
-def for_recipe(recipe, model=None) -> Objective:
+def sequences_with_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per sequence of the batch (rows; documents of a padding-free row): whether it has a target."""
+    sequences = sequence_index(batch)
+    targets = batch["labels"][:, 1:] != IGNORE
+    n = int(sequences.max()) + 1
+    return torch.zeros(n, dtype=torch.long, device=targets.device).index_add(
+        0, sequences[targets], torch.ones_like(sequences[targets])) > 0
+
+
+def for_recipe(recipe, model=None, accelerator=None) -> Objective:
     """The recipe's objective trained on a dataset, for `model` as built (before prepare; after LoRA
     for a preference objective, whose DPO reference may be the model with its adapter disabled):
-    supervised, with the router's load-balancing loss as model.router_aux_loss_coef says, or
-    preference. (Online RL's, which makes its own batches, is `online.GroupRL`.)"""
+    supervised, with the router's load-balancing loss as model.router_aux_loss_coef says,
+    preference, or KTO's (`kto.Unpaired`, which reduces its KL estimate over `accelerator`'s ranks). (Online RL's, which makes its own batches, is `online.GroupRL`.)"""
+    if recipe.preference.method == "kto":
+        from .kto import Unpaired
+
+        return Unpaired(recipe.preference, accelerator, model if recipe.preference.reference == "adapter" else None)
     if recipe.preference.method is not None:
         adapter = model if recipe.preference.reference == "adapter" else None
         return Preference(recipe.preference, adapter,

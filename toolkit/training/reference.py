@@ -1,4 +1,4 @@
-"""DPO's reference log-probabilities, computed once before training (preference.reference=precomputed).
+"""DPO's and KTO's reference log-probabilities, computed once before training (preference.reference=precomputed).
 
 One pass over the train and eval pairs with the starting weights, on the model as the launch
 prepared it (DDP, FSDP, ZeRO-3: each rank its share, as `EvalShardSampler` splits the eval set, so
@@ -30,6 +30,7 @@ from ..model import base_identity
 from ..model.hub import resolve_model
 from ..model.load import config_overrides
 from ..storage import disk
+from .kto import completion_part, mismatched_part
 from .loss import token_logps
 
 
@@ -81,7 +82,8 @@ def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, rec
 
 @torch.no_grad()
 def compute(accelerator, model, part: Examples, batch_size: int, collate: Collator, name: str) -> np.ndarray:
-    """(examples, 2): each example's chosen and rejected summed target log-probability under `model`
+    """(examples, 2): each example's chosen and rejected (KTO: completion and mismatched) summed target
+    log-probability under `model`
     in eval mode, in training's batches (`collate`: padded or padding-free) of `batch_size` pairs (at
     most a rank's share), every rank computing its share with the same number of forwards."""
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -97,7 +99,11 @@ def compute(accelerator, model, part: Examples, batch_size: int, collate: Collat
             chunk = indices[start:start + batch_size]
             batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate([part[i] for i in chunk]).items()}
-            logps, _ = token_logps(model, batch)
+            if "kl_input_ids" in batch:  # unpaired (KTO): the completions, then the mismatched sequences
+                logps = torch.cat([token_logps(model, completion_part(batch))[0],
+                                   token_logps(model, mismatched_part(batch))[0]])
+            else:
+                logps, _ = token_logps(model, batch)
             mine.append(torch.stack([logps[:len(chunk)], logps[len(chunk):]], 1).double())
     finally:
         model.train(was_training)

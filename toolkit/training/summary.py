@@ -32,7 +32,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
     ranks = backend.data_parallel()[1]
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * ranks
     length = "train.max_steps" if t.max_steps else f"train.epochs {t.epochs}"
-    unit = "preference pairs" if recipe.preference.method else "sequences"
+    unit = ("completions (desirable or not)" if recipe.preference.method == "kto" else "preference pairs"
+            if recipe.preference.method else "sequences")
     if recipe.rl.method:  # micro_batch_size counts prompts; each is trained on with its num_generations completions
         g = recipe.rl.num_generations
         unit = f"prompts x {g} completions ({global_batch * g} sequences of prompt + completion)"

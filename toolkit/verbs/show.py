@@ -38,7 +38,8 @@ def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str]) -> list
     else:
         lines.append("#   launch:      one process (plain `toolkit train`); --accelerate-config X.yaml shows yours")
     per_step = t.micro_batch_size * t.gradient_accumulation_steps * ranks
-    unit = "prompts" if recipe.rl.method else "pairs" if d.format == "preference" else (
+    unit = "prompts" if recipe.rl.method else "pairs" if d.format == "preference" else \
+        "completions" if d.format == "unpaired" else (
         f"packed rows of {d.max_seq_len} tokens" if d.packing else "examples")
     lines.append(f"#   batch:       {t.micro_batch_size} x {t.gradient_accumulation_steps} accumulation x {ranks} "
                  f"data-parallel rank(s) = {per_step} {unit} per optimizer step"
@@ -76,6 +77,9 @@ def objective_line(recipe: Recipe) -> str:
                 f"{rl.max_new_tokens} tokens at temperature {rl.temperature:g}, scored by {rewards}")
     if recipe.data.format == "preference":
         return f"preference, {pref.method} (beta {pref.beta:g}) on chosen and rejected answers"
+    if recipe.data.format == "unpaired":
+        return (f"preference, kto ({pref.loss_type}, beta {pref.beta:g}) on answers labelled desirable or "
+                "undesirable")
     on = "every token" if recipe.data.format == "text" or recipe.data.train_on_prompt else "the responses only"
     return f"supervised fine-tuning, the loss on {on}"
 
