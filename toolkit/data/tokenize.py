@@ -391,11 +391,14 @@ def preference_examples(row: dict, tokenizer, names: tuple[str, ...] = ("chosen"
 
 
 def desirable(row: dict) -> int:
-    """An unpaired row's `label`: 1 (desirable) for true, 0 for false (TRL's booleans; 1 and 0 too)."""
+    """An unpaired row's `label`: 1 (desirable) for true, 0 for false (TRL's booleans; 1 and 0, and
+    the text "true" and "false" of a CSV file, too)."""
     label = row.get("label")
     if label is None:
         raise MissingField("label")
-    if isinstance(label, bool) or label in (0, 1):
+    if isinstance(label, str) and label.strip().lower() in ("true", "false"):
+        return int(label.strip().lower() == "true")
+    if isinstance(label, bool) or (isinstance(label, (int, float)) and label in (0, 1)):
         return int(label)
     raise ToolkitError(f"label must be true (desirable) or false (undesirable), got {label!r}")
 
