@@ -170,3 +170,126 @@ def test_kto_matches_trl(tmp_path):
     for name, value in trainer.model.state_dict().items():  # Adam's steps are about lr (1e-3) per element
         assert (value - start[name]).abs().max() > 1e-3, name  # moved: equality is not of the starting weights
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+# ---- launched: every layout learns the same ----
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kto")
+    write_jsonl(root / "train.jsonl", rows(32))
+    write_jsonl(root / "eval.jsonl", rows(6, skip=100))
+    return root
+
+
+def recipe(workdir, name, layout="single", lora=False, **extra):
+    sections = {
+        "output_dir": str(workdir / name), "seed": 5, "model": {"preset": "tiny-llama-mini"},
+        "lora": {"enabled": True, "r": 4, "alpha": 8} if lora else {"enabled": False},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "unpaired", "max_seq_len": 64},
+        "preference": {"method": "kto", "beta": 0.5},
+        "train": {"micro_batch_size": 4 if layout == "single" else 2, "gradient_accumulation_steps": 2,
+                  "max_steps": STEPS, "learning_rate": 3e-3 if lora else 1e-3, "eval_every_steps": 2,
+                  "log_every_steps": 1},
+        "checkpoint": {"every_steps": 1, "keep_last": 10},
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        sections[section][field] = value
+    return write_recipe(workdir / f"{name}.yaml", **sections)
+
+
+def command(workdir, layout, path, *overrides):
+    if layout == "single":
+        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
+    return accelerate_launch(launch_config_for(layout, workdir)) + ["toolkit", "train", str(path), *overrides]
+
+
+def train(workdir, name, layout="single", **extra):
+    path = recipe(workdir, name, layout, **extra)
+    rc, out, err = finish(start(command(workdir, layout, path)))
+    assert rc == 0, err[-3000:]
+    return workdir / name, out + err
+
+
+KEYS = ("loss", "kl", "rewards_chosen", "rewards_rejected", "reward_margin", "eval_loss", "eval_kl",
+        "eval_reward_margin")
+
+
+def assert_close(a, b, tol=1e-4):
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(STEPS + 1))
+    for x, y in zip(ra, rb):
+        for k in KEYS:
+            if x.get(k) is not None or y.get(k) is not None:
+                assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol * 1e-2), (x["step"], k, x[k], y[k])
+    wa, wb = load_weights(a / "final"), load_weights(b / "final")
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(workdir):
+    """One process, full fine-tuning, the reference precomputed: the reference of the layouts and
+    of the resume."""
+    return train(workdir, "single")
+
+
+@pytest.mark.launch
+def test_one_process_kto_logs_its_kl_and_rewards(single):
+    run, log = single
+    assert "preference: kto, beta 0.5, loss_type kto" in log and "averaged over the global batch" in log
+    assert "reference: train: computed for 32 pairs" in log and "mismatched for the KL estimate" in log
+    metrics = read_metrics(run)
+    assert metrics[0]["eval_loss"] == pytest.approx(0.5, abs=1e-6)  # policy = reference: every loss is 1 - σ(0)
+    assert metrics[0]["eval_kl"] == 0 and metrics[1]["loss"] == pytest.approx(0.5, abs=1e-6)
+    assert any(r["kl"] > 0 for r in metrics[2:])  # the estimate counts once the policy moved
+    assert all(math.isfinite(r["loss"]) and r["loss"] != 0.5 for r in metrics[2:])
+    for row in metrics[1:]:
+        assert row["reward_margin"] == pytest.approx(row["rewards_chosen"] - row["rewards_rejected"], abs=1e-6)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "zero3"])
+def test_two_processes_equal_one(layout, workdir, single):
+    """The KL estimate over the global batch (TRL's is per micro-batch, so it would differ here):
+    the same losses, KL, rewards and weights as one process within 1e-4."""
+    run, log = train(workdir, f"full_{layout}", layout)
+    assert "reference: train: read from" in log  # the same data and base: computed once, by the first run
+    assert_close(single[0], run)
+
+
+@pytest.mark.launch
+def test_padding_free_and_the_lora_reference_under_zero3(workdir, single):
+    """data.padding_free (each micro-batch's completions in one row, the mismatched ones in another)
+    equals the padded run; LoRA's reference is the disabled adapter, and ZeRO-3 on 2 processes equals
+    one process."""
+    run, log = train(workdir, "padding_free", **{"data__padding_free": True})
+    assert "attention: varlen" in log
+    assert_close(single[0], run)
+    lora_single, _ = train(workdir, "lora_single", lora=True)
+    lora_zero3, log = train(workdir, "lora_zero3", "zero3", lora=True)
+    assert "reference: the model with its LoRA adapter disabled" in log
+    assert read_metrics(lora_single)[1]["loss"] == pytest.approx(0.5, abs=1e-6)
+    assert_close(lora_single, lora_zero3)
+
+
+@pytest.mark.launch
+def test_sigkill_resumes_bitwise(workdir, single):
+    path = recipe(workdir, "killed")
+    run = workdir / "killed"
+    kill_after_step(start(command(workdir, "single", path)), run, 2)
+    assert not (run / "final").exists(), "the kill came after the run finished"
+    rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out
+    from toolkit.observe.measure import MEASURED
+
+    def comparable(folder):
+        return [{k: v for k, v in r.items() if k not in MEASURED} for r in read_metrics(folder)]
+
+    assert comparable(run) == comparable(single[0])
+    want, have = load_weights(single[0] / "final"), load_weights(run / "final")
+    assert all(torch.equal(want[k], have[k]) for k in want)
