@@ -45,6 +45,10 @@ def pair_rows(n: int) -> list[dict]:
     return [{"prompt": f"Say {i}.", "chosen": str(i), "rejected": str(i + 1)} for i in range(n)]
 
 
+def unpaired_rows(n: int) -> list[dict]:
+    return [{"prompt": f"Say {i}.", "completion": str(i + i % 2), "label": i % 2 == 0} for i in range(n)]
+
+
 def alpaca(n: int) -> list[dict]:
     return [{"instruction": "Reverse", "input": "ab" * (i + 1), "output": "ba" * (i + 1)} for i in range(n)]
 
@@ -56,6 +60,8 @@ BASES = {  # each careless case starts from one of these, written into its own f
     "pref": lambda d: {"data": {"train_files": [str(write_jsonl(d / "pairs.jsonl", pair_rows(16)))],
                                 "format": "preference", "max_seq_len": 64, "num_proc": 1},
                        "preference": {"method": "dpo"}},
+    "kto": lambda d: {"data": {"train_files": [str(write_jsonl(d / "rows.jsonl", unpaired_rows(16)))],
+                               "format": "unpaired", "max_seq_len": 64, "num_proc": 1}, "preference": {"method": "kto"}},
     "sft": lambda d: {"data": {"train_files": [str(write_jsonl(d / "train.jsonl", alpaca(16)))], "format": "alpaca",
                                "max_seq_len": 64, "num_proc": 1}},
 }
@@ -174,7 +180,7 @@ RL = [
 PREFERENCE = [
     ("beta 0", ["preference.beta=0"], "preference.beta: must be positive, got 0.0"),
     ("beta as a word", ["preference.beta=strong"], "preference.beta: expected a number, got string 'strong'"),
-    ("method in capitals", ["preference.method=DPO"], "preference.method: must be one of dpo, orpo, simpo; got 'DPO'"),
+    ("method in capitals", ["preference.method=DPO"], "preference.method: must be one of dpo, orpo, simpo, kto; got 'DPO'"),
     ("adapter reference without LoRA", ["preference.reference=adapter"],
      "preference.reference: adapter: the reference is the model with its LoRA adapter disabled"),
     ("a SimPO key on DPO", ["preference.gamma=0.5"], "preference.gamma: a SimPO setting, not dpo's"),
@@ -183,6 +189,27 @@ PREFERENCE = [
     ("pairs as prompts", ["data.format=prompt"], "data.format: preference.method=dpo trains on pairs"),
     ("pairs without a method", ["preference.method=null"], "data.format: preference pairs train only with a"),
     ("rl keys on preference", ["rl.num_generations=4"], "rl.num_generations: set only with rl.method (grpo or rloo)"),
+    ("kto on pairs", ["preference.method=kto"], "data.format: preference.method=kto trains on unpaired rows (prompt, "
+     "completion, label): data.format (and every entry's format) must be unpaired, got preference (write each pair as "
+     "two rows: prompt and chosen with label true, prompt and rejected with label false)"),
+    ("a KTO weight on DPO", ["preference.desirable_weight=2"], "preference.desirable_weight: a KTO setting, not dpo's"),
+    ("a KTO loss type on DPO", ["preference.loss_type=kto"],
+     "preference.loss_type: preference.method=dpo takes sigmoid or ipo, got kto"),
+]
+KTO = [
+    ("a weight of 0", ["preference.desirable_weight=0"], "preference.desirable_weight: must be a positive number, got 0.0"),
+    ("a negative weight", ["preference.undesirable_weight=-1"],
+     "preference.undesirable_weight: must be a positive number, got -1.0"),
+    ("a DPO loss type on KTO", ["preference.loss_type=sigmoid"],
+     "preference.loss_type: preference.method=kto takes kto or apo_zero_unpaired, got sigmoid"),
+    ("DPO on unpaired rows", ["preference.method=dpo"], "data.format: preference.method=dpo trains on pairs: data.format "
+     "(and every entry's format) must be preference, got unpaired"),
+    ("unpaired rows without a method", ["preference.method=null"],
+     "data.format: unpaired rows train only with preference.method=kto"),
+    ("label smoothing on KTO", ["preference.label_smoothing=0.1"],
+     "preference.label_smoothing: applies to dpo with loss_type=sigmoid and to simpo only"),
+    ("a reference on KTO with full fine-tuning", ["preference.reference=adapter"],
+     "preference.reference: adapter: the reference is the model with its LoRA adapter disabled"),
 ]
 LONG_CONTEXT = [
     ("fixed: a RoPE factor below 1", ["model.rope_scaling={rope_type: linear, factor: 0.5}"],
@@ -227,7 +254,7 @@ TOKENS_MOE_QLORA = [
     ("4-bit base in bf16 computed in fp32", ["model.load_in_4bit=true", "lora.enabled=true", "model.dtype=bf16"],
      "model.dtype: bf16 base weights need train.precision=bf16, got fp32"),
 ]
-CASES = ([("rl", *c) for c in RL] + [("pref", *c) for c in PREFERENCE] + [("sft", *c) for c in LONG_CONTEXT]
+CASES = ([("rl", *c) for c in RL] + [("pref", *c) for c in PREFERENCE] + [("kto", *c) for c in KTO] + [("sft", *c) for c in LONG_CONTEXT]
          + [("sft", *c) for c in TOKENS_MOE_QLORA])
 
 

@@ -89,6 +89,10 @@ def test_a_label_that_is_not_true_or_false_is_refused_by_file_and_row(tmp_path, 
     data = write_jsonl(tmp_path / "bad.jsonl", good + [{**rows(1)[0], "label": bad}])
     with pytest.raises(ToolkitError, match=f"bad.jsonl: row 30.*{words}"):
         build_datasets(DataConfig(train_files=[str(data)], format="unpaired", max_seq_len=256), tok, 0, False)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    with pytest.raises(ToolkitError, match=r"pairs.jsonl: data.format=unpaired needs column\(s\) completion, label; "
+                                           "found prompt, chosen, rejected, which data.format=preference reads"):
+        build_datasets(DataConfig(train_files=[str(pairs)], format="unpaired", max_seq_len=256), tok, 0, False)
 
 
 def test_each_example_is_mismatched_with_the_previous_rows_completion(tok):

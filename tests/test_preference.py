@@ -278,7 +278,7 @@ def recipe_file(tmp_path, **sections):
     ({"data__format": "messages"}, "data.format", "must be preference"),
     ({"preference__method": None}, "data.format", "only with a preference.method"),
     ({"preference__gamma": 1.0}, "preference.gamma", "SimPO setting"),
-    ({"preference__method": "orpo", "preference__loss_type": "ipo"}, "preference.loss_type", "DPO setting"),
+    ({"preference__method": "orpo", "preference__loss_type": "ipo"}, "preference.loss_type", "a DPO or KTO setting"),
     ({"preference__reference": "adapter"}, "preference.reference", "lora.enabled"),
     ({"preference__method": "simpo", "preference__reference": "precomputed"}, "preference.reference", "no reference"),
     ({"preference__beta": 0}, "preference.beta", "positive"),

@@ -31,14 +31,17 @@ def validate_preference(r: Recipe, need) -> None:
     need(formats == {wanted}, "data.format",
          f"preference.method={p.method} trains on "
          + ("unpaired rows (prompt, completion, label)" if p.method == "kto" else "pairs")
-         + f": data.format (and every entry's format) must be {wanted}, got {', '.join(sorted(formats))}")
+         + f": data.format (and every entry's format) must be {wanted}, got {', '.join(sorted(formats))}"
+         + (" (write each pair as two rows: prompt and chosen with label true, prompt and rejected with label false)"
+            if p.method == "kto" and "preference" in formats else ""))
     if p.beta is None:
         p.beta = 2.0 if p.method == "simpo" else 0.1
     need(p.beta > 0, "preference.beta", f"must be positive, got {p.beta}")
     loss_types = {"dpo": ("sigmoid", "ipo"), "kto": ("kto", "apo_zero_unpaired")}
-    need(p.loss_type is None or p.loss_type in loss_types.get(p.method, ()), "preference.loss_type",
-         f"preference.method={p.method} takes " + (" or ".join(loss_types[p.method]) if p.method in loss_types
-                                                   else "no loss_type: it has its own loss") + f", got {p.loss_type}")
+    need(p.loss_type is None or p.method in loss_types, "preference.loss_type",
+         f"a DPO or KTO setting; preference.method={p.method} has its own loss")
+    need(p.loss_type is None or p.loss_type in loss_types[p.method], "preference.loss_type",
+         f"preference.method={p.method} takes {' or '.join(loss_types.get(p.method, ()))}, got {p.loss_type}")
     if p.method in loss_types and p.loss_type is None:
         p.loss_type = loss_types[p.method][0]
     need(0.0 <= p.label_smoothing < 0.5, "preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
