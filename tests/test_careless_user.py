@@ -61,7 +61,8 @@ BASES = {  # each careless case starts from one of these, written into its own f
                                 "format": "preference", "max_seq_len": 64, "num_proc": 1},
                        "preference": {"method": "dpo"}},
     "kto": lambda d: {"data": {"train_files": [str(write_jsonl(d / "rows.jsonl", unpaired_rows(16)))],
-                               "format": "unpaired", "max_seq_len": 64, "num_proc": 1}, "preference": {"method": "kto"}},
+                               "format": "unpaired", "max_seq_len": 64, "num_proc": 1},
+                      "preference": {"method": "kto"}},
     "sft": lambda d: {"data": {"train_files": [str(write_jsonl(d / "train.jsonl", alpaca(16)))], "format": "alpaca",
                                "max_seq_len": 64, "num_proc": 1}},
 }
@@ -180,7 +181,8 @@ RL = [
 PREFERENCE = [
     ("beta 0", ["preference.beta=0"], "preference.beta: must be positive, got 0.0"),
     ("beta as a word", ["preference.beta=strong"], "preference.beta: expected a number, got string 'strong'"),
-    ("method in capitals", ["preference.method=DPO"], "preference.method: must be one of dpo, orpo, simpo, kto; got 'DPO'"),
+    ("method in capitals", ["preference.method=DPO"],
+     "preference.method: must be one of dpo, orpo, simpo, kto; got 'DPO'"),
     ("adapter reference without LoRA", ["preference.reference=adapter"],
      "preference.reference: adapter: the reference is the model with its LoRA adapter disabled"),
     ("a SimPO key on DPO", ["preference.gamma=0.5"], "preference.gamma: a SimPO setting, not dpo's"),
@@ -197,12 +199,14 @@ PREFERENCE = [
      "preference.loss_type: preference.method=dpo takes sigmoid or ipo, got kto"),
 ]
 KTO = [
-    ("a weight of 0", ["preference.desirable_weight=0"], "preference.desirable_weight: must be a positive number, got 0.0"),
+    ("a weight of 0", ["preference.desirable_weight=0"],
+     "preference.desirable_weight: must be a positive number, got 0.0"),
     ("a negative weight", ["preference.undesirable_weight=-1"],
      "preference.undesirable_weight: must be a positive number, got -1.0"),
     ("a DPO loss type on KTO", ["preference.loss_type=sigmoid"],
      "preference.loss_type: preference.method=kto takes kto or apo_zero_unpaired, got sigmoid"),
-    ("DPO on unpaired rows", ["preference.method=dpo"], "data.format: preference.method=dpo trains on pairs: data.format "
+    ("DPO on unpaired rows", ["preference.method=dpo"],
+     "data.format: preference.method=dpo trains on pairs: data.format "
      "(and every entry's format) must be preference, got unpaired"),
     ("unpaired rows without a method", ["preference.method=null"],
      "data.format: unpaired rows train only with preference.method=kto"),
@@ -254,7 +258,8 @@ TOKENS_MOE_QLORA = [
     ("4-bit base in bf16 computed in fp32", ["model.load_in_4bit=true", "lora.enabled=true", "model.dtype=bf16"],
      "model.dtype: bf16 base weights need train.precision=bf16, got fp32"),
 ]
-CASES = ([("rl", *c) for c in RL] + [("pref", *c) for c in PREFERENCE] + [("kto", *c) for c in KTO] + [("sft", *c) for c in LONG_CONTEXT]
+CASES = ([("rl", *c) for c in RL] + [("pref", *c) for c in PREFERENCE] + [("kto", *c) for c in KTO]
+         + [("sft", *c) for c in LONG_CONTEXT]
          + [("sft", *c) for c in TOKENS_MOE_QLORA])
 
 

@@ -22,7 +22,6 @@ from helpers import (
     read_metrics,
     run_toolkit,
     start,
-    user_error_line,
     write_jsonl,
     write_recipe,
 )
@@ -160,7 +159,8 @@ def test_kto_matches_trl(tmp_path):
                      logging_steps=1, beta=0.1, desirable_weight=1.5, max_length=128, seed=0, report_to=[],
                      use_cpu=True, bf16=False, save_strategy="no", dataloader_num_workers=0)
     trainer = KTOTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), args=args,
-                         train_dataset=Dataset.from_list(data_rows), processing_class=AutoTokenizer.from_pretrained(folder))
+                         train_dataset=Dataset.from_list(data_rows),
+                         processing_class=AutoTokenizer.from_pretrained(folder))
     trainer.train()
     theirs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(theirs) == len(ours) == 3

@@ -38,7 +38,8 @@ class Examples(torch.utils.data.Dataset):
         self.unpaired = "label" in columns
         self.pairs = "rejected_input_ids" in columns or self.unpaired
         self.kl_max_length: int | None = None  # unpaired: the longest mismatched sequence (data.max_seq_len)
-        self.reference = None  # pairs: each example's reference log-probabilities (chosen or completion, rejected or KL)
+        self.reference = None  # pairs: each example's reference log-probabilities (chosen, rejected; KTO's: its
+        # completion, its mismatched sequence)
 
     def __len__(self) -> int:
         if self.docs is None:

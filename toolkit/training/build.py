@@ -49,7 +49,7 @@ from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..stops import Preemption
 from ..storage import checkpoint, disk, inputs, run_folder
-from . import objectives, online, reference
+from . import kto, objectives, online, reference
 from .loop import Run
 from .loss import has_router, use_token_loss
 from .samples import Samples
@@ -261,8 +261,11 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                                    adapter=model if recipe.lora.enabled else None,
                                    router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
                                    out=Path(recipe.output_dir))
+    elif recipe.preference.method == "kto":  # its KL estimate is reduced over the ranks
+        objective = kto.Unpaired(recipe.preference, backend.accelerator,
+                                 adapter=model if recipe.preference.reference == "adapter" else None)
     else:
-        objective = objectives.for_recipe(recipe, model, backend.accelerator)
+        objective = objectives.for_recipe(recipe, model)
     backend.check_objective(objective)
     for line in objective.describe():
         log(line)

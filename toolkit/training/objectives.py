@@ -45,8 +45,9 @@ class Objective(ABC):
 
     Evaluation calls `loss_sum` and `units` per eval batch, then `step_metrics` and `finish_metrics`,
     and reports the metrics named in `eval_metrics` (and `eval_loss` where `has_eval_loss`), and
-    says the answers of `eval_samples()`; `begin_eval(model, batches)` comes first. `describe()` gives the start-of-run lines; `unsplittable()`
-    says why the loss cannot be taken on rows split across ranks (sequence parallelism), if so."""
+    says the answers of `eval_samples()`; `begin_eval(model, batches)` comes first. `describe()`
+    gives the start-of-run lines; `unsplittable()` says why the loss cannot be taken on rows split
+    across ranks (sequence parallelism), if so."""
 
     unit: ClassVar[str]  # what the loss is a mean over, in words ("target tokens", "pairs")
     eval_metrics: ClassVar[tuple[str, ...]] = ()  # step metrics that evaluation reports too (eval_<name>)
@@ -265,15 +266,12 @@ def sequences_with_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         0, sequences[targets], torch.ones_like(sequences[targets])) > 0
 
 
-def for_recipe(recipe, model=None, accelerator=None) -> Objective:
+def for_recipe(recipe, model=None) -> Objective:
     """The recipe's objective trained on a dataset, for `model` as built (before prepare; after LoRA
     for a preference objective, whose DPO reference may be the model with its adapter disabled):
-    supervised, with the router's load-balancing loss as model.router_aux_loss_coef says,
-    preference, or KTO's (`kto.Unpaired`, which reduces its KL estimate over `accelerator`'s ranks). (Online RL's, which makes its own batches, is `online.GroupRL`.)"""
-    if recipe.preference.method == "kto":
-        from .kto import Unpaired
-
-        return Unpaired(recipe.preference, accelerator, model if recipe.preference.reference == "adapter" else None)
+    supervised, with the router's load-balancing loss as model.router_aux_loss_coef says, or
+    preference. (KTO's, which reduces its KL estimate over the ranks, is `kto.Unpaired`; online
+    RL's, which makes its own batches, `online.GroupRL`.)"""
     if recipe.preference.method is not None:
         adapter = model if recipe.preference.reference == "adapter" else None
         return Preference(recipe.preference, adapter,
