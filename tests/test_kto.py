@@ -125,6 +125,19 @@ def test_each_example_is_mismatched_with_the_previous_rows_completion(tok):
     assert (batch["labels"][2] == IGNORE).all() and (batch["kl_labels"][2] == IGNORE).all()  # eval padding
 
 
+def test_toolkit_eval_refuses_unpaired_rows_in_one_line(tmp_path):
+    """Not taken for online RL's prompt rows (they have a prompt too): refused, naming the file."""
+    from toolkit.config.data import DataConfig
+    from toolkit.data.sources import resolve_sources
+    from toolkit.errors import ToolkitError
+    from toolkit.verbs.evaluate import infer_format
+
+    data = write_jsonl(tmp_path / "rows.jsonl", rows(3))
+    source = resolve_sources([str(data)], DataConfig(format="text"), "--data")[0]
+    with pytest.raises(ToolkitError, match="rows.jsonl: unpaired rows .* are not measured by toolkit eval"):
+        infer_format(source)
+
+
 # ---- against TRL's own trainer ----
 
 @pytest.mark.launch

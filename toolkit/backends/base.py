@@ -11,7 +11,7 @@ import gc
 import math
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -198,6 +198,11 @@ class Backend:
     def partitioned_before_prepare(self, model: torch.nn.Module) -> bool:
         """Whether the freshly built model holds placeholders instead of its weights (ZeRO-3's zero.Init)."""
         return False
+
+    def writable(self, params: list[torch.nn.Parameter]):
+        """A context in which the freshly built model's `params` hold their whole values and what is
+        written into them stays (ZeRO-3 gathers them and keeps the first rank's writes)."""
+        return nullcontext()
 
     def same_call_count(self, module: torch.nn.Module, n: int, device, most: int | None = None) -> int:
         """How often to call `module` in this forward when this rank needs `n` calls (and no forward

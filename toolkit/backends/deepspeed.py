@@ -193,6 +193,13 @@ class DeepSpeed(Backend):
     def partitioned_before_prepare(self, model) -> bool:
         return any(hasattr(p, "ds_id") for p in model.parameters())
 
+    def writable(self, params):
+        if not any(hasattr(p, "ds_id") for p in params):
+            return super().writable(params)
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
     def same_call_count(self, module, n: int, device, most: int | None = None) -> int:
         """ZeRO-3 records the order its modules run in and prefetches by it; a module called a
         different number of times than in the recorded forward invalidates the record, and then it

@@ -9,7 +9,7 @@ from typing import Literal, Optional, Union
 
 @dataclass
 class PreferenceConfig:
-    method: Optional[Literal["dpo", "orpo", "simpo", "kto"]] = None
+    method: Optional[Literal["dpo", "orpo", "simpo", "kto", "reward"]] = None
     """None: supervised fine-tuning. `dpo` (Direct Preference Optimization, against a reference
     model), `orpo` (odds-ratio preference plus the chosen completion's NLL, no reference) or `simpo`
     (length-normalised margin, no reference); data.format must be `preference`. The loss is
@@ -18,7 +18,11 @@ class PreferenceConfig:
     (Kahneman-Tversky Optimization, TRL's KTOTrainer, against a reference model): data.format must be
     `unpaired`, each row one completion labelled desirable or not; the loss is averaged over the
     global batch's completions; metrics.jsonl gets kl, rewards_chosen and rewards_rejected (the mean
-    implied reward of the desirable and the undesirable completions) and reward_margin."""
+    implied reward of the desirable and the undesirable completions) and reward_margin. Or `reward`
+    (a reward model, TRL's RewardTrainer): a sequence-classification head with one output on the
+    model, trained on the pairs (data.format=preference) with the Bradley-Terry loss; final/ loads
+    as AutoModelForSequenceClassification and serves as an rl.rewards model; metrics.jsonl gets
+    rewards_chosen, rewards_rejected, reward_margin and reward_accuracy of its scores."""
     beta: Optional[float] = None
     """The method's β (default 0.1 as TRL for dpo, orpo and kto, whose β is ORPO's λ; 2.0 for simpo, as the SimPO
     paper)."""
@@ -35,6 +39,10 @@ class PreferenceConfig:
     desirable than undesirable rows, the KTO paper's range is undesirable/desirable rows x 1 to 1.33)."""
     undesirable_weight: float = 1.0
     """kto only: the weight of an undesirable completion's loss (TRL's key of that name)."""
+    center_rewards_coefficient: Optional[float] = None
+    """reward only: adds this times the squared sum of each pair's two scores to its loss, so the
+    scores stay centred on 0 (TRL's key of that name; the reward-modelling paper of Eisenstein et
+    al. uses 0.01); None: not added."""
     reference: Literal["auto", "adapter", "precomputed"] = "auto"
     """dpo and kto: where the reference log-probabilities come from. `adapter` (LoRA only): the model
     with its adapter disabled, one extra forward without gradient per micro-batch, no second model;

@@ -20,12 +20,12 @@ def validate_preference(r: Recipe, need) -> None:
                                  if isinstance(e, DataSource) and e.format}
     if p.method is None:
         need("preference" not in formats or r.rl.method is not None, "data.format",
-             "preference pairs train only with a preference.method (dpo, orpo or simpo)")
+             "preference pairs train only with a preference.method (dpo, orpo, simpo or reward)")
         need("unpaired" not in formats, "data.format", "unpaired rows train only with preference.method=kto")
         changed = [f.name for f in dataclasses.fields(PreferenceConfig)
                    if getattr(p, f.name) != getattr(PreferenceConfig(), f.name)]
         need(not changed, f"preference.{changed[0] if changed else ''}",
-             "set only with preference.method (dpo, orpo, simpo or kto)")
+             "set only with preference.method (dpo, orpo, simpo, kto or reward)")
         return
     wanted = "unpaired" if p.method == "kto" else "preference"
     need(formats == {wanted}, "data.format",
@@ -34,9 +34,14 @@ def validate_preference(r: Recipe, need) -> None:
          + f": data.format (and every entry's format) must be {wanted}, got {', '.join(sorted(formats))}"
          + (" (write each pair as two rows: prompt and chosen with label true, prompt and rejected with label false)"
             if p.method == "kto" and "preference" in formats else ""))
+    if p.method == "reward":  # a score per sequence, no policy: none of the policy objectives' settings apply
+        validate_reward_model(r, need)
+        return
     if p.beta is None:
         p.beta = 2.0 if p.method == "simpo" else 0.1
     need(p.beta > 0, "preference.beta", f"must be positive, got {p.beta}")
+    need(p.center_rewards_coefficient is None, "preference.center_rewards_coefficient",
+         f"a reward-model setting (preference.method=reward), not {p.method}'s")
     loss_types = {"dpo": ("sigmoid", "ipo"), "kto": ("kto", "apo_zero_unpaired")}
     need(p.loss_type is None or p.method in loss_types, "preference.loss_type",
          f"a DPO or KTO setting; preference.method={p.method} has its own loss")
@@ -63,6 +68,27 @@ def validate_preference(r: Recipe, need) -> None:
     need(not r.data.packing, "data.packing", "preference pairs are not packed (data.padding_free puts a micro-batch's "
          "sequences in one row without padding)")
     need(not r.data.train_on_prompt, "data.train_on_prompt", "preference losses take completions only")
+    need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
+         "not with preference.method: the preference loss has no router term yet")
+
+
+def validate_reward_model(r: Recipe, need) -> None:
+    """preference.method=reward: the pairs score through a sequence-classification head, whose score
+    is read at each sequence's last token (transformers' pooling), so every sequence has a row of its
+    own; none of the policy objectives' keys mean anything here."""
+    p, default = r.preference, PreferenceConfig()
+    for name in ("beta", "loss_type", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight",
+                 "reference"):
+        need(getattr(p, name) == getattr(default, name), f"preference.{name}",
+             "not a reward-model setting: a reward model has no policy, reference or β; remove it")
+    c = p.center_rewards_coefficient
+    need(c is None or (math.isfinite(c) and c >= 0), "preference.center_rewards_coefficient",
+         f"must be 0 or more, got {c}")
+    need(not r.data.packing and not r.data.padding_free, "data.padding_free" if r.data.padding_free else "data.packing",
+         "a reward model reads its score at each sequence's last token (transformers' sequence-classification "
+         "pooling), which needs a row per sequence; leave it off")
+    need(not r.data.train_on_prompt, "data.train_on_prompt", "a reward model scores whole sequences; remove it")
+    need(not r.train.sample_prompts, "train.sample_prompts", "a reward model does not generate; remove it")
     need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
          "not with preference.method: the preference loss has no router term yet")
 

@@ -29,7 +29,8 @@ class Examples(torch.utils.data.Dataset):
 
     def __init__(self, docs, bins=None):
         self.table = docs  # every column, for counting
-        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "fields", "label")
+        columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "fields", "label",
+                               "margin")
                    if docs is not None and c in docs.column_names]
         if "fields" in columns:  # an online-RL prompt: its place (source, row) seeds its completions
             columns += ["source", "row"]
@@ -242,6 +243,9 @@ class Collator:
                                                    dtype=torch.bool)}
         else:
             batch = collate(first + second)
+            if any(e is not None and "margin" in e for e in examples):  # a reward model's margins (0 for padding)
+                batch["margins"] = torch.as_tensor([float(e["margin"]) if e is not None else 0.0 for e in examples],
+                                                   dtype=torch.float32)
         if any(e is not None and "reference" in e for e in examples):
             reference = np.zeros((len(examples), 2))
             for i, e in enumerate(examples):

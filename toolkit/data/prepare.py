@@ -33,7 +33,7 @@ from .packing import best_fit_decreasing, pack_stats
 from .sources import Source, cache_root, load_rows, resolve_sources
 from .tokenize import Report, tokenize_source
 
-TOKENIZE_VERSION = 7  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 8  # bump when tokenization or preparation changes what it produces
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,

@@ -165,6 +165,8 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
                 out[-1].update(n_targets=1, full_targets=1, fields=json.dumps(rows[k], default=str))
             if fmt == "unpaired":
                 out[-1]["label"] = 0 if k in missing else desirable(rows[k])
+            if fmt == "preference":
+                out[-1]["margin"] = 0.0 if k in missing else margin(rows[k])
             out[-1]["missing"] = missing.get(k, "")
             out[-1]["note"] = "" if k in missing or fmt != "messages" else trailing_system_turn(rows[k])
             out[-1]["row"] = indices[k]
@@ -189,6 +191,7 @@ def _features(fmt: str = "text"):
                      **(pairs if fmt == "preference" else {}),
                      **({"fields": Value("string")} if fmt == "prompt" else {}),
                      **({"label": Value("int8")} if fmt == "unpaired" else {}),
+                     **({"margin": Value("float32")} if fmt == "preference" else {}),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
                      "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
                      "note": Value("string"), "row": Value("int32")})
@@ -223,6 +226,7 @@ def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, in
     if fmt == "text":
         return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
     if fmt == "preference":
+        margin(row)  # a margin that is not a number is refused with the row's number
         return preference_examples(row, tokenizer)
     if fmt == "unpaired":
         desirable(row)  # a label that is neither true nor false is refused with the row's number
@@ -388,6 +392,19 @@ def preference_examples(row: dict, tokenizer, names: tuple[str, ...] = ("chosen"
     if len(completions) == 2 and completions[0] == completions[1]:
         raise MissingField("chosen", "is identical to rejected")
     return [(t, s, has_specials) for t, s in zip(texts, spans)]
+
+
+def margin(row: dict) -> float:
+    """A preference row's `margin` (TRL's reward-model column: how much higher the chosen score
+    should be), 0 where the data has no such column; a reward model's loss subtracts it."""
+    if "margin" not in row:
+        return 0.0
+    value = row["margin"]
+    if value is None:
+        raise MissingField("margin")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ToolkitError(f"margin must be a finite number, got {value!r}")
+    return float(value)
 
 
 def desirable(row: dict) -> int:

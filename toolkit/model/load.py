@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -10,9 +11,11 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
 )
 
@@ -185,10 +188,12 @@ def apply_config_overrides(config, overrides: dict, where: str = "model.rope_sca
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                compute_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+                compute_dtype: torch.dtype = torch.bfloat16, scorer: bool = False) -> torch.nn.Module:
     """Load a local causal LM or build a preset. Weights stay in `dtype` (fp32 master weights by
     default; mixed precision is applied by autocast, not by casting the parameters); under
-    model.load_in_4bit the linear layers are NF4 and compute in `compute_dtype`."""
+    model.load_in_4bit the linear layers are NF4 and compute in `compute_dtype`. `scorer` (a reward
+    model, preference.method=reward): the same backbone with a sequence-classification head of one
+    output instead of the output layer (`seed_score_head` draws a new head's weights)."""
     attn = cfg.attn_implementation
     if attn == "varlen":
         from . import varlen
@@ -204,7 +209,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         # The constructor, not from_config: from_config builds under ZeRO-3's zero.Init, whose
         # random initialisation differs from a plain one. Presets are tiny; every backend must
         # start from the same weights.
-        model = LlamaForCausalLM(config).to(dtype)
+        if scorer:
+            config.num_labels = 1
+        model = (LlamaForSequenceClassification if scorer else LlamaForCausalLM)(config).to(dtype)
     else:
         folder = resolve_model(cfg.path, cfg.revision)
         quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
@@ -215,11 +222,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                                                     trust_remote_code=cfg.trust_remote_code)
                 apply_config_overrides(config, config_overrides(cfg))
                 quantized["config"] = config
-            model = AutoModelForCausalLM.from_pretrained(
+            kind = AutoModelForSequenceClassification if scorer else AutoModelForCausalLM
+            model = kind.from_pretrained(
                 folder, local_files_only=True, dtype=dtype, attn_implementation=attn,
-                trust_remote_code=cfg.trust_remote_code, **quantized)
+                trust_remote_code=cfg.trust_remote_code, **quantized, **({"num_labels": 1} if scorer else {}))
         except (OSError, ValueError) as e:
-            raise _load_error(cfg, folder, "a causal LM", e) from None
+            raise _load_error(cfg, folder, "a sequence-classification model" if scorer else "a causal LM", e) from None
         if cfg.load_in_4bit:
             one_4bit_path(model)
     if cfg.attn_implementation == "varlen":
@@ -230,6 +238,37 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def has_score_head(folder: str) -> bool:
+    """Whether a model folder is a sequence-classification model with one output already (a reward
+    model to train further), not a causal LM whose new head `seed_score_head` draws."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return (any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+            and len(config.get("id2label") or {"0": ""}) == 1)
+
+
+def score_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """A sequence-classification model's head (`score` in most families, `classifier` in some)."""
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ToolkitError(f"model: {type(model).__name__} has no linear score head (score or classifier) a reward "
+                           "model can train")
+    return head
+
+
+def seed_score_head(model: torch.nn.Module, seed: int, writable=contextlib.nullcontext) -> None:
+    """A new score head's weights from the run's seed alone, N(0, initializer_range) as transformers
+    draws them, so that every backend and process count starts alike (a head drawn inside ZeRO-3's
+    zero.Init, or after other draws, would differ). `writable(params)`: the backend's context in
+    which a partitioned parameter can be written (ZeRO-3 gathers it)."""
+    head = score_head(model)
+    std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
+    with writable([head.weight] + ([head.bias] if head.bias is not None else [])):
+        values = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * std
+        head.weight.data.copy_(values.to(head.weight.dtype))
+        if head.bias is not None:
+            head.bias.data.zero_()
 
 
 def four_bit(compute_dtype: torch.dtype) -> dict:
@@ -392,7 +431,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, rows: list[int] = ()) ->
     tokens = trainable_token_layers(model, targets, rows) if rows else None
     peft_config = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none",
+        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, bias="none",
+        task_type="SEQ_CLS" if getattr(model.config, "num_labels", 0) == 1 and not hasattr(model, "lm_head")
+        else "CAUSAL_LM",  # a reward model's head trains whole (peft's modules_to_save)
         trainable_token_indices=tokens)
     if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms in fp32, input grads for checkpointing
         from peft import prepare_model_for_kbit_training

@@ -29,7 +29,7 @@ from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial
 from ..data.sources import check_first_rows, resolve_sources
 from ..errors import ToolkitError
 from ..model import activations, base_identity
-from ..model.hub import is_hub_id
+from ..model.hub import is_hub_id, resolve_model
 from ..model.load import (
     DTYPES,
     adapter_coverage,
@@ -41,7 +41,9 @@ from ..model.load import (
     count_parameters,
     disable_dropout,
     fit_vocabulary,
+    has_score_head,
     isolation_probe,
+    seed_score_head,
     token_rows,
 )
 from ..observe import measure
@@ -49,7 +51,7 @@ from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..stops import Preemption
 from ..storage import checkpoint, disk, inputs, run_folder
-from . import kto, objectives, online, reference
+from . import kto, objectives, online, reference, reward_training
 from .loop import Run
 from .loss import has_router, use_token_loss
 from .samples import Samples
@@ -156,7 +158,15 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
         log("attention: varlen (" + ("data.padding_free; sdpa would mask the whole micro-batch)" if not split else
                                      "packed documents split across ranks; sequence-parallel attention takes no mask)"))
     faults.at("model")
-    model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision])
+    scorer = recipe.preference.method == "reward"
+    model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision], scorer=scorer)
+    if scorer:
+        model.config.pad_token_id = tokenizer.pad_token_id  # where transformers' pooling finds each last token
+        if model_cfg.preset is not None or not has_score_head(resolve_model(model_cfg.path, model_cfg.revision)):
+            seed_score_head(model, recipe.seed, backend.writable)
+            log(f"reward model: a score head of one output on {type(model).__name__}, drawn from the seed")
+        else:
+            log("reward model: the folder's score head, trained further")
     if model_cfg.attn_implementation == "sdpa" and model.config._attn_implementation == "eager":
         log(f"attention: eager ({model.config.model_type} does not take sdpa in transformers)")
     backend.check_model(model, recipe)
@@ -174,8 +184,8 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
                if recipe.lora.enabled else ""))
     flops = measure.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
                              extra_forwards=extra_forwards(recipe))
-    # in the forward, where every backend has whole weights
-    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
+    if not scorer:  # in the forward, where every backend has whole weights (a reward model's is its score)
+        use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
     if (packing or padding_free) and not packing_is_isolated(
             isolation_probe(model, backend.partitioned_before_prepare(model))):
@@ -261,6 +271,8 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                                    adapter=model if recipe.lora.enabled else None,
                                    router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
                                    out=Path(recipe.output_dir))
+    elif recipe.preference.method == "reward":
+        objective = reward_training.PairScores(recipe.preference)
     elif recipe.preference.method == "kto":  # its KL estimate is reduced over the ranks
         objective = kto.Unpaired(recipe.preference, backend.accelerator,
                                  adapter=model if recipe.preference.reference == "adapter" else None)

@@ -67,6 +67,8 @@ def objective_text(recipe: Recipe) -> str:
     if recipe.rl.method:
         rewards = ", ".join(r if isinstance(r, str) else r.function for r in recipe.rl.rewards)
         return f"online RL ({recipe.rl.method}, {recipe.rl.loss_type} loss) rewarded by {rewards}"
+    if recipe.preference.method == "reward":
+        return "reward modelling (a sequence-classification head of one score, Bradley-Terry on preference pairs)"
     if recipe.data.format in ("preference", "unpaired"):
         return f"preference training ({recipe.preference.method}, beta {recipe.preference.beta:g})"
     return "supervised fine-tuning"

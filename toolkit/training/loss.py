@@ -29,6 +29,9 @@ from ..data.formats import IGNORE
 from ..errors import ToolkitError
 
 
+PAIR_COLUMNS = ("reference_logps", "margins", "kto_labels")  # a pair batch's columns that are no model input
+
+
 def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False):
     """Sum of next-token cross-entropies over the batch's target tokens (labels != IGNORE), the
     way `use_token_loss` set up; `model` as prepared (DDP, FSDP, DeepSpeed) or not. `router_aux`
@@ -46,8 +49,9 @@ def token_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     document): the sum of the log-probabilities of its target tokens (labels != IGNORE) and how
     many there are, the way `use_token_loss` set up (through the chunked output layer under
     train.loss=chunked: no full-vocabulary logits held); a preference objective's log-likelihood of
-    each completion. `model` as prepared or not."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    each completion. `model` as prepared or not. What a pair batch carries beside the model's inputs
+    (`PAIR_COLUMNS`) is left out."""
+    inputs = {k: v for k, v in batch.items() if k != "labels" and k not in PAIR_COLUMNS}
     return model(**inputs, token_loss_labels=batch["labels"], token_loss_per_row=sequence_index(batch))
 
 

@@ -236,7 +236,7 @@ class Preference(Objective):
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         reference = self.reference_logps(model, batch) if self.needs_reference else None
-        logps, counts = token_logps(model, {k: v for k, v in batch.items() if k != "reference_logps"})
+        logps, counts = token_logps(model, batch)
         n = len(logps) // 2
         valid = self.valid(batch)
         counts = counts.clamp(min=1).to(logps.dtype)

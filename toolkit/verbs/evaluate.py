@@ -279,6 +279,10 @@ def infer_format(source) -> str:
         return "text"
     if {"chosen", "rejected"} <= keys:
         return "preference"
+    if {"completion", "label"} <= keys:  # KTO's: measured by the run itself (eval_kl, eval_rewards_*)
+        raise ToolkitError(f"{source.name}: unpaired rows (prompt, completion, label: KTO's format) are not measured "
+                           "by toolkit eval; a KTO run's metrics.jsonl has them (eval_loss, eval_kl, "
+                           "eval_reward_margin), or give --format text or messages rows")
     if "prompt" in keys:
         return "prompt"
     raise ToolkitError(f"{source.name}: cannot tell the format from the first row's keys "

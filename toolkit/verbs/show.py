@@ -75,6 +75,8 @@ def objective_line(recipe: Recipe) -> str:
         rewards = ", ".join(r if isinstance(r, str) else r.function for r in rl.rewards)
         return (f"online RL, {rl.method} ({rl.loss_type} loss): {rl.num_generations} completions per prompt of at most "
                 f"{rl.max_new_tokens} tokens at temperature {rl.temperature:g}, scored by {rewards}")
+    if pref.method == "reward":
+        return "a reward model: a score head trained on chosen and rejected answers (Bradley-Terry)"
     if recipe.data.format == "preference":
         return f"preference, {pref.method} (beta {pref.beta:g}) on chosen and rejected answers"
     if recipe.data.format == "unpaired":
