@@ -1,0 +1,235 @@
+"""Reward modelling (preference.method=reward): TRL's RewardTrainer and ours from the same pairs on the
+same sequence-classification model agree step for step; a causal LM folder gets a score head drawn from
+the seed alone, so DDP, FSDP and ZeRO-3 (which loads it partitioned) on 2 processes equal one process; a
+SIGKILL resumes bitwise; final/ loads as AutoModelForSequenceClassification and scores as an rl.rewards
+model; bad recipes and margins are refused in one line."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from families import build_family
+from helpers import (
+    ROOT,
+    accelerate_launch,
+    finish,
+    kill_after_step,
+    launch_config_for,
+    load_weights,
+    read_metrics,
+    run_toolkit,
+    start,
+    write_jsonl,
+    write_recipe,
+)
+
+PAIRS = ROOT / "examples" / "data" / "tasks_preference_train.jsonl"
+STEPS = 4
+
+
+def rows(n: int, skip: int = 0) -> list[dict]:
+    with open(PAIRS) as f:
+        return [json.loads(line) for line in f][skip:skip + n]
+
+
+def test_the_loss_is_bradley_terry_minus_the_margin_plus_the_centring():
+    from toolkit.training.reward_training import pair_score_losses
+
+    chosen, rejected = torch.tensor([1.0, -0.5]), torch.tensor([0.2, 0.5])
+    torch.testing.assert_close(pair_score_losses(chosen, rejected), -torch.nn.functional.logsigmoid(chosen - rejected))
+    margins = torch.tensor([0.3, 1.0])
+    got = pair_score_losses(chosen, rejected, margins, center=0.01)
+    want = -torch.nn.functional.logsigmoid(chosen - rejected - margins) + 0.01 * (chosen + rejected) ** 2
+    torch.testing.assert_close(got, want)
+
+
+def test_a_margin_that_is_not_a_number_is_refused_by_file_and_row(tmp_path):
+    from transformers import AutoTokenizer
+
+    from toolkit.config.data import DataConfig
+    from toolkit.data.prepare import build_datasets
+    from toolkit.errors import ToolkitError
+
+    tok = AutoTokenizer.from_pretrained(build_family("llama3", tmp_path / "llama3"))
+    good = [{**r, "margin": 0.5 * (i % 3)} for i, r in enumerate(rows(29))]
+    made = build_datasets(DataConfig(train_files=[str(write_jsonl(tmp_path / "good.jsonl", good))],
+                                     format="preference", max_seq_len=256), tok, 0, False)
+    assert [float(x) for x in made.train.table["margin"]] == [0.5 * (i % 3) for i in range(29)]
+    bad = write_jsonl(tmp_path / "bad.jsonl", good + [{**rows(1)[0], "margin": "big"}])
+    with pytest.raises(ToolkitError, match="bad.jsonl: row 30"):
+        build_datasets(DataConfig(train_files=[str(bad)], format="preference", max_seq_len=256), tok, 0, False)
+
+
+# ---- against TRL's own trainer ----
+
+def scorer_folder(tmp_path):
+    """A sequence-classification folder (one output, its head drawn here) from the tiny Llama 3."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = build_family("llama3", tmp_path / "llama3")
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = AutoTokenizer.from_pretrained(base).pad_token_id
+    model.save_pretrained(tmp_path / "scorer")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "scorer")
+    return tmp_path / "scorer"
+
+
+@pytest.mark.launch
+def test_reward_training_matches_trl(tmp_path):
+    """Full fine-tuning, one process, fp32, 4 pairs with margins in one global batch,
+    center_rewards_coefficient 0.01, AdamW without weight decay, clipping at 1.0, constant learning
+    rate, 3 steps: losses, accuracies, margins and gradient norms equal TRL RewardTrainer's within
+    1e-5 relative, and the weights after the last step within 1e-5."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    folder = scorer_folder(tmp_path)
+    pairs = [{**r, "margin": m} for r, m in zip(rows(4), (0.0, 0.5, 0.0, 1.0))]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    path = write_recipe(tmp_path / "rm.yaml", output_dir=str(tmp_path / "ours"), seed=0, model={"path": str(folder)},
+                        data={"train_files": [str(data)], "format": "preference", "max_seq_len": 256},
+                        preference={"method": "reward", "center_rewards_coefficient": 0.01},
+                        train={"micro_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3, "min_lr_ratio": 1.0,
+                               "max_grad_norm": 1.0, "weight_decay": 0.0, "log_every_steps": 1})
+    result = run_toolkit("train", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reward model: the folder's score head, trained further" in result.stdout + result.stderr
+    ours = read_metrics(tmp_path / "ours")[1:]
+
+    args = RewardConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, learning_rate=1e-3,
+                        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_steps=3,
+                        logging_steps=1, center_rewards_coefficient=0.01, max_length=256, seed=0, report_to=[],
+                        use_cpu=True, bf16=False, save_strategy="no", dataloader_num_workers=0)
+    trainer = RewardTrainer(model=AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32),
+                            args=args, train_dataset=Dataset.from_list(pairs),
+                            processing_class=AutoTokenizer.from_pretrained(folder))
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(theirs) == len(ours) == 3
+    for mine, trl in zip(ours, theirs):
+        for key, trl_key in (("loss", "loss"), ("reward_margin", "margin"), ("reward_accuracy", "accuracy"),
+                             ("grad_norm", "grad_norm")):
+            assert mine[key] == pytest.approx(trl[trl_key], rel=1e-5, abs=1e-6), (key, mine, trl)
+        assert (mine["rewards_chosen"] + mine["rewards_rejected"]) / 2 == pytest.approx(trl["mean_reward"], abs=1e-6)
+    assert ours[2]["loss"] < ours[0]["loss"]  # the steps moved
+    weights, start = load_weights(tmp_path / "ours" / "final"), load_weights(folder)
+    for name, value in trainer.model.state_dict().items():
+        assert (value - start[name]).abs().max() > 1e-3, name  # moved: equality is not of the starting weights
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+# ---- launched: every layout learns the same ----
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reward")
+    write_jsonl(root / "train.jsonl", rows(32))
+    write_jsonl(root / "eval.jsonl", rows(6, skip=100))
+    build_family("llama3", root / "llama3")  # a causal LM: the run draws its score head
+    return root
+
+
+def recipe(workdir, name, layout="single", **extra):
+    sections = {
+        "output_dir": str(workdir / name), "seed": 5, "model": {"path": str(workdir / "llama3")},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "preference", "max_seq_len": 256},
+        "preference": {"method": "reward"},
+        "train": {"micro_batch_size": 4 if layout == "single" else 2, "gradient_accumulation_steps": 2,
+                  "max_steps": STEPS, "learning_rate": 1e-3, "eval_every_steps": 2, "log_every_steps": 1},
+        "checkpoint": {"every_steps": 1, "keep_last": 10},
+    }
+    for key, value in extra.items():
+        section, _, field = key.partition("__")
+        sections[section][field] = value
+    return write_recipe(workdir / f"{name}.yaml", **sections)
+
+
+def command(workdir, layout, path, *overrides):
+    if layout == "single":
+        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
+    return accelerate_launch(launch_config_for(layout, workdir)) + ["toolkit", "train", str(path), *overrides]
+
+
+def train(workdir, name, layout="single", **extra):
+    path = recipe(workdir, name, layout, **extra)
+    rc, out, err = finish(start(command(workdir, layout, path)))
+    assert rc == 0, err[-3000:]
+    return workdir / name, out + err
+
+
+KEYS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "eval_loss", "eval_reward_margin",
+        "eval_reward_accuracy")
+
+
+def assert_close(a, b, tol=1e-4):
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(STEPS + 1))
+    for x, y in zip(ra, rb):
+        for k in KEYS:
+            if x.get(k) is not None or y.get(k) is not None:
+                assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol * 1e-2), (x["step"], k, x[k], y[k])
+    wa, wb = load_weights(a / "final"), load_weights(b / "final")
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(workdir):
+    return train(workdir, "single")
+
+
+@pytest.mark.launch
+def test_one_process_trains_a_reward_model_that_scores_as_an_rl_reward(single, workdir):
+    """The run logs its pair metrics; final/ is a sequence-classification folder that transformers
+    loads and that online RL's reward-model loader scores with, giving the run's own scores."""
+    run, log = single
+    assert "reward model: a score head of one output on LlamaForSequenceClassification, drawn from the seed" in log
+    metrics = read_metrics(run)
+    assert all(math.isfinite(r["loss"]) for r in metrics[1:]) and 0 <= metrics[-1]["eval_reward_accuracy"] <= 1
+    for row in metrics[1:]:
+        assert row["reward_margin"] == pytest.approx(row["rewards_chosen"] - row["rewards_rejected"], abs=1e-6)
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+
+    from toolkit.training.reward_model import load_reward_model
+
+    reward = load_reward_model("rl.rewards[0].model", str(run / "final"))
+    pair = rows(1, skip=100)[0]
+    chosen, rejected = (reward([pair["prompt"]], [pair[k]]) for k in ("chosen", "rejected"))
+    assert len(chosen) == len(rejected) == 1 and all(math.isfinite(x) for x in chosen + rejected)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "zero3"])
+def test_two_processes_equal_one(layout, workdir, single):
+    """The head drawn from the seed alone (ZeRO-3 builds the model partitioned, inside zero.Init): the
+    same losses, scores and weights as one process within 1e-4."""
+    run, _ = train(workdir, f"full_{layout}", layout)
+    assert_close(single[0], run)
+
+
+@pytest.mark.launch
+def test_sigkill_resumes_bitwise(workdir, single):
+    path = recipe(workdir, "killed")
+    run = workdir / "killed"
+    kill_after_step(start(command(workdir, "single", path)), run, 2)
+    assert not (run / "final").exists(), "the kill came after the run finished"
+    rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out
+    from toolkit.observe.measure import MEASURED
+
+    def comparable(folder):
+        return [{k: v for k, v in r.items() if k not in MEASURED} for r in read_metrics(folder)]
+
+    assert comparable(run) == comparable(single[0])
+    want, have = load_weights(single[0] / "final"), load_weights(run / "final")
+    assert all(torch.equal(want[k], have[k]) for k in want)
