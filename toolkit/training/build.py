@@ -162,6 +162,7 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision], scorer=scorer)
     if scorer:
         model.config.pad_token_id = tokenizer.pad_token_id  # where transformers' pooling finds each last token
+        model.config.architectures = [type(model).__name__]  # final/'s config.json: what AutoModel... builds
         if model_cfg.preset is not None or not has_score_head(resolve_model(model_cfg.path, model_cfg.revision)):
             seed_score_head(model, recipe.seed, backend.writable)
             log(f"reward model: a score head of one output on {type(model).__name__}, drawn from the seed")
