@@ -94,18 +94,24 @@ def test_a_label_that_is_not_true_or_false_is_refused_by_file_and_row(tmp_path, 
         build_datasets(DataConfig(train_files=[str(pairs)], format="unpaired", max_seq_len=256), tok, 0, False)
 
 
-def test_each_example_is_mismatched_with_the_previous_rows_completion(tok):
-    """The pairing of the KL estimate: example i's prompt, then example i-1's completion (the last
-    one's for the first), cut to kl_max_length; in the collated batch, apart under kl_ keys."""
+def test_each_example_is_mismatched_with_the_nearest_earlier_row_of_another_prompt(tok):
+    """The pairing of the KL estimate: example i's prompt, then the completion of the nearest example
+    before it (cyclically) whose prompt differs: a pair written as two rows (as TRL's KTO docs and our
+    refusal of pairs suggest) is not paired within itself. Cut to kl_max_length; in the collated
+    batch, apart under kl_ keys, in the same layout for a batch of eval padding only."""
     import datasets
 
     from toolkit.data.batching import Collator, Examples
     from toolkit.data.formats import IGNORE
     from toolkit.data.tokenize import tokenize_example
 
-    made = [tokenize_example(r, "unpaired", tok, 128, False) for r in rows(3)]
+    pairs = json.loads((ROOT / "examples" / "data" / "tasks_preference_train.jsonl").read_text().splitlines()[50])
+    assert pairs["prompt"] not in [r["prompt"] for r in rows(3)]
+    written = rows(3) + [{"prompt": pairs["prompt"], "completion": pairs[k], "label": k == "chosen"}
+                         for k in ("chosen", "rejected")]  # one pair as two rows, at the end
+    made = [tokenize_example(r, "unpaired", tok, 128, False) for r in written]
     table = datasets.Dataset.from_list([{"input_ids": m["input_ids"], "labels": m["labels"], "label": int(r["label"])}
-                                        for m, r in zip(made, rows(3))])
+                                        for m, r in zip(made, written)])
     part = Examples(table)
     assert part.pairs and part.unpaired
 
@@ -113,16 +119,23 @@ def test_each_example_is_mismatched_with_the_previous_rows_completion(tok):
         start = int(np.argmax(np.asarray(m["labels"]) != IGNORE))
         return m["input_ids"][:start], m["input_ids"][start:]
 
-    for i in range(3):
+    for i, other in ((0, 4), (1, 0), (2, 1), (3, 2), (4, 2)):  # 4's neighbour 3 is its own pair's chosen answer
         prompt, _ = split(made[i])
-        _, other = split(made[i - 1])
-        assert part[i]["rejected_input_ids"].tolist() == prompt + other
+        assert part[i]["rejected_input_ids"].tolist() == prompt + split(made[other])[1], i
     part.kl_max_length = 5
     assert len(part[0]["rejected_input_ids"]) == 5
-    batch = Collator(tok.pad_token_id, pairs=True)([part[0], part[1], None])
+    collate = Collator(tok.pad_token_id, unpaired=True)
+    batch = collate([part[0], part[1], None])
     assert batch["input_ids"].shape[0] == batch["kl_input_ids"].shape[0] == 3
-    assert batch["kto_labels"].tolist() == [bool(rows(1)[0]["label"]), bool(rows(2)[1]["label"]), False]
+    assert batch["kto_labels"].tolist() == [bool(written[0]["label"]), bool(written[1]["label"]), False]
     assert (batch["labels"][2] == IGNORE).all() and (batch["kl_labels"][2] == IGNORE).all()  # eval padding
+    padding = collate([None, None])  # a rank whose eval share ran out: the same keys, no targets
+    assert set(padding) == {"input_ids", "labels", "attention_mask", "kl_input_ids", "kl_labels",
+                            "kl_attention_mask", "kto_labels"}
+    from toolkit.training.kto import Unpaired
+    from toolkit.training.objectives import sequences_with_targets
+
+    assert Unpaired.units(None, padding) == 0 and not sequences_with_targets(padding).any()
 
 
 def test_toolkit_eval_refuses_unpaired_rows_in_one_line(tmp_path):
@@ -143,9 +156,10 @@ def test_toolkit_eval_refuses_unpaired_rows_in_one_line(tmp_path):
 @pytest.mark.launch
 def test_kto_matches_trl(tmp_path):
     """Full fine-tuning KTO, one process, fp32, 4 rows (desirable and undesirable) in one global
-    batch (TRL's KL estimate over its micro-batch is then ours over the global batch, and its
-    rotation within the batch our rotation over the data), AdamW without weight decay, clipping at
-    1.0, constant learning rate, 3 steps: losses, KL, rewards and gradient norms equal TRL
+    batch of 4 prompts (TRL's KL estimate over its micro-batch is then ours over the global batch,
+    and its rotation within the batch our pairing over the data), AdamW without weight decay, clipping at
+    1.0, constant learning rate, 3 steps (the rows of one batch in data order, as TRL's sequential
+    sampling gives them): losses, KL, rewards and gradient norms equal TRL
     KTOTrainer's within 1e-5 relative, and the weights after the last step within 1e-5 (1% of one
     Adam step; measured: 4.2e-6 at most)."""
     pytest.importorskip("trl")
@@ -195,7 +209,8 @@ def test_kto_matches_trl(tmp_path):
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("kto")
     write_jsonl(root / "train.jsonl", rows(32))
-    write_jsonl(root / "eval.jsonl", rows(6, skip=100))
+    # 5 eval rows: on 2 ranks in batches of 2, the second rank's last eval batch is padding only
+    write_jsonl(root / "eval.jsonl", rows(5, skip=100))
     return root
 
 

@@ -177,11 +177,13 @@ def test_collated_pairs_put_the_chosen_rows_first_then_the_rejected(tok):
     batch = Collator(0, pairs=True)(examples)
     assert batch["input_ids"].tolist() == [[1, 2, 3], [0, 0, 0], [1, 2, 0], [0, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 2, 3], [IGNORE] * 3, [IGNORE, 9, IGNORE], [IGNORE] * 3]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]]  # padding: 2 positions
     assert batch["reference_logps"].tolist() == [-1.0, 0.0, -2.0, 0.0]
     from toolkit.training.objectives import Preference
 
     assert Preference.valid(batch).tolist() == [True, False]  # eval padding is no pair
+    only_padding = Collator(0, pairs=True)([None, None])  # a rank whose eval share ran out
+    assert only_padding["input_ids"].shape == (4, 2) and Preference.valid(only_padding).tolist() == [False, False]
 
 
 def test_the_objective_is_the_preference_loss_of_its_own_log_probabilities():

@@ -26,10 +26,11 @@ class PreferenceConfig:
     beta: Optional[float] = None
     """The method's β (default 0.1 as TRL for dpo, orpo and kto, whose β is ORPO's λ; 2.0 for simpo, as the SimPO
     paper)."""
-    loss_type: Optional[Literal["sigmoid", "ipo", "kto", "apo_zero_unpaired"]] = None
-    """dpo: `sigmoid` (the DPO loss, the default) or `ipo` (squared, on per-token average log-ratios).
-    kto: `kto` (the default: the implied reward against the KL estimate) or `apo_zero_unpaired`
-    (APO-zero's unpaired form: desirable rewards pushed up, undesirable down, no KL estimate)."""
+    loss_type: Literal["sigmoid", "ipo", "kto", "apo_zero_unpaired"] = "sigmoid"
+    """dpo: `sigmoid` (the DPO loss) or `ipo` (squared, on per-token average log-ratios). kto: `kto`
+    (the default `sigmoid` reads as kto: the implied reward against the KL estimate) or
+    `apo_zero_unpaired` (APO-zero's unpaired form: desirable rewards pushed up, undesirable down, no KL
+    estimate). The other methods have their own loss."""
     label_smoothing: float = 0.0
     """dpo sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
     gamma: Optional[float] = None

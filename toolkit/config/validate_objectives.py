@@ -43,12 +43,13 @@ def validate_preference(r: Recipe, need) -> None:
     need(p.center_rewards_coefficient is None, "preference.center_rewards_coefficient",
          f"a reward-model setting (preference.method=reward), not {p.method}'s")
     loss_types = {"dpo": ("sigmoid", "ipo"), "kto": ("kto", "apo_zero_unpaired")}
-    need(p.loss_type is None or p.method in loss_types, "preference.loss_type",
+    default = PreferenceConfig.loss_type  # `sigmoid`, from before KTO: recipes and run folders of then keep it
+    if p.method == "kto" and p.loss_type == default:
+        p.loss_type = "kto"
+    need(p.loss_type == default or p.method in loss_types, "preference.loss_type",
          f"a DPO or KTO setting; preference.method={p.method} has its own loss")
-    need(p.loss_type is None or p.loss_type in loss_types[p.method], "preference.loss_type",
+    need(p.method not in loss_types or p.loss_type in loss_types[p.method], "preference.loss_type",
          f"preference.method={p.method} takes {' or '.join(loss_types.get(p.method, ()))}, got {p.loss_type}")
-    if p.method in loss_types and p.loss_type is None:
-        p.loss_type = loss_types[p.method][0]
     need(0.0 <= p.label_smoothing < 0.5, "preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
     need(p.label_smoothing == 0 or (p.method, p.loss_type) == ("dpo", "sigmoid") or p.method == "simpo",
          "preference.label_smoothing", "applies to dpo with loss_type=sigmoid and to simpo only")

@@ -23,9 +23,11 @@ class Examples(torch.utils.data.Dataset):
 
     An unpaired example (KTO, data.format=unpaired: it has a `label`) comes with its mismatched
     sequence as `rejected_input_ids` / `rejected_labels`: its own prompt followed by the completion
-    of the example before it in this part (the last one's for the first), cut to `kl_max_length`,
-    as TRL pairs completions (rotated by one) for its KL estimate. The pairing is the prepared
-    data's order, so it is the same whatever the batches, ranks or resume."""
+    of the nearest example before it in this part (cyclically) whose prompt differs, cut to
+    `kl_max_length`, as TRL pairs completions (rotated by one) for its KL estimate. Another prompt:
+    a pair written as two rows, or a row repeated by a weighted mix, sits beside rows of its own
+    prompt, whose completion would be no mismatch. The pairing is the prepared data's order, so it
+    is the same whatever the batches, ranks or resume."""
 
     def __init__(self, docs, bins=None):
         self.table = docs  # every column, for counting
@@ -53,7 +55,7 @@ class Examples(torch.utils.data.Dataset):
         if self.bins is None:
             example = self.docs[int(i)]
             if self.unpaired:
-                example.update(mismatched(example, self.docs[(int(i) - 1) % len(self.docs)], self.kl_max_length))
+                example.update(mismatched(example, self.docs[self.other_prompt(int(i), example)], self.kl_max_length))
             if self.reference is not None:
                 example["reference"] = self.reference[int(i)]
             return example
@@ -64,6 +66,24 @@ class Examples(torch.utils.data.Dataset):
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+    def other_prompt(self, i: int, example: dict) -> int:
+        """The nearest example before `i` (cyclically) with another prompt; looked for among the
+        OTHER_PROMPT_SCAN before it, else the one just before (a part of one prompt has no other)."""
+        n, prompt = len(self.docs), prompt_ids(example)
+        for step in range(1, min(n, OTHER_PROMPT_SCAN + 1)):
+            j = (i - step) % n
+            if not np.array_equal(prompt_ids(self.docs[j]), prompt):
+                return j
+        return (i - 1) % n
+
+
+OTHER_PROMPT_SCAN = 64  # examples looked at for another prompt (a longer run of one prompt pairs within itself)
+
+
+def prompt_ids(example: dict) -> np.ndarray:
+    """An example's tokens before its first target."""
+    return np.asarray(example["input_ids"])[:int(np.argmax(np.asarray(example["labels"]) != IGNORE))]
 
 
 def mismatched(example: dict, other: dict, max_length: int | None) -> dict:
@@ -159,7 +179,7 @@ class Collator:
     - `pairs` (preference pairs): the chosen sequences are the batch's first rows (padding-free:
       documents) and the rejected ones those after them, in the same order, so both go through one
       forward; `reference_logps` holds their reference log-probabilities where the examples carry them.
-      Unpaired examples (KTO) are two batches in one: the completions' under the usual keys, the
+    - `unpaired` (KTO's examples): two batches in one, the completions' under the usual keys, the
       mismatched sequences' under the same keys prefixed `kl_` (they are taken without gradient,
       apart), and `kto_labels` (desirable or not); `reference_logps` as for pairs.
 
@@ -168,9 +188,9 @@ class Collator:
     per example."""
 
     def __init__(self, pad_token_id: int, packed: bool = False, padding_free: bool = False, bounds: bool = False,
-                 pairs: bool = False, multiple: int = 1, prompts: bool = False):
+                 pairs: bool = False, multiple: int = 1, prompts: bool = False, unpaired: bool = False):
         self.pad_token_id, self.packed, self.padding_free, self.bounds = pad_token_id, packed, padding_free, bounds
-        self.pairs, self.multiple, self.prompts = pairs, multiple, prompts
+        self.pairs, self.multiple, self.prompts, self.unpaired = pairs or unpaired, multiple, prompts, unpaired
 
     def __call__(self, examples: list[dict | None]) -> dict:
         if self.pairs:
@@ -232,12 +252,13 @@ class Collator:
                 "valid": torch.as_tensor([e is not None for e in examples])}
 
     def pair_batch(self, examples: list[dict | None]) -> dict:
-        none = {"input_ids": [self.pad_token_id], "labels": [IGNORE]}
+        # Two positions: a batch of nothing but padding still has a position a target could sit at.
+        none = {"input_ids": [self.pad_token_id] * 2, "labels": [IGNORE] * 2}
         first = [e or none for e in examples]
         second = [{"input_ids": e["rejected_input_ids"], "labels": e["rejected_labels"]} if e else none
                   for e in examples]
         collate = Collator(self.pad_token_id, padding_free=self.padding_free, bounds=self.bounds)
-        if any(e is not None and "label" in e for e in examples):  # unpaired: two batches, the mismatched one as kl_*
+        if self.unpaired:  # two batches, the mismatched one as kl_* (a batch of padding only too: the same layout)
             batch = {**collate(first), **{f"kl_{k}": v for k, v in collate(second).items()},
                      "kto_labels": torch.as_tensor([int(e["label"]) if e is not None else 0 for e in examples],
                                                    dtype=torch.bool)}
@@ -268,7 +289,8 @@ def most_positions(recipe) -> int:
     """The most positions one training or eval batch can hold: its rows (the larger of the train
     and eval micro-batch; a preference pair is two sequences) of at most max_seq_len."""
     t = recipe.train
-    sequences = max(t.micro_batch_size, t.eval_batch_size or 0) * (2 if recipe.preference.method else 1)
+    pairs = recipe.preference.method not in (None, "kto")  # KTO's completions and mismatched sequences run apart
+    sequences = max(t.micro_batch_size, t.eval_batch_size or 0) * (2 if pairs else 1)
     return recipe.data.max_seq_len * sequences
 
 

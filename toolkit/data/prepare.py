@@ -277,7 +277,7 @@ def label_audit(example: dict, tokenizer, width: int = 240) -> str:
         other = np.asarray(example["rejected_input_ids"])[np.asarray(example["rejected_labels"]) != IGNORE]
         line = line.replace("first training example", "first training example, "
                             + ("desirable" if example["label"] else "undesirable"), 1)
-        line += (" | mismatched for the KL estimate: the same prompt with the previous row's completion "
+        line += (" | mismatched for the KL estimate: the same prompt with an earlier row's completion "
                  f"[[{tokenizer.decode(other.tolist()).replace(chr(10), chr(92) + 'n')}]]")
     elif "rejected_input_ids" in example:  # a preference pair: the rejected completion as trained against
         rejected = np.asarray(example["rejected_input_ids"])[np.asarray(example["rejected_labels"]) != IGNORE]

@@ -293,6 +293,7 @@ def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption
     # collective that a long tokenization could time out.
     with preemption.abrupt(lock.release, remove_partial_data):  # a signal while datasets' workers tokenize
         data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process)
+    data.train.kl_max_length = data.eval.kl_max_length = recipe.data.max_seq_len  # KTO's mismatched sequences
     for line in data.lines:
         log(f"data: {line}")
     for line in data.warnings:
@@ -324,9 +325,9 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
         raise ToolkitError(f"data.train_files: {len(data.train)} training rows do not fill one global batch of "
                            f"{global_batch} (micro_batch_size x gradient_accumulation_steps x {ranks} "
                            + ("processes)" if ranks == world else f"data-parallel ranks of {world} processes)"))
-    data.train.kl_max_length = data.eval.kl_max_length = recipe.data.max_seq_len  # KTO's mismatched sequences
     collate = Collator(tokenizer.pad_token_id, packed=built.packing, padding_free=built.padding_free,
                        bounds=built.config.attn_implementation == "varlen", pairs=data.train.pairs,
+                       unpaired=data.train.unpaired,
                        multiple=backend.sequence_parallel, prompts=recipe.rl.method is not None)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.

@@ -7,13 +7,15 @@ desirable: desirable_weight x (1 - σ(r - βz)); undesirable: undesirable_weight
 completions.
 
 z is TRL's estimate from mismatched pairs: each completion's prompt followed by another row's
-completion (`batching.mismatched`: the previous row's in the prepared data, as TRL rotates
-completions by one), log π - log π_ref summed over those completion tokens, averaged, clamped at 0
-and without gradient. TRL averages it over one micro-batch (then over ranks), so its figure changes
-with the micro-batch size and the number of processes; here `step_batches` averages it over the
-whole global batch (every micro-batch, every rank) before the step's first loss, and evaluation over
-the whole eval set, so what is learned is the same on every layout. Where the global batch is one
-micro-batch on one process, the two are the same number.
+completion (`batching.Examples`: the nearest earlier row's in the prepared data whose prompt differs,
+as TRL rotates completions by one), log π - log π_ref summed over those completion tokens, averaged,
+clamped at 0 and without gradient. TRL averages it over one micro-batch (then over ranks) of
+consecutive rows (it needs sequential sampling), so its figure changes with the micro-batch size and
+the number of processes; here `step_batches` averages it over the whole global batch (every
+micro-batch, every rank) before the step's first loss, and evaluation over the whole eval set, so
+what is learned is the same on every layout, with shuffled batches. The two are the same number
+where a batch is the data's rows in order, one micro-batch on one process (the data of
+tests/test_kto.py's comparison is one such batch).
 
 The reference is DPO's (`reference.py`): precomputed for full fine-tuning, the disabled adapter
 for LoRA.
@@ -75,8 +77,8 @@ class Unpaired(Objective):
         p = self.cfg
         knobs = [f"beta {p.beta:g}", f"loss_type {p.loss_type}", f"desirable_weight {p.desirable_weight:g}",
                  f"undesirable_weight {p.undesirable_weight:g}"]
-        kl = ("KL estimate from mismatched pairs (each prompt with the previous row's completion), averaged over "
-              "the global batch" if self.uses_kl else "no KL estimate")
+        kl = ("KL estimate from mismatched pairs (each prompt with the completion of the nearest earlier row with "
+              "another prompt), averaged over the global batch" if self.uses_kl else "no KL estimate")
         where = ("the model with its LoRA adapter disabled" if p.reference == "adapter"
                  else "log-probabilities computed once with the starting weights, before step 1")
         return [f"preference: kto, {', '.join(knobs)}; {kl}; reference: {where}; the loss is a mean over completions"]
@@ -102,6 +104,8 @@ class Unpaired(Objective):
         if "reference_logps" in batch:
             n = len(batch["reference_logps"]) // 2
             return batch["reference_logps"][half * n:(half + 1) * n]
+        if self.adapter is None:  # precomputed, and eval padding only: no example brought its reference
+            return torch.zeros(len(batch["kto_labels"]), device=batch["kto_labels"].device)
         with torch.no_grad(), self.adapter.disable_adapter():
             return token_logps(model, part)[0]
 

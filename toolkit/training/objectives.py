@@ -230,6 +230,8 @@ class Preference(Objective):
         if "reference_logps" in batch:
             return batch["reference_logps"]
         if self.adapter is None:
+            if not sequences_with_targets(batch).any():  # eval padding only: no example brought its reference
+                return torch.zeros(len(sequences_with_targets(batch)), device=batch["labels"].device)
             raise ToolkitError("preference: DPO has no reference log-probabilities for this batch")
         with torch.no_grad(), self.adapter.disable_adapter():
             return token_logps(model, batch)[0]
