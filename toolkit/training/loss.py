@@ -28,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 from ..data.formats import IGNORE
 from ..errors import ToolkitError
 
-
 PAIR_COLUMNS = ("reference_logps", "margins", "kto_labels")  # a pair batch's columns that are no model input
 
 
