@@ -197,6 +197,16 @@ PREFERENCE = [
     ("a KTO weight on DPO", ["preference.desirable_weight=2"], "preference.desirable_weight: a KTO setting, not dpo's"),
     ("a KTO loss type on DPO", ["preference.loss_type=kto"],
      "preference.loss_type: preference.method=dpo takes sigmoid or ipo, got kto"),
+    ("a reward model with a beta", ["preference.method=reward", "preference.beta=0.1"],
+     "preference.beta: not a reward-model setting: a reward model has no policy, reference or β; remove it"),
+    ("a reward model padding-free", ["preference.method=reward", "data.padding_free=true"],
+     "data.padding_free: a reward model reads its score at each sequence's last token"),
+    ("a reward model asked for samples", ["preference.method=reward", "train.sample_prompts=[hi]"],
+     "train.sample_prompts: a reward model does not generate; remove it"),
+    ("a negative centring", ["preference.method=reward", "preference.center_rewards_coefficient=-0.01"],
+     "preference.center_rewards_coefficient: must be 0 or more, got -0.01"),
+    ("centring on DPO", ["preference.center_rewards_coefficient=0.01"],
+     "preference.center_rewards_coefficient: a reward-model setting (preference.method=reward), not dpo's"),
 ]
 KTO = [
     ("a weight of 0", ["preference.desirable_weight=0"],
@@ -208,6 +218,9 @@ KTO = [
     ("DPO on unpaired rows", ["preference.method=dpo"],
      "data.format: preference.method=dpo trains on pairs: data.format "
      "(and every entry's format) must be preference, got unpaired"),
+    ("a reward model on unpaired rows", ["preference.method=reward"],
+     "data.format: preference.method=reward trains on pairs: data.format (and every entry's format) must be "
+     "preference, got unpaired"),
     ("unpaired rows without a method", ["preference.method=null"],
      "data.format: unpaired rows train only with preference.method=kto"),
     ("label smoothing on KTO", ["preference.label_smoothing=0.1"],

@@ -139,6 +139,7 @@ def workdir(tmp_path_factory):
 def recipe(workdir, name, layout="single", **extra):
     sections = {
         "output_dir": str(workdir / name), "seed": 5, "model": {"path": str(workdir / "llama3")},
+        "lora": {"enabled": name.startswith("lora"), "r": 4, "alpha": 8},
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
                  "format": "preference", "max_seq_len": 256},
         "preference": {"method": "reward"},
@@ -238,3 +239,21 @@ def test_sigkill_resumes_bitwise(workdir, single):
     assert comparable(run) == comparable(single[0])
     want, have = load_weights(single[0] / "final"), load_weights(run / "final")
     assert all(torch.equal(want[k], have[k]) for k in want)
+
+
+@pytest.mark.launch
+def test_a_lora_reward_model_trains_its_head_whole_and_generate_refuses_it(workdir, single):
+    """With LoRA, the score head trains whole beside the adapter (peft's modules_to_save) and the adapter
+    folder brings it; `toolkit generate` and `toolkit eval` refuse a reward model (full or adapter) in
+    one line instead of loading it as a causal LM with an output layer it does not have."""
+    run, log = train(workdir, "lora", **{"train__max_steps": 2, "checkpoint__every_steps": 0})
+    config = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "score" in (config.get("modules_to_save") or []), config
+    from safetensors.torch import load_file
+
+    saved = load_file(run / "final" / "adapter_model.safetensors")
+    assert any("score" in k for k in saved) and any("lora_A" in k for k in saved), list(saved)
+    for folder in (run / "final", single[0] / "final"):
+        result = run_toolkit("generate", str(folder), "--prompt", "hi")
+        assert result.returncode == 2 and "a reward model (sequence classification" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -72,12 +72,32 @@ def load_for_inference(path: str, dtype="fp32", device=None, trust_remote_code: 
     return model.to(device).eval(), tokenizer
 
 
+def refuse_scorer(path: str, folder: str, adapter: str | None) -> None:
+    """A reward model (a sequence-classification folder, or an adapter of one: preference.method=reward)
+    has no output layer to generate or score text with: refused in one line."""
+    def read(file: Path) -> dict:
+        try:
+            return json.loads(file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    config = read(Path(folder) / "config.json")
+    scorer = any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    if adapter:
+        scorer = read(Path(adapter) / "adapter_config.json").get("task_type") == "SEQ_CLS"
+    if scorer:
+        raise ToolkitError(f"{path}: a reward model (sequence classification: a score, no output layer); generate "
+                           "and eval take a causal LM. Use it as an rl.rewards model ({model: FOLDER}), or load it "
+                           "with transformers' AutoModelForSequenceClassification")
+
+
 def _load(path: str, dtype, trust_remote_code: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, dtype)
     folder, adapter = locate_model(path)
+    refuse_scorer(path, folder, adapter)
     tokenizer, error = None, None
     for source in ([adapter] if adapter else []) + [folder]:
         try:
