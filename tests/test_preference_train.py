@@ -6,19 +6,16 @@ train; the result merges like any run's."""
 
 import json
 import math
-import sys
 
 import pytest
 import torch
+from objective_runs import assert_runs_close, assert_sigkill_resumes_bitwise, sectioned_recipe, trained
 
 from families import build_family
 from helpers import (
     ROOT,
-    accelerate_launch,
     finish,
-    kill_after_step,
-    launch_config_for,
-    load_weights,
+    layout_command,
     read_metrics,
     run_toolkit,
     start,
@@ -48,7 +45,7 @@ def workdir(tmp_path_factory):
 
 
 def recipe(workdir, name, layout="single", lora=False, method="dpo", **extra):
-    sections = {
+    return sectioned_recipe(workdir / f"{name}.yaml", {
         "output_dir": str(workdir / name), "seed": 5, "model": {"preset": "tiny-llama-mini"},
         "lora": {"enabled": True, "r": 4, "alpha": 8} if lora else {"enabled": False},
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
@@ -58,43 +55,22 @@ def recipe(workdir, name, layout="single", lora=False, method="dpo", **extra):
                   "max_steps": STEPS, "learning_rate": 3e-3 if lora else 1e-3, "eval_every_steps": 2,
                   "log_every_steps": 1},
         "checkpoint": {"every_steps": 1, "keep_last": 10},
-    }
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        if field:
-            sections[section][field] = value
-        else:
-            sections[section] = value
-    return write_recipe(workdir / f"{name}.yaml", **sections)
+    }, **extra)
 
 
 def command(workdir, layout, path, *overrides):
-    if layout == "single":
-        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
-    return accelerate_launch(launch_config_for(layout, workdir)) + ["toolkit", "train", str(path), *overrides]
+    return layout_command(workdir, layout, path, *overrides)
 
 
 def train(workdir, name, layout="single", *overrides, **extra):
-    path = recipe(workdir, name, layout, **extra)
-    rc, out, err = finish(start(command(workdir, layout, path, *overrides)))
-    assert rc == 0, err[-3000:]
-    return workdir / name, out + err
+    return trained(workdir, layout, recipe(workdir, name, layout, **extra), *overrides)
 
 
 KEYS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "eval_loss", "eval_reward_margin")
 
 
 def assert_close(a, b, tol=1e-4, first=0):
-    ra, rb = [r for r in read_metrics(a) if r["step"] >= first], [r for r in read_metrics(b) if r["step"] >= first]
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(first, STEPS + 1))
-    for x, y in zip(ra, rb):
-        for k in KEYS:
-            if x.get(k) is not None or y.get(k) is not None:
-                assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol * 1e-2), (x["step"], k, x[k], y[k])
-    wa, wb = load_weights(a / "final"), load_weights(b / "final")
-    assert wa.keys() == wb.keys() and wa
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
+    assert_runs_close(a, b, KEYS, STEPS, tol, first)
 
 
 @pytest.fixture(scope="module")
@@ -159,21 +135,7 @@ def test_lora_reference_is_the_disabled_adapter_under_zero3(workdir, single_lora
 def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
     """Killed after step 2 is logged: resumed on one process it ends bitwise like the run never
     killed; its step-2 checkpoint resumed under FSDP on 2 processes ends within 1e-4."""
-    path = recipe(workdir, "killed")
-    run = workdir / "killed"
-    kill_after_step(start(command(workdir, "single", path)), run, 2)
-    assert not (run / "final").exists(), "the kill came after the run finished"
-    rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
-    assert rc == 0, err[-3000:]
-    assert "resumed from" in out
-    from toolkit.observe.measure import MEASURED
-
-    def comparable(folder):
-        return [{k: v for k, v in r.items() if k not in MEASURED} for r in read_metrics(folder)]
-
-    assert comparable(run) == comparable(single[0])
-    want, have = load_weights(single[0] / "final"), load_weights(run / "final")
-    assert all(torch.equal(want[k], have[k]) for k in want)
+    run = assert_sigkill_resumes_bitwise(workdir, recipe(workdir, "killed"), single[0])
 
     moved = recipe(workdir, "moved", "fsdp", resume=str(run / "checkpoints" / "step-000002"))
     rc, out, err = finish(start(command(workdir, "fsdp", moved)))

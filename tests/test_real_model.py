@@ -282,6 +282,15 @@ def test_zero3_two_processes_match_one(tmp_path, real_model_dir, capital_data):
     assert (flat_have - flat_want).norm() / flat_want.norm() <= 1e-4
 
 
+def quickstart_rows(tmp_path, kind: str) -> tuple:
+    """The first 512 train and 100 eval rows of the quickstart's `kind` files (preference, unpaired)."""
+    data = ROOT / "examples" / "data"
+    return tuple(write_jsonl(tmp_path / f"{part}.jsonl",
+                             [json.loads(x) for x in
+                              (data / f"tasks_{kind}_{part}.jsonl").read_text().splitlines()[:n]])
+                 for part, n in (("train", 512), ("eval", 100)))
+
+
 @pytest.mark.slow
 def test_dpo_raises_held_out_preference_accuracy(tmp_path, real_model_dir):
     """LoRA DPO (β 0.1, the reference the disabled adapter) on the quickstart's preference pairs
@@ -291,13 +300,7 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path, real_model_dir):
     Measured 2026-11-26 (2 CPU cores, 512 train pairs, 3.9 s per step): eval_loss 0.693 -> 0.553,
     eval_reward_accuracy 0 -> 0.73 after 16 steps (0.487 and 0.74 after 32); the chosen answer more
     likely than the rejected one in 67% of pairs for the base model, 71% after 32 steps."""
-    pairs = ROOT / "examples" / "data"
-    train = write_jsonl(tmp_path / "train.jsonl",
-                        [json.loads(x) for x in
-                         (pairs / "tasks_preference_train.jsonl").read_text().splitlines()[:512]])
-    evaluation = write_jsonl(tmp_path / "eval.jsonl",
-                             [json.loads(x) for x in
-                              (pairs / "tasks_preference_eval.jsonl").read_text().splitlines()[:100]])
+    train, evaluation = quickstart_rows(tmp_path, "preference")
     out = tmp_path / "run"
     path = write_recipe(tmp_path / "dpo.yaml", output_dir=str(out), seed=42, model={"path": str(real_model_dir)},
                         lora={"enabled": True, "r": 8, "alpha": 16},
@@ -322,12 +325,7 @@ def test_kto_raises_held_out_reward_margin(tmp_path, real_model_dir):
     answer labelled desirable or a wrong one labelled undesirable), 16 steps of 8 rows: on 100
     held-out rows the implied reward of the desirable answers rises above the undesirable ones'
     (eval_reward_margin from 0), and the eval loss falls from 0.5."""
-    rows = ROOT / "examples" / "data"
-    train = write_jsonl(tmp_path / "train.jsonl",
-                        [json.loads(x) for x in (rows / "tasks_unpaired_train.jsonl").read_text().splitlines()[:512]])
-    evaluation = write_jsonl(tmp_path / "eval.jsonl",
-                             [json.loads(x) for x in
-                              (rows / "tasks_unpaired_eval.jsonl").read_text().splitlines()[:100]])
+    train, evaluation = quickstart_rows(tmp_path, "unpaired")
     out = tmp_path / "run"
     path = write_recipe(tmp_path / "kto.yaml", output_dir=str(out), seed=42, model={"path": str(real_model_dir)},
                         lora={"enabled": True, "r": 8, "alpha": 16},
@@ -351,12 +349,7 @@ def test_reward_model_raises_held_out_pair_accuracy(tmp_path, real_model_dir):
     """A reward model from SmolLM2 (a score head drawn from the seed, LoRA r 8 with the head trained
     whole) on the quickstart's preference pairs, 24 steps of 8 pairs: on 100 held-out pairs the share
     whose right answer scores higher rises, and final/ scores through online RL's reward-model loader."""
-    pairs = ROOT / "examples" / "data"
-    train = write_jsonl(tmp_path / "train.jsonl",
-                        [json.loads(x) for x in (pairs / "tasks_preference_train.jsonl").read_text().splitlines()[:512]])
-    evaluation = write_jsonl(tmp_path / "eval.jsonl",
-                             [json.loads(x) for x in
-                              (pairs / "tasks_preference_eval.jsonl").read_text().splitlines()[:100]])
+    train, evaluation = quickstart_rows(tmp_path, "preference")
     out = tmp_path / "run"
     path = write_recipe(tmp_path / "rm.yaml", output_dir=str(out), seed=42, model={"path": str(real_model_dir)},
                         lora={"enabled": True, "r": 8, "alpha": 16},

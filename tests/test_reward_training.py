@@ -6,25 +6,13 @@ model; bad recipes and margins are refused in one line."""
 
 import json
 import math
-import sys
 
 import pytest
 import torch
+from objective_runs import assert_runs_close, assert_sigkill_resumes_bitwise, sectioned_recipe, trained
 
 from families import build_family
-from helpers import (
-    ROOT,
-    accelerate_launch,
-    finish,
-    kill_after_step,
-    launch_config_for,
-    load_weights,
-    read_metrics,
-    run_toolkit,
-    start,
-    write_jsonl,
-    write_recipe,
-)
+from helpers import ROOT, load_weights, read_metrics, run_toolkit, write_jsonl, write_recipe
 
 PAIRS = ROOT / "examples" / "data" / "tasks_preference_train.jsonl"
 STEPS = 4
@@ -137,7 +125,7 @@ def workdir(tmp_path_factory):
 
 
 def recipe(workdir, name, layout="single", **extra):
-    sections = {
+    return sectioned_recipe(workdir / f"{name}.yaml", {
         "output_dir": str(workdir / name), "seed": 5, "model": {"path": str(workdir / "llama3")},
         "lora": {"enabled": name.startswith("lora"), "r": 4, "alpha": 8},
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
@@ -150,41 +138,19 @@ def recipe(workdir, name, layout="single", **extra):
                   # 2e-4 (measured, DDP); at 1e-6 elements that small take plain, proportional steps.
                   "adam_epsilon": 1e-6},
         "checkpoint": {"every_steps": 1, "keep_last": 10},
-    }
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        sections[section][field] = value
-    return write_recipe(workdir / f"{name}.yaml", **sections)
-
-
-def command(workdir, layout, path, *overrides):
-    if layout == "single":
-        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
-    return accelerate_launch(launch_config_for(layout, workdir)) + ["toolkit", "train", str(path), *overrides]
+    }, **extra)
 
 
 def train(workdir, name, layout="single", **extra):
-    path = recipe(workdir, name, layout, **extra)
-    rc, out, err = finish(start(command(workdir, layout, path)))
-    assert rc == 0, err[-3000:]
-    return workdir / name, out + err
+    return trained(workdir, layout, recipe(workdir, name, layout, **extra))
 
 
 KEYS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "eval_loss", "eval_reward_margin",
         "eval_reward_accuracy")
 
 
-def assert_close(a, b, tol=1e-4):
-    ra, rb = read_metrics(a), read_metrics(b)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(STEPS + 1))
-    for x, y in zip(ra, rb):
-        for k in KEYS:
-            if x.get(k) is not None or y.get(k) is not None:
-                assert math.isclose(x[k], y[k], rel_tol=tol, abs_tol=tol * 1e-2), (x["step"], k, x[k], y[k])
-    wa, wb = load_weights(a / "final"), load_weights(b / "final")
-    assert wa.keys() == wb.keys() and wa
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
+def assert_close(a, b):
+    assert_runs_close(a, b, KEYS, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -224,21 +190,7 @@ def test_two_processes_equal_one(layout, workdir, single):
 
 @pytest.mark.launch
 def test_sigkill_resumes_bitwise(workdir, single):
-    path = recipe(workdir, "killed")
-    run = workdir / "killed"
-    kill_after_step(start(command(workdir, "single", path)), run, 2)
-    assert not (run / "final").exists(), "the kill came after the run finished"
-    rc, out, err = finish(start(command(workdir, "single", path, "resume=auto")))
-    assert rc == 0, err[-3000:]
-    assert "resumed from" in out
-    from toolkit.observe.measure import MEASURED
-
-    def comparable(folder):
-        return [{k: v for k, v in r.items() if k not in MEASURED} for r in read_metrics(folder)]
-
-    assert comparable(run) == comparable(single[0])
-    want, have = load_weights(single[0] / "final"), load_weights(run / "final")
-    assert all(torch.equal(want[k], have[k]) for k in want)
+    assert_sigkill_resumes_bitwise(workdir, recipe(workdir, "killed"), single[0])
 
 
 @pytest.mark.launch

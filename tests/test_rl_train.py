@@ -7,24 +7,22 @@ settings each end in one line, with the last checkpoint intact."""
 
 import json
 import math
-import sys
 
 import pytest
 import torch
+from objective_runs import sectioned_recipe
 
 from helpers import (
     ROOT,
-    accelerate_launch,
     finish,
     kill_after_step,
-    launch_config_for,
+    layout_command,
     load_weights,
     read_metrics,
     run_toolkit,
     start,
     user_error_line,
     write_jsonl,
-    write_recipe,
 )
 
 pytestmark = pytest.mark.launch  # every test here starts processes
@@ -75,19 +73,11 @@ def recipe(workdir, name, layout="single", lora=False, **extra):
                   "max_steps": STEPS, "learning_rate": 1e-2, "eval_every_steps": STEPS, "log_every_steps": 1},
         "checkpoint": {"every_steps": 1, "keep_last": 10},
     }
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        if field:
-            sections[section][field] = value
-        else:
-            sections[section] = value
-    return write_recipe(workdir / f"{name}.yaml", **sections)
+    return sectioned_recipe(workdir / f"{name}.yaml", sections, **extra)
 
 
 def command(workdir, layout, path, *overrides):
-    if layout == "single":
-        return [sys.executable, "-m", "toolkit", "train", str(path), *overrides]
-    return accelerate_launch(launch_config_for(layout, workdir)) + ["toolkit", "train", str(path), *overrides]
+    return layout_command(workdir, layout, path, *overrides)
 
 
 def train(workdir, name, layout="single", *overrides, **extra):
