@@ -205,6 +205,8 @@ PREFERENCE = [
      "train.sample_prompts: a reward model does not generate; remove it"),
     ("a negative centring", ["preference.method=reward", "preference.center_rewards_coefficient=-0.01"],
      "preference.center_rewards_coefficient: must be 0 or more, got -0.01"),
+    ("a LoRA reward model", ["preference.method=reward", "lora.enabled=true"],
+     "lora.enabled: a reward model trains fully for now"),
     ("centring on DPO", ["preference.center_rewards_coefficient=0.01"],
      "preference.center_rewards_coefficient: a reward-model setting (preference.method=reward), not dpo's"),
 ]

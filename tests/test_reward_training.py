@@ -34,7 +34,9 @@ def test_the_loss_is_bradley_terry_minus_the_margin_plus_the_centring():
     torch.testing.assert_close(got, want)
 
 
-def test_a_margin_that_is_not_a_number_is_refused_by_file_and_row(tmp_path):
+def test_margins_are_read_for_reward_models_only_and_a_bad_one_is_refused_by_file_and_row(tmp_path):
+    """Numbers, numbers as text (a CSV file's) and null (0) are margins; anything else is refused by
+    file and row. Other objectives' data is prepared as before: no margin column, none checked."""
     from transformers import AutoTokenizer
 
     from toolkit.config.data import DataConfig
@@ -42,13 +44,54 @@ def test_a_margin_that_is_not_a_number_is_refused_by_file_and_row(tmp_path):
     from toolkit.errors import ToolkitError
 
     tok = AutoTokenizer.from_pretrained(build_family("llama3", tmp_path / "llama3"))
-    good = [{**r, "margin": 0.5 * (i % 3)} for i, r in enumerate(rows(29))]
-    made = build_datasets(DataConfig(train_files=[str(write_jsonl(tmp_path / "good.jsonl", good))],
-                                     format="preference", max_seq_len=256), tok, 0, False)
-    assert [float(x) for x in made.train.table["margin"]] == [0.5 * (i % 3) for i in range(29)]
+    good = [{**r, "margin": ("0.5", "1.5", None)[i % 3]} for i, r in enumerate(rows(29))]  # as a CSV file reads
+    config = DataConfig(train_files=[str(write_jsonl(tmp_path / "good.jsonl", good))], format="preference",
+                        max_seq_len=256)
+    made = build_datasets(config, tok, 0, False, margins=True)
+    assert [float(x) for x in made.train.table["margin"]] == [(0.5, 1.5, 0.0)[i % 3] for i in range(29)]
+    assert "margin" not in build_datasets(config, tok, 0, False).train.table.column_names  # DPO's data
     bad = write_jsonl(tmp_path / "bad.jsonl", good + [{**rows(1)[0], "margin": "big"}])
-    with pytest.raises(ToolkitError, match="bad.jsonl: row 30"):
-        build_datasets(DataConfig(train_files=[str(bad)], format="preference", max_seq_len=256), tok, 0, False)
+    config = DataConfig(train_files=[str(bad)], format="preference", max_seq_len=256)
+    with pytest.raises(ToolkitError, match="bad.jsonl: row 30: margin must be a finite number, got 'big'"):
+        build_datasets(config, tok, 0, False, margins=True)
+    assert len(build_datasets(config, tok, 0, False).train) == 30  # DPO does not read the column
+
+
+def test_liger_kernels_are_refused_on_a_reward_model(tmp_path):
+    """Liger patches causal LM classes only (its Gemma 3 patch raises on any other class); refused at
+    load. (Where liger-kernel is not installed, as here, the missing package is refused first.)"""
+    from toolkit.config import load_recipe
+    from toolkit.config.validate_objectives import validate_reward_model
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows(4))
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"),
+                                      model={"preset": "tiny-llama-mini"}, preference={"method": "reward"},
+                                      data={"train_files": [str(data)], "format": "preference"}))
+    recipe.model.kernels = "liger"
+
+    def need(ok, key, message):
+        if not ok:
+            raise ValueError(f"{key}: {message}")
+
+    with pytest.raises(ValueError, match="model.kernels: Liger's kernels patch causal LMs only"):
+        validate_reward_model(recipe, need)
+
+
+def test_a_classifier_of_several_labels_is_refused_and_one_of_one_keeps_its_head(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from toolkit.errors import ToolkitError
+    from toolkit.model.load import has_score_head
+
+    base = build_family("llama3", tmp_path / "llama3")
+    assert not has_score_head(str(base))  # a causal LM: the run draws a head
+    for labels in (1, 2, 3):
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=labels)
+        model.save_pretrained(tmp_path / f"labels{labels}")
+    assert has_score_head(str(tmp_path / "labels1"))
+    for labels in (2, 3):  # transformers leaves id2label out for its default of 2
+        with pytest.raises(ToolkitError, match=f"a sequence-classification model with {labels} labels"):
+            has_score_head(str(tmp_path / f"labels{labels}"))
 
 
 # ---- against TRL's own trainer ----
@@ -127,7 +170,6 @@ def workdir(tmp_path_factory):
 def recipe(workdir, name, layout="single", **extra):
     return sectioned_recipe(workdir / f"{name}.yaml", {
         "output_dir": str(workdir / name), "seed": 5, "model": {"path": str(workdir / "llama3")},
-        "lora": {"enabled": name.startswith("lora"), "r": 4, "alpha": 8},
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
                  "format": "preference", "max_seq_len": 256},
         "preference": {"method": "reward"},
@@ -170,6 +212,8 @@ def test_one_process_trains_a_reward_model_that_scores_as_an_rl_reward(single, w
         assert row["reward_margin"] == pytest.approx(row["rewards_chosen"] - row["rewards_rejected"], abs=1e-6)
     config = json.loads((run / "final" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+    card = (run / "final" / "README.md").read_text()
+    assert "pipeline_tag: text-classification" in card and "AutoModelForSequenceClassification" in card
 
     from toolkit.training.reward_model import load_reward_model
 
@@ -194,18 +238,18 @@ def test_sigkill_resumes_bitwise(workdir, single):
 
 
 @pytest.mark.launch
-def test_a_lora_reward_model_trains_its_head_whole_and_generate_refuses_it(workdir, single):
-    """With LoRA, the score head trains whole beside the adapter (peft's modules_to_save) and the adapter
-    folder brings it; `toolkit generate` and `toolkit eval` refuse a reward model (full or adapter) in
-    one line instead of loading it as a causal LM with an output layer it does not have."""
-    run, log = train(workdir, "lora", **{"train__max_steps": 2, "checkpoint__every_steps": 0})
-    config = json.loads((run / "final" / "adapter_config.json").read_text())
-    assert config["task_type"] == "SEQ_CLS" and "score" in (config.get("modules_to_save") or []), config
-    from safetensors.torch import load_file
-
-    saved = load_file(run / "final" / "adapter_model.safetensors")
-    assert any("score" in k for k in saved) and any("lora_A" in k for k in saved), list(saved)
-    for folder in (run / "final", single[0] / "final"):
-        result = run_toolkit("generate", str(folder), "--prompt", "hi")
-        assert result.returncode == 2 and "a reward model (sequence classification" in result.stderr, result.stderr
-        assert "Traceback" not in result.stderr
+def test_generate_and_checkpoint_convert_take_a_reward_model_as_what_it_is(workdir, single):
+    """`toolkit generate` refuses a reward model in one line (no output layer to write text with) instead of
+    loading it as a causal LM; `toolkit checkpoint convert` builds the reward model from a checkpoint, its
+    weights those of final/ at the same step."""
+    result = run_toolkit("generate", str(single[0] / "final"), "--prompt", "hi")
+    assert result.returncode == 2 and "a reward model (sequence classification" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    out = workdir / "converted"
+    converted = run_toolkit("checkpoint", "convert", str(single[0] / "checkpoints" / f"step-{STEPS:06d}"),
+                            "--out", str(out))
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["pad_token_id"] is not None
+    want, have = load_weights(single[0] / "final"), load_weights(out)
+    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want)

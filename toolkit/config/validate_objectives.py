@@ -89,6 +89,10 @@ def validate_reward_model(r: Recipe, need) -> None:
          "a reward model reads its score at each sequence's last token (transformers' sequence-classification "
          "pooling), which needs a row per sequence; leave it off")
     need(not r.data.train_on_prompt, "data.train_on_prompt", "a reward model scores whole sequences; remove it")
+    need(not r.lora.enabled, "lora.enabled", "a reward model trains fully for now: a LoRA one's final/ would be an "
+         "adapter that rl.rewards, toolkit merge and AutoModelForSequenceClassification do not load yet; set it false")
+    need(r.model.kernels == "none", "model.kernels", "Liger's kernels patch causal LMs only, not a reward model's "
+         "sequence-classification class; remove it")
     need(not r.train.sample_prompts, "train.sample_prompts", "a reward model does not generate; remove it")
     need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
          "not with preference.method: the preference loss has no router term yet")

@@ -33,25 +33,27 @@ from .packing import best_fit_decreasing, pack_stats
 from .sources import Source, cache_root, load_rows, resolve_sources
 from .tokenize import Report, tokenize_source
 
-TOKENIZE_VERSION = 8  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 7  # bump when tokenization or preparation changes what it produces
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,
-                   on_wait: Callable[[], None] | None = None) -> Datasets:
+                   on_wait: Callable[[], None] | None = None, margins: bool = False) -> Datasets:
     """The prepared train and eval examples. `prepares`: this process tokenizes when the data is not
     prepared yet (the main process of each node); the others wait for its folder (calling `on_wait`
-    while they do, e.g. to check the preparing process is alive)."""
+    while they do, e.g. to check the preparing process is alive). `margins` (a reward model's
+    preference pairs): each row's `margin` column kept, in data prepared apart from other runs'."""
     sources = resolve_sources(cfg.train_files, cfg, "data.train_files")
     eval_sources = resolve_sources(cfg.eval_files, cfg, "data.eval_files") if cfg.eval_files else []
     read = {}
-    extra = f"{cfg.eval_fraction}/{seed}/{packing}"
+    extra = f"{cfg.eval_fraction}/{seed}/{packing}" + ("/margins" if margins else "")
     train_fp = fingerprint(sources, cfg, tokenizer, extra=extra, contents=read)
     content = fingerprint(sources, cfg, tokenizer, extra=extra, contents=read, by_content=True)  # a resume's
     fp = fingerprint(sources + eval_sources, cfg, tokenizer, extra=extra, contents=read) if eval_sources else train_fp
     folder = cache_root() / fp
     if not (folder / "report.json").is_file():
         if prepares:
-            prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, cfg.num_proc or default_num_proc())
+            prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, cfg.num_proc or default_num_proc(),
+                    margins)
         else:
             while not (folder / "report.json").is_file():
                 if on_wait is not None:
@@ -115,7 +117,7 @@ def default_num_proc() -> int:
 
 
 def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_sources, folder: Path,
-            num_proc: int) -> None:
+            num_proc: int, margins: bool = False) -> None:
     """Tokenize into `folder`/docs/ (Arrow, written once), then choose rows (filter, split, mix) as
     numbers into those documents (train.npy, eval.npy) and pack them (*_bins/); report.json says
     which files make each part. Written under a temporary name and renamed when complete."""
@@ -123,10 +125,10 @@ def prepare(cfg: DataConfig, tokenizer, seed: int, packing: bool, sources, eval_
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with disk.writing("data: the prepared data (HF_DATASETS_CACHE)", tmp, error=ToolkitError):
-        _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, num_proc, start)
+        _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, num_proc, start, margins)
 
 
-def _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, num_proc, start) -> None:
+def _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, num_proc, start, margins) -> None:
     (tmp / "docs").mkdir(parents=True)
     try:
         report = Report(num_proc=num_proc)
@@ -134,7 +136,8 @@ def _prepare(cfg, tokenizer, seed, packing, sources, eval_sources, folder, tmp, 
         def tokenized(entries, tag):
             files, rows, src, offset = [], [], [], 0
             for i, s in enumerate(entries):
-                ds, keep = tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "docs" / f"{tag}-{i}.arrow")
+                ds, keep = tokenize_source(s, i, cfg, tokenizer, num_proc, report, tmp / "docs" / f"{tag}-{i}.arrow",
+                                           margins)
                 files += [str(Path(c["filename"]).relative_to(tmp)) for c in ds.cache_files]
                 rows.append(keep + offset)
                 src.append(np.full(len(keep), i, dtype=np.int16))

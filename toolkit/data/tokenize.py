@@ -34,14 +34,16 @@ MAP_BATCH_ROWS = 1000  # rows per Arrow record batch (each costs a rank its head
 
 
 def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_proc: int, report: "Report",
-                    cache_file: Path):
+                    cache_file: Path, margins: bool = False):
     """One source tokenized into Arrow, overlong rows truncated or dropped, rows left without a
-    target dropped (an error when they are more than EMPTY_ROWS_TOLERATED of the source)."""
+    target dropped (an error when they are more than EMPTY_ROWS_TOLERATED of the source). `margins`:
+    a preference source's `margin` column kept (a reward model's), where it has one."""
 
     import datasets
     from jinja2 import TemplateError
 
     ds = load_rows(source)
+    margins = margins and source.format == "preference" and "margin" in ds.column_names
     procs = max(1, min(num_proc, math.ceil(len(ds) / ROWS_PER_PROCESS)))
     datasets.enable_progress_bars()  # the one bar worth showing; only the preparing process runs this
     threads = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -51,10 +53,10 @@ def tokenize_source(source: Source, index: int, cfg: DataConfig, tokenizer, num_
     try:
         tokenized = ds.map(_tokenize_batch, batched=True, with_indices=True, batch_size=MAP_BATCH_ROWS,
                            remove_columns=ds.column_names,
-                           features=_features(source.format), num_proc=procs if procs > 1 else None,
+                           features=_features(source.format, margins), num_proc=procs if procs > 1 else None,
                            cache_file_name=str(cache_file), new_fingerprint=cache_file.stem,
                            fn_kwargs=dict(fmt=source.format, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len,
-                                          train_on_prompt=cfg.train_on_prompt, source=index),
+                                          train_on_prompt=cfg.train_on_prompt, source=index, margins=margins),
                            desc=f"tokenizing {Path(source.name).name}")
     except ToolkitError as e:
         raise ToolkitError(f"{source.name}: {e}") from None
@@ -132,7 +134,7 @@ class Report:
 
 
 def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_seq_len: int, train_on_prompt: bool,
-                    source: int) -> dict:
+                    source: int, margins: bool = False) -> dict:
     """`datasets.map` function: a batch of rows rendered, encoded in one call, and labelled."""
     from jinja2 import TemplateError
 
@@ -142,6 +144,8 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
 
     def rendered_row(k) -> list:
         try:
+            if margins:
+                margin(rows[k])  # a margin that is no number is refused with the row's number
             return render(rows[k], fmt, tokenizer)
         except MissingField as e:
             missing[k] = str(e)
@@ -165,7 +169,7 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
                 out[-1].update(n_targets=1, full_targets=1, fields=json.dumps(rows[k], default=str))
             if fmt == "unpaired":
                 out[-1]["label"] = 0 if k in missing else desirable(rows[k])
-            if fmt == "preference":
+            if margins:
                 out[-1]["margin"] = 0.0 if k in missing else margin(rows[k])
             out[-1]["missing"] = missing.get(k, "")
             out[-1]["note"] = "" if k in missing or fmt != "messages" else trailing_system_turn(rows[k])
@@ -183,7 +187,7 @@ def _tokenize_batch(batch: dict, indices: list[int], fmt: str, tokenizer, max_se
     return columns
 
 
-def _features(fmt: str = "text"):
+def _features(fmt: str = "text", margins: bool = False):
     from datasets import Features, Sequence, Value
 
     pairs = {"rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int32"))}
@@ -191,7 +195,7 @@ def _features(fmt: str = "text"):
                      **(pairs if fmt == "preference" else {}),
                      **({"fields": Value("string")} if fmt == "prompt" else {}),
                      **({"label": Value("int8")} if fmt == "unpaired" else {}),
-                     **({"margin": Value("float32")} if fmt == "preference" else {}),
+                     **({"margin": Value("float32")} if margins else {}),
                      "n_targets": Value("int32"), "full_targets": Value("int32"), "length": Value("int32"),
                      "full_length": Value("int32"), "source": Value("int16"), "missing": Value("string"),
                      "note": Value("string"), "row": Value("int32")})
@@ -226,7 +230,6 @@ def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, in
     if fmt == "text":
         return [(text_value(row, "text") + tokenizer.eos_token, [], False)]
     if fmt == "preference":
-        margin(row)  # a margin that is not a number is refused with the row's number
         return preference_examples(row, tokenizer)
     if fmt == "unpaired":
         desirable(row)  # a label that is neither true nor false is refused with the row's number
@@ -395,16 +398,19 @@ def preference_examples(row: dict, tokenizer, names: tuple[str, ...] = ("chosen"
 
 
 def margin(row: dict) -> float:
-    """A preference row's `margin` (TRL's reward-model column: how much higher the chosen score
-    should be), 0 where the data has no such column; a reward model's loss subtracts it."""
-    if "margin" not in row:
-        return 0.0
-    value = row["margin"]
+    """A preference row's `margin` for a reward model (TRL's column: how much higher the chosen score
+    should be; its loss subtracts it): a number, or a number written as text (a CSV file's); 0 where
+    it is null. Anything else is refused with the row's number."""
+    value = row.get("margin")
     if value is None:
-        raise MissingField("margin")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0.0
+    try:
+        number = float(value) if isinstance(value, str) and not isinstance(value, bool) else value
+    except ValueError:
+        number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
         raise ToolkitError(f"margin must be a finite number, got {value!r}")
-    return float(value)
+    return float(number)
 
 
 def desirable(row: dict) -> int:

@@ -242,10 +242,16 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
 
 def has_score_head(folder: str) -> bool:
     """Whether a model folder is a sequence-classification model with one output already (a reward
-    model to train further), not a causal LM whose new head `seed_score_head` draws."""
+    model to train further), not a causal LM whose new head `seed_score_head` draws. One with
+    another number of labels (transformers' default is 2, unwritten) is refused in one line."""
     config = json.loads((Path(folder) / "config.json").read_text())
-    return (any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
-            and len(config.get("id2label") or {"0": ""}) == 1)
+    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return False
+    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
+    if labels != 1:
+        raise ToolkitError(f"model.path: {folder} is a sequence-classification model with {labels} labels; a reward "
+                           "model has one score (num_labels 1): start from its causal LM or a one-label model")
+    return True
 
 
 def score_head(model: torch.nn.Module) -> torch.nn.Linear:
@@ -255,6 +261,15 @@ def score_head(model: torch.nn.Module) -> torch.nn.Linear:
         raise ToolkitError(f"model: {type(model).__name__} has no linear score head (score or classifier) a reward "
                            "model can train")
     return head
+
+
+def mark_scorer(model: torch.nn.Module, tokenizer) -> None:
+    """A reward model's config as its folder must say it: its class (what AutoModel... builds) and the
+    padding token its pooling finds each sequence's last token by (in the text config, where
+    transformers reads it)."""
+    model.config.architectures = [type(model).__name__]
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
 
 
 def seed_score_head(model: torch.nn.Module, seed: int, writable=contextlib.nullcontext) -> None:
@@ -431,9 +446,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, rows: list[int] = ()) ->
     tokens = trainable_token_layers(model, targets, rows) if rows else None
     peft_config = PeftLoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, bias="none",
-        task_type="SEQ_CLS" if getattr(model.config, "num_labels", 0) == 1 and not hasattr(model, "lm_head")
-        else "CAUSAL_LM",  # a reward model's head trains whole (peft's modules_to_save)
+        use_dora=cfg.use_dora, use_rslora=cfg.use_rslora, task_type="CAUSAL_LM", bias="none",
         trainable_token_indices=tokens)
     if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms in fp32, input grads for checkpointing
         from peft import prepare_model_for_kbit_training

@@ -43,6 +43,7 @@ from ..model.load import (
     fit_vocabulary,
     has_score_head,
     isolation_probe,
+    mark_scorer,
     seed_score_head,
     token_rows,
 )
@@ -161,8 +162,7 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
     scorer = recipe.preference.method == "reward"
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision], scorer=scorer)
     if scorer:
-        model.config.pad_token_id = tokenizer.pad_token_id  # where transformers' pooling finds each last token
-        model.config.architectures = [type(model).__name__]  # final/'s config.json: what AutoModel... builds
+        mark_scorer(model, tokenizer)
         if model_cfg.preset is not None or not has_score_head(resolve_model(model_cfg.path, model_cfg.revision)):
             seed_score_head(model, recipe.seed, backend.writable)
             log(f"reward model: a score head of one output on {type(model).__name__}, drawn from the seed")
@@ -292,7 +292,8 @@ def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption
     # The main process of each node prepares the data; the others wait on the file system, not in a
     # collective that a long tokenization could time out.
     with preemption.abrupt(lock.release, remove_partial_data):  # a signal while datasets' workers tokenize
-        data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process)
+        data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process,
+                              margins=recipe.preference.method == "reward")
     data.train.kl_max_length = data.eval.kl_max_length = recipe.data.max_seq_len  # KTO's mismatched sequences
     for line in data.lines:
         log(f"data: {line}")

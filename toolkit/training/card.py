@@ -22,7 +22,9 @@ def model_card(recipe: Recipe, state, rows: list[dict], base_folder: Path | None
     `base_folder`: the base model's local folder (None for a preset)."""
     m, lora = recipe.model, recipe.lora
     base = m.path if m.path and is_hub_id(m.path) else None
-    meta = {"library_name": "peft" if lora.enabled else "transformers", "pipeline_tag": "text-generation",
+    scorer = recipe.preference.method == "reward"
+    meta = {"library_name": "peft" if lora.enabled else "transformers",
+            "pipeline_tag": "text-classification" if scorer else "text-generation",
             "tags": ["toolkit", objective_tag(recipe)] + (["lora"] if lora.enabled else [])
             + (["qlora"] if m.load_in_4bit else [])}
     if base:
@@ -107,6 +109,13 @@ def results(rows: list[dict]) -> str:
 
 
 def usage(recipe: Recipe, base: str | None) -> str:
+    if recipe.preference.method == "reward":
+        return ("A reward model: a Hugging Face sequence-classification folder of one score, with its tokenizer. "
+                "As a reward of online RL: `rl.rewards: [{model: FOLDER}]`; in Python:\n\n```python\n"
+                "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+                "model = AutoModelForSequenceClassification.from_pretrained(FOLDER)\n"
+                "tokenizer = AutoTokenizer.from_pretrained(FOLDER)\n"
+                "score = model(**tokenizer(TEXT, return_tensors='pt')).logits[0, 0]\n```")
     if recipe.lora.enabled:
         return ("A LoRA adapter (peft): `toolkit generate FOLDER` and `toolkit eval` load it over its base, "
                 "`toolkit merge FOLDER --out MERGED` makes a plain model; in Python:\n\n```python\n"

@@ -98,13 +98,25 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
     from ..model import base_identity
     from ..model.hub import resolve_model
     from ..model.load import DTYPES as TORCH_DTYPES
-    from ..model.load import apply_lora, build_model, build_tokenizer, config_overrides, fit_vocabulary, token_rows
+    from ..model.load import (
+        apply_lora,
+        build_model,
+        build_tokenizer,
+        config_overrides,
+        fit_vocabulary,
+        mark_scorer,
+        token_rows,
+    )
     from ..storage.portable import read_tensors
     from ..storage.verify import first_mismatch
 
     weights = read_tensors(portable, "checkpoint convert")
     tokenizer = build_tokenizer(recipe.model)
-    model = build_model(recipe.model, TORCH_DTYPES[recipe.model.dtype], TORCH_DTYPES[recipe.train.precision])
+    scorer = recipe.preference.method == "reward"  # a reward model: its score head, as training built it
+    model = build_model(recipe.model, TORCH_DTYPES[recipe.model.dtype], TORCH_DTYPES[recipe.train.precision],
+                        scorer=scorer)
+    if scorer:
+        mark_scorer(model, tokenizer)
     added = fit_vocabulary(model, tokenizer)  # model.add_special_tokens: the shapes the run trained
     if recipe.lora.enabled:
         model = apply_lora(model, recipe.lora, token_rows(model, tokenizer, recipe.model.add_special_tokens, added))
