@@ -726,6 +726,35 @@ def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
     assert supervised_report["rl"] is None
 
 
+def test_a_reward_model_counts_whole_on_every_gpu(tmp_path, capsys):
+    """rl.rewards with a reward model folder: its weight files' bytes are held by every GPU under every
+    strategy (the loader keeps a whole copy per rank), added to the total, a column of the table, a line
+    below it and the run's estimate line; a Hub id that is no local folder is named as not counted."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from toolkit.backends.run_sizing import setup_from_recipe
+    from toolkit.backends.sizing import BY_NAME, estimate
+    from toolkit.config import load_recipe
+    from toolkit.verbs.estimate import render
+
+    LlamaForSequenceClassification(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               num_labels=1)).save_pretrained(tmp_path / "rm")
+    size = (tmp_path / "rm" / "model.safetensors").stat().st_size
+    setup = setup_from_recipe(load_recipe(rl_recipe(tmp_path, rewards=[{"model": str(tmp_path / "rm")},
+                                                                       {"model": "someone/remote-rm"}])))
+    assert setup.reward_model_bytes == size and setup.reward_models_uncounted == ("someone/remote-rm",)
+    without = replace(setup, reward_model_bytes=0.0)
+    for name in ("DDP", "ZeRO-3", "FSDP full-shard", "ZeRO-3 + CPU params+optimizer"):
+        got, plain = estimate(BY_NAME[name], setup).gpu, estimate(BY_NAME[name], without).gpu
+        assert got["reward_models"] == size and got["total"] == plain["total"] + size, name
+    table = render(setup, [estimate(BY_NAME["ZeRO-3"], setup)], {"recommendation": "-", "epoch": None}, None)
+    assert "reward m." in table and "whole on every GPU" in table
+    assert "rl: reward models not counted (not a local folder): someone/remote-rm" in table
+
+
 def test_online_rl_refusals_and_the_run_line(monkeypatch, tmp_path, capsys):
     """Sequence parallelism cannot split an RL run's completions: refused as a launch would. The run's
     `estimate` line gives the KV cache beside the activations."""

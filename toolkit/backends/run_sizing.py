@@ -60,6 +60,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     pairs = recipe.preference.method not in (None, "kto")  # a pair is two sequences in one forward (KTO's: two apart)
     rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
     per_row = 2 if pairs else rl.num_generations if rl else 1
+    rewards, uncounted = reward_model_sizes(rl)
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
                  four_bit=recipe.model.load_in_4bit,
                  micro_batch=recipe.train.micro_batch_size * per_row,
@@ -70,7 +71,27 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs,
                  accumulation=recipe.train.gradient_accumulation_steps,
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
-                     "reference_forward": rl.beta > 0, "iterations": rl.num_iterations} if rl else {}), **kwargs)
+                     "reference_forward": rl.beta > 0, "iterations": rl.num_iterations,
+                     "reward_model_bytes": rewards, "reward_models_uncounted": uncounted} if rl else {}), **kwargs)
+
+
+def reward_model_sizes(rl) -> tuple[float, tuple]:
+    """(the bytes of the weight files of rl.rewards' reward models in local folders, the models not
+    counted: a Hub id not in a local folder here)."""
+    from pathlib import Path
+
+    total, uncounted = 0.0, []
+    for entry in (rl.rewards if rl is not None else []):
+        model = getattr(entry, "model", None)
+        if model is None:
+            continue
+        folder = Path(model).expanduser()
+        files = [f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern)] if folder.is_dir() else []
+        if files:
+            total += sum(f.stat().st_size for f in files)
+        else:
+            uncounted.append(str(model))
+    return total, tuple(uncounted)
 
 
 def check_dense(config) -> None:
@@ -132,7 +153,9 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
             f"{size_text(g['gradients'])}, optimizer {size_text(g['optimizer'])}, buffers {size_text(g['buffers'])}, "
             f"activations {size_text(g['activations'] + g['logits'])} ({setup.batch_text()})"
             + (f", KV cache {size_text(g['kv_cache'])} ({setup.sampled} completions sampled at once; freed before "
-               f"training: the larger counts)" if setup.generations else "") + f" = {size_text(g['total'])}")
+               f"training: the larger counts)" if setup.generations else "")
+            + (f", reward models {size_text(g['reward_models'])} (whole on every process)"
+               if g["reward_models"] else "") + f" = {size_text(g['total'])}")
     if row.host_per_node:
         line += f"; host RAM {size_text(row.host_per_node)} per node"
     if memory is None:

@@ -97,7 +97,9 @@ forwards, so the total holds the larger of it and activations + logits. The refe
 log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter disabled (rl.beta
 needs LoRA): no second model, one more forward without gradient per generated batch, as the old
 policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they
-keep (4 bytes a token) are not counted.
+keep (4 bytes a token) are not counted. A reward model of rl.rewards is loaded whole on every GPU in
+its folder's dtype, by no strategy sharded: `reward_models`, its weight files' size (its scoring
+forward, without gradient, one batch of the step's completions, is not counted).
 
 **Communication** per optimizer step, bytes each process sends over ring collectives (an
 all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N), once per
@@ -184,6 +186,8 @@ class Setup:
     accumulation: int = 1  # train.gradient_accumulation_steps: online RL samples all of a step's prompts at once
     reference_forward: bool = False  # rl.beta > 0: the reference's log-probabilities (the adapter disabled)
     iterations: int = 1  # rl.num_iterations: optimizer steps per generated batch (> 1: the old log-probabilities)
+    reward_model_bytes: float = 0.0  # rl.rewards models: whole on every GPU, their weights as their folders store them
+    reward_models_uncounted: tuple = ()  # rl.rewards models not in a local folder: their size is not known here
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
@@ -401,10 +405,11 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     activations = activation_bytes(m, setup, regime, autocast=not strategy.deepspeed)
     logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
     kv_cache = kv_cache_bytes(m, setup)
+    rewards = setup.reward_model_bytes  # not sharded by any strategy: each rank scores with a whole copy
     gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
-           "activations": activations, "logits": logits, "kv_cache": kv_cache}
+           "activations": activations, "logits": logits, "kv_cache": kv_cache, "reward_models": rewards}
     # Online RL samples, and frees its cache, before the step's forwards: the larger of the two is held.
-    gpu["total"] = params + grads + optimizer + buffers + max(activations + logits, kv_cache)
+    gpu["total"] = params + grads + optimizer + buffers + rewards + max(activations + logits, kv_cache)
     fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
     host += offloaded_activation_bytes(m, setup, regime)

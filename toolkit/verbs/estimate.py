@@ -217,7 +217,11 @@ def rl_lines(setup: Setup) -> list[str]:
             "activ. + logits)",
             "rl: forward passes per trained token and optimizer step: " + ", ".join(forwards)
             + (f"; all but training once per generated batch of {k} steps" if k > 1 else "")
-            + "; sampling runs a token at a time, bound by memory bandwidth more than compute", ""]
+            + "; sampling runs a token at a time, bound by memory bandwidth more than compute"] \
+        + ([f"rl: reward models (rl.rewards): {size_text(setup.reward_model_bytes)} of weights, whole on every GPU "
+            "(no strategy shards them; their scoring forward is not counted)"] if setup.reward_model_bytes else []) \
+        + ([f"rl: reward models not counted (not a local folder): {', '.join(setup.reward_models_uncounted)}"]
+           if setup.reward_models_uncounted else []) + [""]
 
 
 def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | None) -> str:
@@ -240,6 +244,7 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     columns = [("params", "params", 7), ("gradients", "grads", 7), ("optimizer", "optim", 7),
                ("buffers", "buffers", 9), ("activations", "activ.", 8), ("logits", "logits", 8)]
     columns += [("kv_cache", "kv cache", 10)] if setup.generations else []
+    columns += [("reward_models", "reward m.", 10)] if setup.reward_model_bytes else []
     columns += [("total", "total", 8)]
     lines.append(f"{'GiB per GPU':<33}" + "".join(f"{title:>{w}}" for _, title, w in columns)
                  + f"{'fits':>6}{'host/node':>11}{'comm/step':>11}")
