@@ -47,8 +47,10 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("kind", ["chat", "text", "chat with template kwargs"])
 def test_a_reward_model_scores_as_trls_calculate_rewards(folders, kind, tmp_path):
+    """`chat with template kwargs`: model.chat_template_kwargs reach the reward model's own template as
+    TRL's chat_template_kwargs do (Llama 3's `date_string`, written into its system header)."""
     pytest.importorskip("trl")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,21 +59,28 @@ def test_a_reward_model_scores_as_trls_calculate_rewards(folders, kind, tmp_path
     from toolkit.config import RewardConfig
     from toolkit.training.rewards import load_rewards, score
 
-    prompts = [p for p in (CHAT if kind == "chat" else TEXT) for _ in range(2)]
+    chat = kind.startswith("chat")
+    kwargs = {"date_string": "01 Jan 2031"} if kind == "chat with template kwargs" else {}
+    prompts = [p for p in (CHAT if chat else TEXT) for _ in range(2)]
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
-                      per_device_train_batch_size=4, num_generations=2, max_completion_length=8)
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+                      chat_template_kwargs=kwargs or None)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folders["policy"], dtype=torch.float32),
                           reward_funcs=[str(folders["rm"])], args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                           processing_class=AutoTokenizer.from_pretrained(folders["policy"]))
-    completions = [[{"role": "assistant", "content": a}] for a in ANSWERS] if kind == "chat" else ANSWERS
+    completions = [[{"role": "assistant", "content": a}] for a in ANSWERS] if chat else ANSWERS
     want = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[1]] * 4)[:, 0]
-    rewards = load_rewards([RewardConfig(model=str(folders["rm"]), weight=2.0)])
+    rewards = load_rewards([RewardConfig(model=str(folders["rm"]), weight=2.0)], kwargs)
     assert [r.name for r in rewards] == ["rm"]
     total, per = score(rewards, prompts, ANSWERS, [{} for _ in prompts], step=1, rows=[f"row {i}" for i in range(4)])
     torch.testing.assert_close(per["rm"], want.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(total, 2 * want.float(), rtol=1e-5, atol=1e-6)
     assert len(set(per["rm"].tolist())) == 4  # four answers, four scores: the model read each one
+    if kwargs:  # the kwargs changed what the reward model read
+        plain, _ = score(load_rewards([RewardConfig(model=str(folders["rm"]))]), prompts, ANSWERS,
+                         [{} for _ in prompts], step=1, rows=[f"row {i}" for i in range(4)])
+        assert not torch.allclose(plain, per["rm"])
 
 
 def test_what_is_not_a_reward_model_is_refused_in_one_line(folders, tmp_path):

@@ -123,7 +123,7 @@ def setup_rewards(recipe: Recipe) -> list | None:
     from ..data.sources import json_rows
     from .rewards import check_rewards, load_rewards
 
-    rewards = load_rewards(recipe.rl.rewards)
+    rewards = load_rewards(recipe.rl.rewards, recipe.model.chat_template_kwargs)
     source = resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")[0]
     if source.files and Path(source.files[0]).suffix.lower() in (".json", ".jsonl"):
         rows = []

@@ -18,15 +18,17 @@ from ..errors import ToolkitError
 class ModelReward:
     """A reward function over a reward model, called as TRL calls reward functions."""
 
-    def __init__(self, source: str, folder: Path, model, tokenizer):
+    def __init__(self, source: str, folder: Path, model, tokenizer, template_kwargs: dict | None = None):
         self.source, self.folder, self.model, self.tokenizer = source, folder, model, tokenizer
+        self.template_kwargs = dict(template_kwargs or {})  # model.chat_template_kwargs, as TRL passes its own
         self.__name__ = Path(source.rstrip("/")).name  # TRL names a reward model by its id's last part
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
         from accelerate import PartialState
 
         if prompts and isinstance(prompts[0], list):  # chat: the reward model's template over prompt + answer
-            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False, **self.template_kwargs)
+                     for p, c in zip(prompts, completions)]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
         inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
@@ -38,9 +40,10 @@ class ModelReward:
             return self.model(**inputs.to(device)).logits[:, 0].float().cpu().tolist()
 
 
-def load_reward_model(key: str, source: str) -> ModelReward:
+def load_reward_model(key: str, source: str, template_kwargs: dict | None = None) -> ModelReward:
     """The reward model at `source` (a folder or a Hub id); anything that is not a one-label sequence-classification
-    model with a tokenizer is refused in one line naming `key`. Loaded whole, outside ZeRO-3's partitioned loading
+    model with a tokenizer is refused in one line naming `key`. `template_kwargs` (model.chat_template_kwargs)
+    reach its chat template too, as TRL's chat_template_kwargs reach every reward model's. Loaded whole, outside ZeRO-3's partitioned loading
     (accelerate's ZeRO-3 plugin makes transformers build every model under zero.Init, with empty weights that
     only a prepared engine fills: this model is never prepared)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -74,7 +77,7 @@ def load_reward_model(key: str, source: str) -> ModelReward:
                                "of answers cannot be padded")
         tokenizer.pad_token = tokenizer.eos_token
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the last real token is scored
-    return ModelReward(source, folder, model, tokenizer)
+    return ModelReward(source, folder, model, tokenizer, template_kwargs)
 
 
 @contextlib.contextmanager

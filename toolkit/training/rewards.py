@@ -68,12 +68,13 @@ class Logged:
     """Columns the completions table has already: log_extra refuses them."""
 
 
-def load_rewards(entries: list[RewardConfig]) -> list[Reward]:
-    """Import each function: `path/to/file.py:name` (relative to the current folder), `module:name`, or a built-in."""
+def load_rewards(entries: list[RewardConfig], template_kwargs: dict | None = None) -> list[Reward]:
+    """Import each function: `path/to/file.py:name` (relative to the current folder), `module:name`, or a built-in;
+    load each reward model (`template_kwargs`: model.chat_template_kwargs, for its chat template too)."""
     modules: dict[Path, ModuleType] = {}
     rewards, seen = [], {}
     for i, entry in enumerate(entries):
-        reward = _load(i, entry, modules)
+        reward = _load(i, entry, modules, template_kwargs)
         seen[reward.name] = seen.get(reward.name, 0) + 1
         if seen[reward.name] > 1:  # per-function values are keyed by name
             reward.name += f"#{seen[reward.name]}"
@@ -124,9 +125,9 @@ def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], row
 # --- loading
 
 
-def _load(i: int, entry: RewardConfig, modules: dict[Path, ModuleType]) -> Reward:
+def _load(i: int, entry: RewardConfig, modules: dict[Path, ModuleType], template_kwargs: dict | None = None) -> Reward:
     if entry.model is not None:
-        function = load_reward_model(f"rl.rewards[{i}].model", entry.model)
+        function = load_reward_model(f"rl.rewards[{i}].model", entry.model, template_kwargs)
         return Reward(function.__name__, entry.weight, function)
     text = entry.function
     if text in BUILT_IN_REWARDS:
