@@ -43,9 +43,9 @@ class ModelReward:
 def load_reward_model(key: str, source: str, template_kwargs: dict | None = None) -> ModelReward:
     """The reward model at `source` (a folder or a Hub id); anything that is not a one-label sequence-classification
     model with a tokenizer is refused in one line naming `key`. `template_kwargs` (model.chat_template_kwargs)
-    reach its chat template too, as TRL's chat_template_kwargs reach every reward model's. Loaded whole, outside ZeRO-3's partitioned loading
-    (accelerate's ZeRO-3 plugin makes transformers build every model under zero.Init, with empty weights that
-    only a prepared engine fills: this model is never prepared)."""
+    reach its chat template too, as TRL's chat_template_kwargs reach every reward model's. Loaded whole, outside
+    ZeRO-3's partitioned loading (accelerate's ZeRO-3 plugin makes transformers build every model under
+    zero.Init, with empty weights that only a prepared engine fills: this model is never prepared)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from ..model.hub import resolve_model
