@@ -233,6 +233,7 @@ def test_two_processes_equal_one(layout, workdir, single):
 
 
 @pytest.mark.launch
+@pytest.mark.slow  # DPO's and RL's SIGKILL resumes stay in CI; this one is run by hand before resolving
 def test_sigkill_resumes_bitwise(workdir, single):
     assert_sigkill_resumes_bitwise(workdir, recipe(workdir, "killed"), single[0])
 
