@@ -399,13 +399,18 @@ def base_recipe(tmp_path, train, evaluation, out="run", **overrides) -> dict:
         "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 8,
                   "learning_rate": 1e-3, "warmup_steps": 2, "precision": "fp32", "log_every_steps": 4},
     }
+    return with_overrides(recipe, overrides)
+
+
+def with_overrides(sections: dict, overrides: dict) -> dict:
+    """`sections` with `overrides` set: section__key=value, or section=value (a whole section)."""
     for key, value in overrides.items():
         section, _, name = key.partition("__")
         if name:
-            recipe[section][name] = value
+            sections[section][name] = value
         else:
-            recipe[section] = value
-    return recipe
+            sections[section] = value
+    return sections
 
 
 # The backend matrix's data and single-process references, shared by every module that compares
@@ -486,10 +491,7 @@ def layout_recipe(workdir: Path, name: str, layout: str, lora: bool = False, dro
                   "log_every_steps": 1},
         "checkpoint": {"every_steps": 2, "keep_last": 10},
     }
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        sections[section][field] = value
-    return write_recipe(workdir / f"{name}.yaml", **sections)
+    return write_recipe(workdir / f"{name}.yaml", **with_overrides(sections, extra))
 
 
 def layout_command(workdir: Path, layout: str, path: Path, *overrides) -> list[str]:

@@ -7,18 +7,21 @@ from pathlib import Path
 
 import torch
 
-from helpers import finish, kill_after_step, layout_command, load_weights, read_metrics, start, write_recipe
+from helpers import (
+    finish,
+    kill_after_step,
+    layout_command,
+    load_weights,
+    read_metrics,
+    start,
+    with_overrides,
+    write_recipe,
+)
 
 
 def sectioned_recipe(path: Path, sections: dict, **extra) -> Path:
     """`sections` written to `path`, with `extra` overrides: section__key=value, or section=value."""
-    for key, value in extra.items():
-        section, _, field = key.partition("__")
-        if field:
-            sections[section][field] = value
-        else:
-            sections[section] = value
-    return write_recipe(path, **sections)
+    return write_recipe(path, **with_overrides(sections, extra))
 
 
 def trained(workdir: Path, layout: str, path: Path, *overrides) -> tuple[Path, str]:
