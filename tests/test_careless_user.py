@@ -190,7 +190,7 @@ PREFERENCE = [
     ("packed pairs", ["data.packing=true"], "data.packing: preference pairs are not packed"),
     ("pairs as prompts", ["data.format=prompt"], "data.format: preference.method=dpo trains on pairs"),
     ("pairs without a method", ["preference.method=null"], "data.format: preference pairs train only with a"),
-    ("rl keys on preference", ["rl.num_generations=4"], "rl.num_generations: set only with rl.method (grpo or rloo)"),
+    ("rl keys on preference", ["rl.num_generations=4"], "rl.num_generations: set only with rl.method (grpo, rloo or distill)"),
     ("kto on pairs", ["preference.method=kto"], "data.format: preference.method=kto trains on unpaired rows (prompt, "
      "completion, label): data.format (and every entry's format) must be unpaired, got preference (write each pair as "
      "two rows: prompt and chosen with label true, prompt and rejected with label false)"),

@@ -181,6 +181,17 @@ class Backend:
         """How `sampling` holds the weights, for the start-of-run line of online RL."""
         return "whole weights"
 
+    def prepare_frozen(self, model):
+        """A second model that only runs forwards (distillation's teacher), frozen, in eval mode, held as this
+        backend holds such a model (TRL's prepare_deepspeed / prepare_model(evaluation_mode=True)): here a whole
+        copy on this process's device. Call it after the trained model is prepared."""
+        model.requires_grad_(False)
+        return model.to(self.accelerator.device).eval()
+
+    def frozen_line(self) -> str:
+        """How `prepare_frozen` holds a model, for the start-of-run line."""
+        return "a whole copy on every rank"
+
     # -- parameters --------------------------------------------------------------------------------
 
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:

@@ -81,6 +81,28 @@ class DeepSpeed(Backend):
                     coordinator._invalidate_trace()  # the trace of training's forwards, not the sampling's
                 offload._register_deepspeed_module(offload.module)
 
+    def prepare_frozen(self, model):
+        """ZeRO-3: an inference engine of its own over the model (loaded partitioned, under the plugin's
+        zero.Init), sharded as the trained one with its offload_param, the training-only blocks dropped, as
+        TRL's prepare_deepspeed; other stages: a whole copy on every rank."""
+        if self.stage != 3:
+            return super().prepare_frozen(model)
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(self.config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        return engine.eval()
+
+    def frozen_line(self) -> str:
+        return "sharded across the ranks (a ZeRO-3 engine of its own)" if self.stage == 3 \
+            else "a whole copy on every rank"
+
     def sampling_line(self) -> str:
         return ("whole weights gathered once per sampling (ZeRO-3)" if self.stage == 3 else "whole weights")
 

@@ -83,6 +83,19 @@ class FSDP(Backend):
                 for group, info in groups:
                     group.post_forward_mesh_info = info
 
+    def prepare_frozen(self, model):
+        """FSDP2: sharded as the trained model (the plugin's wrapping, mixed precision and offload), as TRL's
+        prepare_model(evaluation_mode=True) does; FSDP1: a whole copy on every rank."""
+        if self.plugin.fsdp_version != 2:
+            return super().prepare_frozen(model)
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model.requires_grad_(False)
+        return fsdp2_prepare_model(self.accelerator, model.to(self.accelerator.device)).eval()
+
+    def frozen_line(self) -> str:
+        return "sharded across the ranks (FSDP2)" if self.plugin.fsdp_version == 2 else "a whole copy on every rank"
+
     def sampling_line(self) -> str:
         return "whole weights gathered once per sampling (FSDP modules unsharded for it)"
 

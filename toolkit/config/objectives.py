@@ -83,7 +83,7 @@ BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
 
 @dataclass
 class RLConfig:
-    method: Optional[Literal["grpo", "rloo"]] = None
+    method: Optional[Literal["grpo", "rloo", "distill"]] = None
     """None: no online RL. `grpo`: each optimizer step samples rl.num_generations completions per
     prompt of its global batch (data.format=prompt) with the policy as it stands, scores them with
     rl.rewards, normalises the rewards within each prompt's group into advantages, and takes the
@@ -92,7 +92,11 @@ class RLConfig:
     completion's advantage is its reward minus the mean of its group's other completions'
     (leave-one-out), with rl.beta's KL to the reference subtracted from the reward, and the clipped
     loss is taken on each completion's whole log-probability (one ratio per completion), averaged
-    over completions. micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
+    over completions. `distill` (TRL's DistillationTrainer, on-policy distillation): the policy (the
+    student) samples completions for the prompts as above, and the loss is the generalized
+    Jensen-Shannon divergence (rl.beta) between its next-token distribution and rl.teacher's at
+    every completion token, at rl.temperature, averaged over the global batch's completion tokens;
+    no rewards. micro_batch_size counts prompts: a micro-batch holds micro_batch_size x
     num_generations completions."""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "cispo"] = "dapo"
     """How per-token losses are averaged, as TRL 1.16: `dapo` over every completion token of the
@@ -103,8 +107,15 @@ class RLConfig:
     averaged as `dapo`; it needs rl.epsilon_high set (ScaleRL recommends 5.0)."""
     importance_sampling: Literal["token", "sequence"] = "token"
     """The policy ratio per token, or per completion (the geometric mean of its tokens' ratios: GSPO)."""
-    num_generations: int = 8
-    """Completions sampled per prompt (the group its advantages are normalised in; at least 2)."""
+    num_generations: Optional[int] = None
+    """Completions sampled per prompt (the group its advantages are normalised in; at least 2).
+    None: 8 for grpo and rloo, 1 for distill (TRL's DistillationTrainer samples one per prompt)."""
+    teacher: Optional[str] = None
+    """distill only: the teacher, a causal LM folder (or Hub id) whose next-token distribution the
+    student learns (TRL's teacher_model_name_or_path). It must share the student's vocabulary (its
+    tokenizer, where the folder has one, must equal the student's). Loaded in the student's dtype,
+    frozen, and prepared by the launched backend as TRL prepares it: sharded under ZeRO-3 and FSDP2,
+    a whole copy on every rank otherwise."""
     epsilon: float = 0.2
     """The ratio is clipped below at 1 - epsilon."""
     epsilon_high: Optional[float] = None
@@ -114,11 +125,14 @@ class RLConfig:
     """Two-sided clipping (INTELLECT-2, TRL's `delta`): the unclipped ratio in the surrogate is capped
     at delta too, so a negative advantage cannot push a ratio up without bound; above 1 (TRL
     recommends above 1 + epsilon_high). None: one-sided, as GRPO."""
-    beta: float = 0.0
-    """Weight of the KL term to the reference model (0 as TRL's GRPO: no reference pass; TRL's RLOO
-    default is 0.05). Above 0 the reference is the base with the LoRA adapter disabled
-    (lora.enabled: no second model). grpo adds beta x KL per token to the loss; rloo subtracts beta x
-    each completion's summed log-ratio to the reference from its reward, as TRL's."""
+    beta: Optional[float] = None
+    """grpo and rloo: the weight of the KL term to the reference model (None: 0, as TRL's GRPO: no
+    reference pass; TRL's RLOO default is 0.05). Above 0 the reference is the base with the LoRA
+    adapter disabled (lora.enabled: no second model). grpo adds beta x KL per token to the loss; rloo
+    subtracts beta x each completion's summed log-ratio to the reference from its reward, as TRL's.
+    distill: TRL's DistillationConfig.beta, which divergence: 0 the forward KL(teacher || student),
+    1 the reverse KL(student || teacher) (None: 1, TRL's default), between them the generalized JSD
+    with the mixture (1 - beta) x student + beta x teacher."""
     normalize_advantages: bool = False
     """rloo: the advantages standardised over the global batch (minus their mean, divided by their
     std + 1e-4), TRL's RLOO key of that name."""
@@ -138,7 +152,8 @@ class RLConfig:
     name (DAPO's overlong filtering); their rewards still count in their group's advantages."""
     temperature: float = 1.0
     """Sampling temperature of the completions (above 0; evaluation samples one answer per eval
-    prompt at it, with the same seeds at every evaluation)."""
+    prompt at it, with the same seeds at every evaluation). The loss's log-probabilities are of the
+    logits divided by it too, as TRL's (distill: the student's and the teacher's both)."""
     top_p: float = 1.0
     """Nucleus sampling: only the most likely tokens whose probabilities sum to top_p are drawn from."""
     top_k: int = 0

@@ -106,14 +106,22 @@ def validate_rl(r: Recipe, need) -> None:
     formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
                                  if isinstance(e, DataSource) and e.format}
     if rl.method is None:
-        need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo or rloo)")
+        need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo, rloo or distill)")
         changed = [f.name for f in dataclasses.fields(RLConfig) if getattr(rl, f.name) != getattr(RLConfig(), f.name)]
-        need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo or rloo)")
+        need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo, rloo or distill)")
         return
     need(formats == {"prompt"}, "data.format",
          f"rl.method={rl.method} samples completions for prompts: data.format (and every entry's format) must be "
          f"prompt, got {', '.join(sorted(formats))}")
     default = RLConfig()
+    if rl.method == "distill":
+        validate_distill(r, need)
+        return
+    need(rl.teacher is None, "rl.teacher", "a distillation setting (rl.method=distill); remove it")
+    if rl.beta is None:
+        rl.beta = 0.0
+    if rl.num_generations is None:
+        rl.num_generations = 8
     if rl.method == "rloo":  # GRPO's loss settings have no meaning under RLOO's sequence-level loss
         for name in ("loss_type", "importance_sampling", "scale_rewards", "delta", "top_entropy_quantile"):
             need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
@@ -150,19 +158,11 @@ def validate_rl(r: Recipe, need) -> None:
     need(r.checkpoint.every_steps % k == 0, "checkpoint.every_steps",
          f"a multiple of rl.num_iterations={k}: a checkpoint between a generated batch's steps would not hold "
          f"the batch, got {r.checkpoint.every_steps}")
-    need(rl.max_new_tokens > 0, "rl.max_new_tokens", f"must be positive, got {rl.max_new_tokens}")
-    need(rl.temperature > 0, "rl.temperature",
-         f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
-    need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
-    need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
-    need(rl.repetition_penalty > 0, "rl.repetition_penalty", f"must be above 0 (1: off), got {rl.repetition_penalty}")
     need(rl.max_unscored_steps >= 0, "rl.max_unscored_steps", f"must be 0 (never stop) or more, got "
          f"{rl.max_unscored_steps}")
-    need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
+    validate_sampling(r, need)
     need(0 < rl.top_entropy_quantile <= 1, "rl.top_entropy_quantile",
          f"the share of tokens kept, in (0, 1] (1: every token; TRL's paper keeps 0.2), got {rl.top_entropy_quantile}")
-    need(rl.num_generations_eval is None or rl.num_generations_eval >= 1, "rl.num_generations_eval",
-         f"at least 1 completion per eval prompt, got {rl.num_generations_eval}")
     need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
          + ", ".join(BUILT_IN_REWARDS) + ")")
     rl.rewards = [e if isinstance(e, RewardConfig) else RewardConfig(function=e) for e in rl.rewards]
@@ -199,9 +199,53 @@ def validate_rl(r: Recipe, need) -> None:
             need(Path(name).expanduser().is_file(), f"{key}.function", f"file not found: {name}")
     need(any(e.weight != 0 for e in rl.rewards), "rl.rewards",
          "every weight is 0: every completion would get the same reward and nothing would be learned")
+    validate_prompt_data(r, need)
+
+
+def validate_sampling(r: Recipe, need) -> None:
+    """What every rl.method samples with."""
+    rl = r.rl
+    need(rl.max_new_tokens > 0, "rl.max_new_tokens", f"must be positive, got {rl.max_new_tokens}")
+    need(rl.temperature > 0, "rl.temperature",
+         f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
+    need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
+    need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
+    need(rl.repetition_penalty > 0, "rl.repetition_penalty", f"must be above 0 (1: off), got {rl.repetition_penalty}")
+    need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
+    need(rl.num_generations_eval is None or rl.num_generations_eval >= 1, "rl.num_generations_eval",
+         f"at least 1 completion per eval prompt, got {rl.num_generations_eval}")
+
+
+def validate_prompt_data(r: Recipe, need) -> None:
+    """What prompt rows cannot be trained with."""
     need(not r.data.packing and not r.data.padding_free, "data.packing" if r.data.packing else "data.padding_free",
          "prompt rows are not packed: each step makes its own completions")
     need(not r.data.train_on_prompt, "data.train_on_prompt",
          "prompt rows have no targets: the sampled completions are what trains; remove the key")
     need(r.model.router_aux_loss_coef is None, "model.router_aux_loss_coef",
          "not with rl.method: the policy loss has no router term")
+
+
+# What only grpo and rloo read: a distillation recipe that sets one means something the run would not do.
+POLICY_GRADIENT_KEYS = ("loss_type", "importance_sampling", "epsilon", "epsilon_high", "delta", "normalize_advantages",
+                        "reward_clip_range", "num_iterations", "scale_rewards", "mask_truncated_completions",
+                        "rewards", "max_unscored_steps", "top_entropy_quantile")
+
+
+def validate_distill(r: Recipe, need) -> None:
+    """rl.method=distill: a teacher, TRL's beta in [0, 1], no reward or policy-gradient setting."""
+    rl, default = r.rl, RLConfig()
+    for name in POLICY_GRADIENT_KEYS:
+        need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
+             "a grpo/rloo setting: distill's loss is the divergence to rl.teacher (no rewards, no ratio); remove it")
+    need(bool(rl.teacher and str(rl.teacher).strip()), "rl.teacher",
+         "rl.method=distill needs a teacher: a causal LM folder (or Hub id) with the student's vocabulary")
+    if rl.beta is None:
+        rl.beta = 1.0
+    need(0 <= rl.beta <= 1, "rl.beta",
+         f"distill: in [0, 1] (0 forward KL, 1 reverse KL, between them the generalized JSD), got {rl.beta}")
+    if rl.num_generations is None:
+        rl.num_generations = 1
+    need(rl.num_generations >= 1, "rl.num_generations", f"at least 1, got {rl.num_generations}")
+    validate_sampling(r, need)
+    validate_prompt_data(r, need)

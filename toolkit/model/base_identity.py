@@ -81,7 +81,8 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
     """{input: content fingerprint} of what a run learns from besides its data (storage/inputs.py compares
     them on resume): `model`, the base folder's `fingerprint` (and its Python code under trust_remote_code);
     `rewards`, the source files of rl.rewards' functions, by function name, not path; `reward_models`, the
-    reward models' folders by content (weights, config, tokenizer files). A preset model is its
+    reward models' folders by content (weights, config, tokenizer files); `teacher`, rl.teacher's folder by
+    content (distillation). A preset model is its
     name and seed, already in the recipe; built-in rewards are the toolkit's."""
     from ..config import BUILT_IN_REWARDS
     from .hub import resolve_model
@@ -102,6 +103,8 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
               for r in rewards if (folder := getattr(r.function, "folder", None)) is not None]
     if models:  # a reward model (training/reward_model.py) by its weights
         out["reward_models"] = hashlib.sha256("".join(models).encode()).hexdigest()[:16]
+    if recipe.rl.method == "distill" and recipe.rl.teacher:
+        out["teacher"] = hashlib.sha256(fingerprint(Path(resolve_model(recipe.rl.teacher))).encode()).hexdigest()[:16]
     return out
 
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from .. import backends, faults
 from ..backends.model_counts import count_model
-from ..backends.run_sizing import check_positions
+from ..backends.run_sizing import check_positions, recipe_config
 from ..config import ModelConfig, Recipe
 from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
@@ -52,7 +52,7 @@ from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..stops import Preemption
 from ..storage import checkpoint, disk, inputs, run_folder
-from . import kto, objectives, online, reference, reward_training
+from . import distill, kto, objectives, online, reference, reward_training
 from .loop import Run
 from .loss import has_router, use_token_loss
 from .samples import Samples
@@ -69,12 +69,16 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     resume_from = run_folder.open_run(accelerator, recipe, lock)
     check_data(recipe)
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
+    if recipe.rl.method == "distill":
+        distill.teacher_folder(recipe.rl)  # found, before anything reads it
     identities = base_identity.identities(recipe, rewards or [])  # by content: a changed base is refused early
     if resume_from is not None:
         inputs.check_unchanged(checkpoint.read_state(resume_from).inputs, identities, resume_from,
                                recipe.resume_accept_changed)
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
+    if recipe.rl.method == "distill":  # a teacher of another vocabulary is refused before any model loads
+        distill.check_teacher(recipe.rl, tokenizer, recipe_config(recipe).get_text_config().vocab_size)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     built = setup_model(backend, recipe, tokenizer, log)
     objective = setup_objective(backend, recipe, built.model, log, tokenizer, rewards)
@@ -87,6 +91,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     faults.at("prepare")
     model, optimizer, scheduler = accelerator.prepare(built.model, optimizer, scheduler)
     backend.check_prepared(model)
+    objective.after_prepare()  # distillation's teacher, held as the backend holds a frozen model
     if recipe.preference.reference == "precomputed":  # with the starting weights, before any resume loads others
         for line in reference.precompute(accelerator, model, {"train": data.train, "eval": data.eval}, data.folder,
                                          recipe, loaders.collate):
@@ -118,7 +123,7 @@ def setup_rewards(recipe: Recipe) -> list | None:
     """rl.rewards imported, and each called on the first prompt rows of the first training file (a
     JSON one) with an empty and a short completion, before the model loads: a function that cannot
     run at all fails now, by name and row."""
-    if recipe.rl.method is None:
+    if recipe.rl.method in (None, "distill"):  # distillation has no rewards
         return None
     from ..data.sources import json_rows
     from .rewards import check_rewards, load_rewards
@@ -261,17 +266,23 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                     rewards: list | None) -> objectives.Objective:
     """The recipe's objective for the built model (after LoRA: DPO's and RL's reference may be the
     model with its adapter disabled), checked by the backend and said at the start of the run."""
-    if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks, scores with the rewards
+    if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks
         check_positions(recipe, model.config)
         if recipe.rl.disable_dropout:
             log(f"rl: dropout off in {disable_dropout(model)} layers (rl.disable_dropout)")
         d = recipe.data
         sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
-        objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
-                                   adapter=model if recipe.lora.enabled else None,
-                                   router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
-                                   out=Path(recipe.output_dir))
+        if recipe.rl.method == "distill":  # the teacher loads now and is prepared after the student
+            distill.check_student_vocabulary(recipe.rl, model, backend.full_shape)
+            teacher = distill.load_teacher(recipe.rl, recipe.model, DTYPES[recipe.model.dtype])
+            objective = distill.Distill(recipe.rl, teacher, tokenizer, backend, recipe.seed, sources, held,
+                                        out=Path(recipe.output_dir))
+        else:  # scores with the rewards
+            objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
+                                       adapter=model if recipe.lora.enabled else None,
+                                       router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
+                                       out=Path(recipe.output_dir))
     elif recipe.preference.method == "reward":
         objective = reward_training.PairScores(recipe.preference)
     elif recipe.preference.method == "kto":  # its KL estimate is reduced over the ranks

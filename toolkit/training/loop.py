@@ -194,9 +194,10 @@ def evaluation(run: Run, step: int) -> dict:
         found.update(evaluate(run.accelerator, run.model, run.eval_loader, run.objective, run.monitor, step))
         if len(run.eval_loader.dataset):
             say(run.accelerator, f"{where} | " + " | ".join(f"{k} {v:.4f}" for k, v in found.items()))
-        answered = run.objective.eval_samples()  # online RL: a few eval answers with their rewards
+        answered = run.objective.eval_samples()  # online RL: a few eval answers (with their rewards)
         for s in answered:
-            say(run.accelerator, f"{where} | sample {s['prompt']!r} -> {s['answer']!r} (reward {s['reward']:g})")
+            say(run.accelerator, f"{where} | sample {s['prompt']!r} -> {s['answer']!r}"
+                + (f" (reward {s['reward']:g})" if "reward" in s else ""))
         if answered:
             found["samples"] = answered
         if run.samples:

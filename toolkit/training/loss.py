@@ -66,6 +66,32 @@ def token_logps_each(model, batch: dict[str, torch.Tensor],
                  token_loss_temperature=temperature)
 
 
+def token_divergences(model, batch: dict[str, torch.Tensor], teacher_logps: torch.Tensor, beta: float,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the divergence between the model's next-token distribution and the teacher's at each target token
+    (`generalized_jsd`), the model's entropy there (detached)), flat, in the order of the targets, both
+    distributions of the logits divided by `temperature`: distillation's per-token terms, through the chunked
+    output layer where train.loss=chunked. `teacher_logps`: the teacher's log-probabilities at those targets,
+    (targets, vocabulary), at the temperature already."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, token_loss_labels=batch["labels"], token_loss_teacher=(teacher_logps, beta),
+                 token_loss_temperature=temperature)
+
+
+def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per row of log-probabilities (student's with their gradient, teacher's without), TRL 1.16's
+    DistillationTrainer divergence: beta 0 the forward KL(teacher || student), 1 the reverse KL(student ||
+    teacher), between them beta KL(teacher || m) + (1 - beta) KL(student || m), m = (1 - beta) student + beta
+    teacher."""
+    if beta == 0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if beta == 1:
+        return (student.exp() * (student - teacher)).sum(-1)
+    mixture = torch.logaddexp(student + math.log(1 - beta), teacher + math.log(beta))
+    return (beta * (teacher.exp() * (teacher - mixture)).sum(-1)
+            + (1 - beta) * (student.exp() * (student - mixture)).sum(-1))
+
+
 def sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """For each position of the batch's labels after the first (those a target can sit at): the
     sequence it belongs to, rows in order and, in a padding-free row, the documents in order
@@ -95,9 +121,16 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
 
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
     def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None,
-                token_loss_shifted=False, token_loss_per_token=False, token_loss_temperature=1.0, **kwargs):
+                token_loss_shifted=False, token_loss_per_token=False, token_loss_temperature=1.0,
+                token_loss_teacher=None, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
+        if token_loss_teacher is not None:
+            if kind == "full":
+                return full_token_divergences(original(*args, **{**kwargs, "use_cache": False}).logits,
+                                              token_loss_labels, *token_loss_teacher, token_loss_temperature)
+            return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls, per_token=True,
+                                    temperature=token_loss_temperature, teacher=token_loss_teacher, **kwargs)
         if token_loss_router_aux:
             kwargs["output_router_logits"] = True
         if token_loss_per_token:
@@ -168,9 +201,20 @@ def full_token_logps(logits: torch.Tensor, labels: torch.Tensor,
     return logps.gather(-1, labels[:, 1:][targets][:, None])[:, 0], entropy
 
 
+def full_token_divergences(logits: torch.Tensor, labels: torch.Tensor, teacher_logps: torch.Tensor, beta: float,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target token's divergence to the teacher and the entropy there (detached), flat, as
+    `token_divergences`."""
+    targets = labels[:, 1:] != IGNORE
+    logps = (logits[:, :-1][targets].float() / temperature).log_softmax(-1)
+    with torch.no_grad():
+        entropy = -(logps.exp() * logps).sum(-1)
+    return generalized_jsd(logps, teacher_logps.to(logps.device, torch.float32), beta), entropy
+
+
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
                      return_outputs: bool = False, per_row: torch.Tensor | None = None, shifted: bool = False,
-                     per_token: bool = False, temperature: float = 1.0, **kwargs):
+                     per_token: bool = False, temperature: float = 1.0, teacher=None, **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
@@ -179,7 +223,8 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     (each sequence's sum of target log-probabilities, its count of targets), as `full_row_logps`.
     `shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`).
     `per_token`: (each target's log-probability, the entropy there, detached), as `token_logps_each`, of
-    the logits divided by `temperature`."""
+    the logits divided by `temperature`; with `teacher` (the teacher's log-probabilities at the targets, beta), each
+    target's divergence to it (`generalized_jsd`) instead of its log-probability."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
@@ -191,13 +236,16 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 and others
 
-    def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
         logits = head(h)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         if per_token:
             logps = (logits.float() / temperature).log_softmax(-1)
-            return logps.gather(-1, y[:, None])[:, 0], -(logps.exp() * logps).sum(-1).detach()
+            entropy = -(logps.exp() * logps).sum(-1).detach()
+            if t is not None:
+                return generalized_jsd(logps, t.float(), teacher[1]), entropy
+            return logps.gather(-1, y[:, None])[:, 0], entropy
         return F.cross_entropy(logits.float(), y, reduction="sum" if per_row is None else "none")
 
     # At least one call, so that the output layer takes part in every backward (DDP expects a
@@ -209,9 +257,11 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     if per_token:
         parts = []
         for i in range(chunks):
-            h, y = hidden[i * chunk_tokens:(i + 1) * chunk_tokens], labels[i * chunk_tokens:(i + 1) * chunk_tokens]
-            parts.append(checkpoint(chunk_loss, h, y, use_reentrant=False) if torch.is_grad_enabled()
-                         else chunk_loss(h, y))
+            part = slice(i * chunk_tokens, (i + 1) * chunk_tokens)
+            h, y = hidden[part], labels[part]
+            t = teacher[0][part].to(h.device) if teacher is not None else None
+            parts.append(checkpoint(chunk_loss, h, y, t, use_reentrant=False) if torch.is_grad_enabled()
+                         else chunk_loss(h, y, t))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     total = hidden.new_zeros((), dtype=torch.float32)
     n = int(per_row.max()) + 1 if per_row is not None else 0

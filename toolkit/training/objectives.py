@@ -68,6 +68,10 @@ class Objective(ABC):
     def eval_samples(self) -> list[dict]:
         return []
 
+    def after_prepare(self) -> None:
+        """Once the trained model is prepared by the backend: what the objective prepares after it
+        (distillation's teacher, held as the backend holds a frozen model)."""
+
     def begin_eval(self, model, batches) -> None:
         """Before evaluation's batches: what the objective takes over the whole eval set first
         (KTO's KL estimate); `batches` iterates this rank's eval batches on the host."""

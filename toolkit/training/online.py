@@ -98,14 +98,19 @@ class GroupRL(Objective):
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
 
+    def sampling_text(self) -> str:
+        """How completions are sampled, in words."""
+        c = self.cfg
+        return (f"{c.num_generations} completion{'s' if c.num_generations > 1 else ''} per prompt (seeded per prompt "
+                f"and step), at most {c.max_new_tokens} new tokens, temperature {c.temperature:g}"
+                + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
+                + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
+                + (f", repetition_penalty {c.repetition_penalty:g}" if c.repetition_penalty != 1 else ""))
+
     def loss_text(self) -> str:
         """The method, its sampling and its loss's settings, in words."""
         c = self.cfg
-        sampling = (f"{c.num_generations} completions per prompt (seeded per prompt and step), at most "
-                    f"{c.max_new_tokens} new tokens, temperature {c.temperature:g}"
-                    + (f", top_k {c.top_k}" if c.top_k else "") + (f", top_p {c.top_p:g}" if c.top_p < 1 else "")
-                    + (f", min_p {c.min_p:g}" if c.min_p is not None else "")
-                    + (f", repetition_penalty {c.repetition_penalty:g}" if c.repetition_penalty != 1 else ""))
+        sampling = self.sampling_text()
         if self.rloo:
             return (f"RLOO (leave-one-out baselines, one ratio per completion), {sampling}; "
                     f"clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
