@@ -232,3 +232,98 @@ def test_a_teacher_that_is_missing_or_of_another_vocabulary_is_refused_before_th
     line = user_error_line(proc)
     assert line.startswith(f"error: rl.teacher: {other} has a vocabulary of") and "student's" in line, line
     assert not (tmp_path / "run" / "final").exists()
+
+
+# --- launched: the loop on every backend, resume, and learning
+
+STEPS = 4
+
+
+def preset_teacher(folder: Path, seed: int = 9) -> Path:
+    """A random model of the tiny-llama preset (twice tiny-llama-mini's width and depth) with the presets' byte
+    tokenizer: a teacher for a tiny-llama-mini student."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.model.load import PRESETS, build_byte_tokenizer
+
+    config = LlamaConfig(**json.loads((PRESETS / "tiny-llama.json").read_text()))
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    rows = [json.loads(line) for line in open(ROOT / "examples" / "data" / "tasks_messages_train.jsonl")]
+    write_jsonl(root / "train.jsonl", [{"prompt": r["messages"][:-1]} for r in rows[:16]])
+    write_jsonl(root / "eval.jsonl", [{"prompt": r["messages"][:-1]} for r in rows[100:105]])  # 5: padding on 2 ranks
+    preset_teacher(root / "teacher")
+    return root
+
+
+def launch_recipe(workdir, name, layout="single", **extra):
+    from objective_runs import sectioned_recipe
+
+    sections = {
+        "output_dir": str(workdir / name), "seed": 5, "model": {"preset": "tiny-llama-mini"},
+        "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
+                 "format": "prompt", "max_seq_len": 64},
+        "rl": {"method": "distill", "teacher": str(workdir / "teacher"), "num_generations": 2, "max_new_tokens": 8,
+               "temperature": 0.9, "beta": 0.5, "log_completions": True},
+        "train": {"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 2,
+                  "max_steps": STEPS, "learning_rate": 1e-2, "eval_every_steps": 2, "log_every_steps": 1},
+        "checkpoint": {"every_steps": 2, "keep_last": 10},
+    }
+    return sectioned_recipe(workdir / f"{name}.yaml", sections, **extra)
+
+
+KEYS = ("loss", "eval_loss", "grad_norm", "entropy", "completion_length")
+
+
+@pytest.fixture(scope="module")
+def single(workdir):
+    from objective_runs import trained
+
+    return trained(workdir, "single", launch_recipe(workdir, "single"))
+
+
+@pytest.mark.launch
+def test_one_process_distills_the_teacher(single):
+    from helpers import read_metrics
+
+    run, log = single
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    assert len(evals) == 3 and evals[-1] < evals[0], evals  # the held-out divergence to the teacher falls
+    assert all(r["loss"] > 0 and r["entropy"] > 0 and r["completion_length"] > 0 for r in rows[1:])
+    assert "distill: generalized JSD (beta 0.5" in log and "a whole copy on every rank" in log
+    table = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(table) == STEPS * 4 * 2 and set(table[0]) == {"step", "prompt", "completion"}
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run / "final") is not None  # the student, as a causal LM
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "zero3"])
+def test_two_processes_equal_one(workdir, single, layout):
+    from objective_runs import assert_runs_close, trained
+
+    run, log = trained(workdir, layout, launch_recipe(workdir, f"run_{layout}", layout))
+    assert_runs_close(single[0], run, KEYS, STEPS)
+    held = {"ddp": "a whole copy on every rank", "fsdp": "sharded across the ranks (FSDP2)",
+            "zero3": "sharded across the ranks (a ZeRO-3 engine of its own)"}[layout]
+    assert held in log
+    mib = [float(x) for x in log.split("distill: the teacher's weights take ", 1)[1].split(" MiB")[0:2]
+           for x in [x.rsplit(" ", 1)[-1].strip("(:")]]
+    assert (mib[0] < 0.6 * mib[1]) == (layout != "ddp"), mib  # sharded: about half on each of 2 ranks
+
+
+@pytest.mark.launch
+def test_sigkill_mid_run_resumes_bitwise(workdir, single):
+    from objective_runs import assert_sigkill_resumes_bitwise
+
+    assert_sigkill_resumes_bitwise(workdir, launch_recipe(workdir, "killed"), single[0], step=2)

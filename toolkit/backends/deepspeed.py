@@ -97,7 +97,8 @@ class DeepSpeed(Backend):
         config["zero_optimization"].pop("offload_optimizer", None)
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config)
-        return engine.eval()
+        engine.eval()  # the engine's eval returns nothing
+        return engine
 
     def frozen_line(self) -> str:
         return "sharded across the ranks (a ZeRO-3 engine of its own)" if self.stage == 3 \

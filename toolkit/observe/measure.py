@@ -19,7 +19,7 @@ import torch
 
 # metrics.jsonl fields that measure the machine, not what is learned (a resumed run differs in these).
 MEASURED = {"time", "tokens_per_second", "target_tokens_per_second", "samples_per_second", "eta_seconds",
-            "tflops_per_device", "mfu", "peak_memory_gib"}
+            "tflops_per_device", "mfu", "peak_memory_gib", "generation_seconds"}
 
 # Dense peak TFLOP/s per GPU (no sparsity), by the name CUDA reports: (bf16/fp16 tensor cores, fp32).
 # Vendor datasheets; a GPU not listed gets no MFU unless train.peak_tflops is set.

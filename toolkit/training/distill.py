@@ -134,6 +134,12 @@ class Distill(GroupRL):
 
     def after_prepare(self) -> None:
         self.teacher = self.backend.prepare_frozen(self.teacher)
+        if self.accelerator.is_main_process:
+            held = sum(local_numel(p) * p.element_size() for p in self.teacher.parameters())
+            whole = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.teacher.parameters()) \
+                * next(self.teacher.parameters()).element_size()
+            self.say(f"distill: the teacher's weights take {held / 2**20:,.1f} MiB on this rank "
+                     f"(the whole model: {whole / 2**20:,.1f} MiB)")
 
     def units(self, batch: dict) -> int:
         if "completion_mask" not in batch:  # an eval batch of prompts: its completions' tokens, counted in loss_sum
@@ -241,6 +247,15 @@ class Distill(GroupRL):
         if self.accelerator.is_main_process:
             with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
                 f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+
+
+def local_numel(p: torch.nn.Parameter) -> int:
+    """The elements of a parameter this rank holds: a ZeRO-3 partition, an FSDP2 shard, or all of it."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel()
+    if hasattr(p, "to_local"):
+        return p.to_local().numel()
+    return p.numel()
 
 
 def _first_line(err: BaseException) -> str:
