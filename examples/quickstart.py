@@ -14,7 +14,10 @@ A recipe whose model.path is the SFT quickstart's result (quickstart_lora.yaml, 
 quickstart_grpo.yaml) starts from it, made first when it is missing: the "before" is that model. For
 an online-RL recipe (rl.method), besides the greedy answers of `toolkit eval` the script prints the
 run's own held-out reward (`eval_reward`: one sampled answer per held-out prompt, scored by the
-recipe's reward) at step 0 and at the end.
+recipe's reward) at step 0 and at the end. For distillation (rl.method=distill, its teacher the SFT
+quickstart's result, made first when it is missing) the student starts from the preset's initial weights
+and the script prints its held-out divergence to the teacher (`eval_loss`) at step 0 and at the end, and
+the teacher's own accuracy beside the student's.
 """
 
 import contextlib
@@ -106,6 +109,10 @@ def main() -> int:
         return 2
     if recipe.model.preset is None and sft_result_made(Path(recipe.model.path)) != 0:
         return 1
+    if recipe.rl.method == "distill":
+        if sft_result_made(Path(recipe.rl.teacher)) != 0:
+            return 1
+        return distil(recipe, recipe_path, overrides)
     if recipe.rl.method is not None:
         return reinforce(recipe, recipe_path, overrides)
     data, out = str(recipe.data.eval_files[0]), Path(recipe.output_dir)
@@ -163,6 +170,33 @@ def reinforce(recipe, recipe_path: str, overrides: list[str]) -> int:
     print(f"\nheld-out reward of sampled answers (temperature {recipe.rl.temperature:g}, the run's eval_reward): "
           f"{first['eval_reward']:.3f} at step 0 -> {last['eval_reward']:.3f} at step {last['step']}")
     print_answers(before, after, "after SFT", "after GRPO", "greedy ")
+    if importlib.util.find_spec("matplotlib") is not None:
+        toolkit_main(["plot", str(out)])
+    return 0
+
+
+def distil(recipe, recipe_path: str, overrides: list[str]) -> int:
+    """Distillation into the preset student: its greedy held-out accuracy before and after, the teacher's, and the
+    run's held-out divergence to the teacher (eval_loss) at step 0 and at the end."""
+    out = Path(recipe.output_dir)
+    data = str(recipe.data.eval_files[0]).replace("_prompts_", "_messages_")  # the same rows as chats
+    with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
+        start = Path(tmp) / "initial"
+        initial_model(recipe, start)
+        scored = train_and_score(start, "the untrained student", data, recipe, recipe_path, overrides, Path(tmp),
+                                 quiet=True)
+        if isinstance(scored, int):
+            return scored
+        teacher = evaluate(Path(recipe.rl.teacher), data, recipe.data.max_seq_len, Path(tmp) / "teacher.json",
+                           quiet=True)
+    before, after = scored
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r for r in rows if r.get("eval_loss") is not None]
+    print(f"\nheld-out divergence to the teacher per answer token (the run's eval_loss): {losses[0]['eval_loss']:.3f} "
+          f"at step 0 -> {losses[-1]['eval_loss']:.3f} at step {losses[-1]['step']}")
+    print_answers(before, after, "before", "after distillation", "greedy ")
+    t = teacher["answers"]
+    print(f"the teacher ({recipe.rl.teacher}): {t['correct']} of {t['scored']} ({t['accuracy']:.0%}) right")
     if importlib.util.find_spec("matplotlib") is not None:
         toolkit_main(["plot", str(out)])
     return 0

@@ -47,15 +47,22 @@ def assert_runs_close(a: Path, b: Path, keys: tuple[str, ...], steps: int, tol: 
         torch.testing.assert_close(wa[k], wb[k], rtol=tol, atol=tol, msg=k)
 
 
-def assert_sigkill_resumes_bitwise(workdir: Path, path: Path, reference: Path, step: int = 2) -> Path:
-    """The recipe at `path` killed by SIGKILL once step `step` is logged, then resumed on one process,
-    ends with the metrics (but the measured ones) and the weights of `reference`, bit for bit."""
+def assert_sigkill_resumes_bitwise(workdir: Path, path: Path, reference: Path, step: int = 2,
+                                   fault: str | None = None) -> Path:
+    """The recipe at `path` killed by SIGKILL once step `step` is logged (or, with `fault`, by the
+    toolkit's own fault seam, TOOLKIT_FAULT_SIGNAL=`fault`: where a run is too fast to catch between
+    steps), then resumed on one process, ends with the metrics (but the measured ones) and the weights
+    of `reference`, bit for bit."""
     import yaml
 
     from toolkit.observe.measure import MEASURED
 
     run = Path(yaml.safe_load(path.read_text())["output_dir"])
-    kill_after_step(start(layout_command(workdir, "single", path)), run, step)
+    if fault is None:
+        kill_after_step(start(layout_command(workdir, "single", path)), run, step)
+    else:
+        rc, _, err = finish(start(layout_command(workdir, "single", path), env={"TOOLKIT_FAULT_SIGNAL": fault}))
+        assert rc == -9, (rc, err[-2000:])
     assert not (run / "final").exists(), "the kill came after the run finished"
     rc, out, err = finish(start(layout_command(workdir, "single", path, "resume=auto")))
     assert rc == 0, err[-3000:]

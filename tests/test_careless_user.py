@@ -190,7 +190,8 @@ PREFERENCE = [
     ("packed pairs", ["data.packing=true"], "data.packing: preference pairs are not packed"),
     ("pairs as prompts", ["data.format=prompt"], "data.format: preference.method=dpo trains on pairs"),
     ("pairs without a method", ["preference.method=null"], "data.format: preference pairs train only with a"),
-    ("rl keys on preference", ["rl.num_generations=4"], "rl.num_generations: set only with rl.method (grpo, rloo or distill)"),
+    ("rl keys on preference", ["rl.num_generations=4"],
+     "rl.num_generations: set only with rl.method (grpo, rloo or distill)"),
     ("kto on pairs", ["preference.method=kto"], "data.format: preference.method=kto trains on unpaired rows (prompt, "
      "completion, label): data.format (and every entry's format) must be unpaired, got preference (write each pair as "
      "two rows: prompt and chosen with label true, prompt and rejected with label false)"),
@@ -448,7 +449,7 @@ def refusal(call, *args, **kwargs) -> str:
 def test_a_prompt_file_given_as_pairs_is_refused_naming_the_file_and_columns(tmp_path, stages):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(16))
     message = refusal(stages, prompts, "rl.method=null", "preference.method=dpo", "rl.rewards=[]",
-                      "rl.num_generations=8", "rl.max_new_tokens=256", format="preference")
+                      "rl.num_generations=null", "rl.max_new_tokens=256", format="preference")
     assert "prompts.jsonl" in message and "chosen, rejected" in message, message
 
 

@@ -326,4 +326,9 @@ def test_two_processes_equal_one(workdir, single, layout):
 def test_sigkill_mid_run_resumes_bitwise(workdir, single):
     from objective_runs import assert_sigkill_resumes_bitwise
 
-    assert_sigkill_resumes_bitwise(workdir, launch_recipe(workdir, "killed"), single[0], step=2)
+    # killed by the fault seam while step 2 samples (a run this small finishes before a poll sees step 2),
+    # after step 1's checkpoint
+    path = launch_recipe(workdir, "killed", checkpoint__every_steps=1)
+    run = assert_sigkill_resumes_bitwise(workdir, path, single[0], fault="generate:KILL")
+    table = (run / "completions.jsonl").read_text().splitlines()
+    assert table == (single[0] / "completions.jsonl").read_text().splitlines()  # the killed step's rows dropped

@@ -135,6 +135,8 @@ def ours(folder, batch, trainer, *, lora, rl: dict, loss: str):
     cfg = RLConfig(**{"method": "grpo", "num_generations": G, "max_new_tokens": MAX_NEW, "rewards": [], **rl})
     if cfg.epsilon_high is None:
         cfg.epsilon_high = cfg.epsilon
+    if cfg.beta is None:  # what validation resolves for grpo and rloo
+        cfg.beta = 0.0
     objective = GroupRL(cfg, rewards, batch["tokenizer"], backend, 0, ["train"], ["train"],
                         adapter=model if lora else None)
     objective.stops = list(trainer.eos_token_ids)

@@ -153,7 +153,7 @@ def rl_rows(steps: int = 6) -> list[dict]:
 
 def test_an_rl_run_gets_its_reward_panels(tmp_path, capsys):
     """An online-RL run (metrics written by hand, no training): reward (train line, eval dots), completion
-    length and zero_std_groups panels beside the four of every run; a supervised run keeps its 2 x 2 of
+    length, entropy and zero_std_groups panels beside the four of every run; a supervised run keeps its 2 x 2 of
     those four, the RL panels left out; overlaid, the panels of either are drawn."""
     from toolkit.cli import main
     from toolkit.verbs.plot import shown_panels
@@ -165,13 +165,13 @@ def test_an_rl_run_gets_its_reward_panels(tmp_path, capsys):
                     "tokens_per_second": 100.0 + s} for s in range(1, 7)])
     everyday = ["loss", "learning rate", "grad norm", "tokens/s"]
     rl_titles = [title.split(" (")[0].split(",")[0] for title, _ in shown_panels([rl_rows()])]
-    assert rl_titles == ["loss", "reward", "completion length", "zero_std_groups", *everyday[1:]]
+    assert rl_titles == ["loss", "reward", "completion length", "entropy", "zero_std_groups", *everyday[1:]]
     reward_keys = dict(shown_panels([rl_rows()]))["reward (line: train, dots: eval)"]
     assert reward_keys == [("reward", "-"), ("eval_reward", "o:")]
 
     assert main(["plot", str(rl)]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {rl / 'plot.png'} (1 run, steps 0-6)"
-    assert check_drawn(rl / "plot.png").shape[:2] == (800, 2400)  # 7 panels: 4 columns x 2 rows
+    assert check_drawn(rl / "plot.png").shape[:2] == (800, 2400)  # 8 panels: 4 columns x 2 rows
     assert main(["plot", str(sft)]) == 0
     assert check_drawn(sft / "plot.png").shape[:2] == (800, 1200)  # 4 panels: 2 x 2, as before
     out = tmp_path / "both.png"

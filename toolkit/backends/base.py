@@ -194,6 +194,10 @@ class Backend:
 
     # -- parameters --------------------------------------------------------------------------------
 
+    def held_numel(self, p: torch.nn.Parameter) -> int:
+        """The elements of a parameter this rank holds (an FSDP2 shard is a DTensor's local part)."""
+        return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
     def full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         """A parameter's shape in the model (a partitioned one is a flat part of it on each rank)."""
         return p.shape

@@ -210,6 +210,9 @@ class DeepSpeed(Backend):
 
     # -- parameters --------------------------------------------------------------------------------
 
+    def held_numel(self, p) -> int:
+        return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()  # ZeRO-3: this rank's partition
+
     def full_shape(self, p) -> torch.Size:
         return getattr(p, "ds_shape", p.shape)  # ZeRO-3 leaves each rank a flat part
 

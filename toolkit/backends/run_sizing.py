@@ -61,6 +61,8 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
     per_row = 2 if pairs else rl.num_generations if rl else 1
     rewards, uncounted = reward_model_sizes(rl)
+    distill = rl is not None and rl.method == "distill"
+    teacher = count_model(read_config(rl.teacher, key="rl.teacher"), "rl.teacher") if distill else None
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
                  four_bit=recipe.model.load_in_4bit,
                  micro_batch=recipe.train.micro_batch_size * per_row,
@@ -71,8 +73,9 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs,
                  accumulation=recipe.train.gradient_accumulation_steps,
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
-                     "reference_forward": rl.beta > 0, "iterations": rl.num_iterations,
-                     "reward_model_bytes": rewards, "reward_models_uncounted": uncounted} if rl else {}), **kwargs)
+                     "reference_forward": rl.beta > 0 and not distill, "iterations": rl.num_iterations,
+                     "reward_model_bytes": rewards, "reward_models_uncounted": uncounted, "teacher": teacher}
+                    if rl else {}), **kwargs)
 
 
 def reward_model_sizes(rl) -> tuple[float, tuple]:

@@ -99,7 +99,11 @@ needs LoRA): no second model, one more forward without gradient per generated ba
 policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they
 keep (4 bytes a token) are not counted. A reward model of rl.rewards is loaded whole on every GPU in
 its folder's dtype, by no strategy sharded: `reward_models`, its weight files' size (its scoring
-forward, without gradient, one batch of the step's completions, is not counted).
+forward, without gradient, one batch of the step's completions, is not counted). Distillation's
+teacher (rl.method=distill) is held in model.dtype, sharded over the GPUs by ZeRO-3 and FSDP, whole
+under DDP and ZeRO-1/2: `teacher`, its weights, plus its logits of one micro-batch in the compute
+dtype and its fp32 log-probabilities at the completion tokens (micro-batch x new tokens x vocab x 4),
+plus two of its layers gathered where sharded; its forward counts in the forward passes said below.
 
 **Communication** per optimizer step, bytes each process sends over ring collectives (an
 all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N), once per
@@ -188,6 +192,7 @@ class Setup:
     iterations: int = 1  # rl.num_iterations: optimizer steps per generated batch (> 1: the old log-probabilities)
     reward_model_bytes: float = 0.0  # rl.rewards models: whole on every GPU, their weights as their folders store them
     reward_models_uncounted: tuple = ()  # rl.rewards models not in a local folder: their size is not known here
+    teacher: ModelCounts | None = None  # rl.teacher (rl.method=distill): a frozen model beside this one
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
@@ -406,14 +411,33 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
     kv_cache = kv_cache_bytes(m, setup)
     rewards = setup.reward_model_bytes  # not sharded by any strategy: each rank scores with a whole copy
+    teacher = teacher_bytes(strategy, setup)
     gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
-           "activations": activations, "logits": logits, "kv_cache": kv_cache, "reward_models": rewards}
+           "activations": activations, "logits": logits, "kv_cache": kv_cache, "reward_models": rewards,
+           "teacher": teacher}
     # Online RL samples, and frees its cache, before the step's forwards: the larger of the two is held.
-    gpu["total"] = params + grads + optimizer + buffers + rewards + max(activations + logits, kv_cache)
+    gpu["total"] = params + grads + optimizer + buffers + rewards + teacher + max(activations + logits, kv_cache)
     fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
     host += offloaded_activation_bytes(m, setup, regime)
     return Row(strategy, gpu, host * per_node, nvme * per_node, communication(strategy, setup), fits)
+
+
+def teacher_sharded(strategy: Strategy) -> bool:
+    """Whether `Backend.prepare_frozen` shards a frozen model under this strategy: ZeRO-3 and every FSDP."""
+    return strategy.shards == "parameters" or (not strategy.deepspeed and bool(strategy.shards))
+
+
+def teacher_bytes(strategy: Strategy, setup: Setup) -> float:
+    """Distillation's teacher per GPU: its weights (sharded or whole), its logits of a micro-batch and its fp32
+    log-probabilities at the completion tokens, and two of its layers gathered where sharded; 0 without one."""
+    t = setup.teacher
+    if t is None:
+        return 0.0
+    e, sharded = BYTES[setup.precision], teacher_sharded(strategy)
+    weights = t.params * BYTES[setup.base_dtype] / (setup.gpus if sharded else 1)
+    logits = setup.micro_batch * (setup.seq_len * e + setup.new_tokens * 4) * t.vocab
+    return weights + logits + (2 * t.layer * BYTES[setup.base_dtype] if sharded else 0)
 
 
 def communication(strategy: Strategy, setup: Setup) -> float:

@@ -108,7 +108,7 @@ class RLConfig:
     importance_sampling: Literal["token", "sequence"] = "token"
     """The policy ratio per token, or per completion (the geometric mean of its tokens' ratios: GSPO)."""
     num_generations: Optional[int] = None
-    """Completions sampled per prompt (the group its advantages are normalised in; at least 2).
+    """Completions sampled per prompt (the group its advantages are normalised in: at least 2 for grpo and rloo).
     None: 8 for grpo and rloo, 1 for distill (TRL's DistillationTrainer samples one per prompt)."""
     teacher: Optional[str] = None
     """distill only: the teacher, a causal LM folder (or Hub id) whose next-token distribution the

@@ -188,8 +188,8 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
                "the model's spare embedding rows hold them")
             + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
                if recipe.lora.enabled else ""))
-    flops = measure.Flops.of(count_model(model.config, "model", recipe.lora), recipe.lora.enabled,
-                             extra_forwards=extra_forwards(recipe))
+    counts = count_model(model.config, "model", recipe.lora)
+    flops = measure.Flops.of(counts, recipe.lora.enabled, extra_forwards=extra_forwards(recipe, counts.params))
     if not scorer:  # in the forward, where every backend has whole weights (a reward model's is its score)
         use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
@@ -225,14 +225,20 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
     return BuiltModel(model, model_cfg, flops, packing, padding_free, preset_base)
 
 
-def extra_forwards(recipe: Recipe) -> float:
+def extra_forwards(recipe: Recipe, params: int = 0) -> float:
     """Forwards without gradient per trained token besides training's own, for MFU: DPO's reference
     through the disabled adapter; online RL's sampling (about one forward over the prompt and its
     completion, with the KV cache), its reference (rl.beta) and old log-probabilities
     (rl.num_iterations > 1, or rloo's KL), once per generated batch; rl.top_entropy_quantile's entropy
     pass every step; KTO's pass over the mismatched sequences (and their reference's through the
-    disabled adapter)."""
+    disabled adapter); distillation's sampling and its teacher's forward, counted as forwards of this
+    model (of `params` parameters) by the ratio of the teacher's parameters to them."""
     rl = recipe.rl
+    if rl.method == "distill":
+        from ..backends.model_counts import read_config
+
+        teacher = count_model(read_config(rl.teacher, key="rl.teacher"), "rl.teacher").params
+        return 1 + teacher / max(params, 1)
     if rl.method is not None:  # rloo's KL in the reward needs the sampling policy's log-probabilities too
         old = rl.num_iterations > 1 or (rl.method == "rloo" and rl.beta > 0)
         return (1 + (rl.beta > 0) + old) / rl.num_iterations + (rl.top_entropy_quantile < 1)  # its entropy pass

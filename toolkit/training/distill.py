@@ -27,6 +27,7 @@ import torch
 from .. import faults
 from ..data.formats import IGNORE
 from ..errors import ToolkitError
+from ..model.load import full_numel
 from ..model.sampling import completion_seed
 from ..storage import disk
 from .loss import token_divergences
@@ -118,7 +119,7 @@ class Distill(GroupRL):
                  out: Path | None = None):
         super().__init__(cfg, [], tokenizer, backend, seed, sources, eval_sources, out=out)
         self.teacher = teacher  # as loaded; `after_prepare` puts it where the backend holds it
-        self.teacher_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in teacher.parameters())
+        self.teacher_params = sum(full_numel(p) for p in teacher.parameters())
         self.unit = "completion tokens"
         self.eval_metrics = ()
         self.evaluating = False
@@ -135,9 +136,8 @@ class Distill(GroupRL):
     def after_prepare(self) -> None:
         self.teacher = self.backend.prepare_frozen(self.teacher)
         if self.accelerator.is_main_process:
-            held = sum(local_numel(p) * p.element_size() for p in self.teacher.parameters())
-            whole = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.teacher.parameters()) \
-                * next(self.teacher.parameters()).element_size()
+            held = sum(self.backend.held_numel(p) * p.element_size() for p in self.teacher.parameters())
+            whole = self.teacher_params * next(self.teacher.parameters()).element_size()
             self.say(f"distill: the teacher's weights take {held / 2**20:,.1f} MiB on this rank "
                      f"(the whole model: {whole / 2**20:,.1f} MiB)")
 
@@ -247,15 +247,6 @@ class Distill(GroupRL):
         if self.accelerator.is_main_process:
             with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
                 f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
-
-
-def local_numel(p: torch.nn.Parameter) -> int:
-    """The elements of a parameter this rank holds: a ZeRO-3 partition, an FSDP2 shard, or all of it."""
-    if hasattr(p, "ds_tensor"):
-        return p.ds_tensor.numel()
-    if hasattr(p, "to_local"):
-        return p.to_local().numel()
-    return p.numel()
 
 
 def _first_line(err: BaseException) -> str:

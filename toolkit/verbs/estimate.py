@@ -208,6 +208,10 @@ def rl_lines(setup: Setup) -> list[str]:
                         "disabled, no second model)")
     if k > 1:
         forwards.append(f"old log-probabilities {once:g} (rl.num_iterations {k})")
+    t = setup.teacher
+    if t is not None:
+        forwards.append(f"the teacher {t.params / m.params:.3g} (one forward of its {_count(t.params)} parameters, "
+                        "counted in this model's forwards)")
     kv = kv_cache_bytes(m, setup)
     return [f"rl: each generated batch, every GPU samples {setup.sampled} completions at once "
             f"({setup.micro_batch // g} prompts x {setup.accumulation} accumulation steps x {g} generations), token "
@@ -221,7 +225,10 @@ def rl_lines(setup: Setup) -> list[str]:
         + ([f"rl: reward models (rl.rewards): {size_text(setup.reward_model_bytes)} of weights, whole on every GPU "
             "(no strategy shards them; their scoring forward is not counted)"] if setup.reward_model_bytes else []) \
         + ([f"rl: reward models not counted (not a local folder): {', '.join(setup.reward_models_uncounted)}"]
-           if setup.reward_models_uncounted else []) + [""]
+           if setup.reward_models_uncounted else []) \
+        + ([f"rl: teacher (rl.teacher): {_count(t.params)} parameters in {setup.base_dtype}, sharded over the GPUs by "
+            "ZeRO-3 and FSDP, whole under DDP and ZeRO-1/2; the teacher column holds its weights, its logits of a "
+            "micro-batch and its fp32 log-probabilities at the completion tokens"] if t is not None else []) + [""]
 
 
 def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | None) -> str:
@@ -245,6 +252,7 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
                ("buffers", "buffers", 9), ("activations", "activ.", 8), ("logits", "logits", 8)]
     columns += [("kv_cache", "kv cache", 10)] if setup.generations else []
     columns += [("reward_models", "reward m.", 10)] if setup.reward_model_bytes else []
+    columns += [("teacher", "teacher", 9)] if setup.teacher is not None else []
     columns += [("total", "total", 8)]
     lines.append(f"{'GiB per GPU':<33}" + "".join(f"{title:>{w}}" for _, title, w in columns)
                  + f"{'fits':>6}{'host/node':>11}{'comm/step':>11}")

@@ -2,7 +2,8 @@
 against the optimizer step: loss (train as a line, eval as dots on a dotted line, same axes), learning rate,
 grad norm and throughput (tokens/s, and target tokens/s dashed where logged); for online RL (rl.method) also
 the reward (train as a line, eval_reward as dots), the completions' length, and the shares of groups without
-reward spread (zero_std_groups) and of completions cut at rl.max_new_tokens (clipped_completions). A panel
+reward spread (zero_std_groups) and of completions cut at rl.max_new_tokens (clipped_completions), and the
+entropy of the policy's distribution at the completion tokens (online RL and distillation). A panel
 no run has a value for is left out. Several runs are overlaid, one color each, named by their folder.
 
 Rows are read as they are: an unreadable line (a run killed mid-write) is skipped, and where a
@@ -31,6 +32,7 @@ PANELS = [("loss (line: train, dots: eval)", [("loss", "-"), ("eval_loss", "o:")
            [("reward_margin", "-"), ("eval_reward_margin", "o:")]),
           ("reward accuracy (line: train, dots: eval)", [("reward_accuracy", "-"), ("eval_reward_accuracy", "o:")]),
           ("kl (line: train, dots: eval)", [("kl", "-"), ("eval_kl", "o:")]),
+          ("entropy, nats per completion token", [("entropy", "-")]),
           ("zero_std_groups (dashed: clipped_completions)",
            [("zero_std_groups", "-"), ("clipped_completions", "--")]),
           ("learning rate", [("lr", "-")]),

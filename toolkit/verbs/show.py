@@ -71,6 +71,12 @@ def model_line(recipe: Recipe) -> str:
 
 def objective_line(recipe: Recipe) -> str:
     rl, pref = recipe.rl, recipe.preference
+    if rl.method == "distill":
+        from ..training.distill import divergence_name
+
+        return (f"on-policy distillation: {rl.num_generations} completion{'s' if rl.num_generations > 1 else ''} per "
+                f"prompt of at most {rl.max_new_tokens} tokens at temperature {rl.temperature:g}, sampled by the "
+                f"model; the loss is the {divergence_name(rl.beta)} to the teacher {rl.teacher} on their tokens")
     if rl.method:
         rewards = ", ".join(r if isinstance(r, str) else r.function for r in rl.rewards)
         return (f"online RL, {rl.method} ({rl.loss_type} loss): {rl.num_generations} completions per prompt of at most "
