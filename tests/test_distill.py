@@ -332,3 +332,45 @@ def test_sigkill_mid_run_resumes_bitwise(workdir, single):
     run = assert_sigkill_resumes_bitwise(workdir, path, single[0], fault="generate:KILL")
     table = (run / "completions.jsonl").read_text().splitlines()
     assert table == (single[0] / "completions.jsonl").read_text().splitlines()  # the killed step's rows dropped
+
+
+def test_estimate_counts_the_teacher_sharded_under_zero3_and_fsdp_and_whole_otherwise(tmp_path, capsys):
+    """`toolkit estimate --recipe` of a distillation recipe: a teacher column, whole under DDP and ZeRO-1/2, its
+    weights over the GPUs under ZeRO-3 and FSDP full-shard, and its forward among the forward passes."""
+    from toolkit.cli import main
+
+    teacher = preset_teacher(tmp_path / "teacher")
+    path = recipe(tmp_path, teacher)
+    capsys.readouterr()
+    assert main(["estimate", "--recipe", str(path), "--gpus", "4", "--gpu-memory", "80", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["strategy"]: r["gpu_bytes"] for r in report["strategies"]}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    weights = sum(p.numel() for p in model.parameters()) * 4  # fp32, model.dtype's default
+    layer = sum(p.numel() for p in model.model.layers[0].parameters()) * 4
+    whole, sharded = rows["DDP"]["teacher"], rows["ZeRO-3"]["teacher"]
+    assert whole == rows["ZeRO-2"]["teacher"] > weights  # and its logits of a micro-batch
+    assert whole - sharded == pytest.approx(weights * 3 / 4 - 2 * layer, rel=0.01)  # a quarter, 2 layers gathered
+    assert rows["FSDP full-shard"]["teacher"] == sharded
+    assert all(r["total"] >= r["teacher"] > 0 for r in rows.values())
+    assert main(["estimate", "--recipe", str(path), "--gpus", "4", "--gpu-memory", "80"]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("GiB per GPU"))
+    assert "teacher" in header and "the teacher " in text and "rl: teacher (rl.teacher):" in text
+
+
+@pytest.mark.launch
+def test_a_teacher_that_is_not_a_causal_lm_is_refused_before_the_model_loads(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from toolkit.model.load import PRESETS, build_byte_tokenizer
+
+    folder = tmp_path / "scorer"
+    config = LlamaConfig(**json.loads((PRESETS / "tiny-llama-mini.json").read_text()), num_labels=1)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    proc = run_toolkit("train", recipe(tmp_path, folder))
+    assert user_error_line(proc) == (f"error: rl.teacher: {folder} is a LlamaForSequenceClassification, not a causal "
+                                     "LM (the teacher's next-token distribution is what the student learns)")
