@@ -152,11 +152,16 @@ def rloo_rl(workdir) -> dict:
             "rewards": [f"{workdir / 'grader.py'}:shorter", {"function": "exact_match", "weight": 0.5}]}
 
 
-def test_rloo_learns_and_zero3_equals_one_process(workdir):
-    """rl.method=rloo (TRL's RLOOTrainer, equal to it in test_grpo_trl.py) in the loop: one process learns; ZeRO-3
-    on 2 processes samples the same completions and ends with the same losses and weights within 1e-4 (the
-    advantages standardised over the global batch, reduced over ranks)."""
-    run, log = train(workdir, "rloo", rl=rloo_rl(workdir))
+@pytest.fixture(scope="module")
+def rloo_single(workdir):
+    """One process of rl.method=rloo: the reference of its backend cases and of its resume."""
+    return train(workdir, "rloo", rl=rloo_rl(workdir))
+
+
+def test_rloo_learns(rloo_single):
+    """rl.method=rloo (TRL's RLOOTrainer, equal to it in test_grpo_trl.py) in the loop: one process learns, the
+    advantages standardised over the global batch (mean 0, not all 0)."""
+    run, log = rloo_single
     assert "rl: RLOO (leave-one-out baselines, one ratio per completion)" in log, log[-3000:]
     assert "rewards clipped to [-0.5, 0]; advantages standardised over the global batch" in log
     rows = read_metrics(run)
@@ -164,8 +169,24 @@ def test_rloo_learns_and_zero3_equals_one_process(workdir):
     table = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     first = [r["advantage"] for r in table if r["step"] == 1]
     assert abs(sum(first) / 16) < 1e-5 and max(map(abs, first)) > 0.5  # standardised: mean 0, std 1 (not all 0)
-    zero3, _ = train(workdir, "rloo_zero3", "zero3", rl=rloo_rl(workdir))
-    assert_close(run, zero3)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "zero3"])
+def test_rloo_two_processes_equal_one(layout, workdir, rloo_single):
+    """2 processes sample the same completions and end with the same losses and weights within 1e-4 (the
+    advantages' moments reduced over the ranks)."""
+    run, _ = train(workdir, f"rloo_{layout}", layout, rl=rloo_rl(workdir))
+    assert_close(rloo_single[0], run)
+
+
+def test_rloo_sigkill_resumes_bitwise(workdir, rloo_single):
+    """Killed by SIGKILL while step 2 samples (the fault seam: after step 1's checkpoint), resumed: the metrics,
+    the completions table and the weights of the run never killed, bit for bit."""
+    from objective_runs import assert_sigkill_resumes_bitwise
+
+    path = recipe(workdir, "rloo_killed", rl=rloo_rl(workdir))
+    run = assert_sigkill_resumes_bitwise(workdir, path, rloo_single[0], fault="generate:KILL")
+    assert table(run) == table(rloo_single[0])
 
 
 def test_sigkill_resumes_bitwise_and_on_another_backend(workdir, single):
