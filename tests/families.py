@@ -114,3 +114,19 @@ def target_runs(tokenizer, examples) -> list[str]:
         if current:
             runs.append(tokenizer.decode(current))
     return runs
+
+
+def small_student(teacher, folder, seed: int = 3):
+    """A small random Llama with `teacher`'s tokenizer and vocabulary (a distillation student)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    big = AutoConfig.from_pretrained(teacher)
+    config = LlamaConfig(vocab_size=big.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         bos_token_id=big.bos_token_id, eos_token_id=big.eos_token_id, pad_token_id=big.pad_token_id)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

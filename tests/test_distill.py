@@ -18,28 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from families import build_family
+from families import build_family, small_student
 from helpers import ROOT, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 PROMPTS, MAX_NEW, PROMPT_LENGTH = 4, 7, 5
-
-
-def small_student(teacher: Path, folder: Path, seed: int = 3) -> Path:
-    """A small random Llama with `teacher`'s tokenizer and vocabulary."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(teacher)
-    big = AutoConfig.from_pretrained(teacher)
-    config = LlamaConfig(vocab_size=big.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                         bos_token_id=big.bos_token_id, eos_token_id=big.eos_token_id, pad_token_id=big.pad_token_id)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=[pytest.mark.slow,

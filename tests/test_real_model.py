@@ -418,3 +418,34 @@ def test_grpo_raises_held_out_reward(tmp_path, real_model_dir):
     rewards = [r["reward"] for r in rows if "reward" in r]
     assert len(rewards) == 12 and rows[1]["reward_std"] > 0, rewards
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards  # half the rise measured (0.43 and 0.51)
+
+
+@pytest.mark.slow
+def test_distillation_lowers_held_out_divergence_to_the_teacher(tmp_path, real_model_dir):
+    """On-policy distillation (rl.method=distill, reverse KL) from SmolLM2-135M-Instruct, the teacher, into a small
+    random student with its tokenizer (2 layers, hidden 64: 6.4M parameters, most of them the 49,152-row
+    embeddings and output layer), full fine-tuning: each step the student answers 8 first-letter prompts and
+    learns the teacher's distribution on its answers. The held-out divergence to the teacher (eval_loss, on the
+    student's own sampled answers to 32 held-out prompts, the same seeds at every evaluation) falls. Measured
+    2026-11-28 (2 shared CPU cores, one thread; 61 s): eval_loss 4.780 -> 3.875 at step 12 -> 3.736 at step 24."""
+    from families import small_student
+
+    words = list(NOUNS)
+    random.Random(0).shuffle(words)
+    train = write_jsonl(tmp_path / "train.jsonl", first_letter_prompts(words[:64]))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", first_letter_prompts(words[64:]))
+    student = small_student(real_model_dir, tmp_path / "student")
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "distill.yaml", output_dir=str(out), seed=3, model={"path": str(student)},
+                        data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "prompt",
+                              "max_seq_len": 128},
+                        rl={"method": "distill", "teacher": str(real_model_dir), "max_new_tokens": 8},
+                        train={"micro_batch_size": 8, "max_steps": 24, "learning_rate": 3e-3, "warmup_steps": 2,
+                               "precision": "fp32", "eval_every_steps": 12, "log_every_steps": 1})
+    proc = run_toolkit("train", path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    print(f"distillation from SmolLM2: eval_loss {evals}; train loss {[round(r['loss'], 3) for r in rows[1:]]}")
+    assert list(evals) == [0, 12, 24], evals
+    assert evals[12] < evals[0] and evals[24] < evals[0] - 0.5, evals  # half the fall measured (1.04)
