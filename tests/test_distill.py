@@ -161,14 +161,14 @@ def test_distillation_equals_trls_trainer_from_completions_to_gradients(tmp_path
     loss_theirs.backward()
     loss_mine = objective.loss_sum(model, mine) / objective.units(mine)
     loss_mine.backward()
+    real = "smollm2" in str(pair[1]).lower()  # float32 sums over a 49,152-token vocabulary: 1e-4 there
     assert loss_mine.item() > 0
-    assert loss_mine.item() == pytest.approx(loss_theirs.item(), rel=1e-5, abs=1e-7)
+    assert loss_mine.item() == pytest.approx(loss_theirs.item(), rel=1e-4 if real else 1e-5, abs=1e-7)
     sums = objective.step_metrics(torch.device("cpu"))
     entropy = trainer._metrics["train"]["entropy"][-1]
     assert sums["entropy"].item() / sums["tokens"].item() == pytest.approx(entropy, rel=1e-5)
     g_theirs, g_mine = grads(trainer.model), grads(model)
     assert g_theirs.keys() == g_mine.keys() and g_mine
-    real = "smollm2" in str(pair[1]).lower()
     worst = 0.0
     for key in g_mine:
         difference = (g_mine[key] - g_theirs[key]).norm() / g_theirs[key].norm().clamp(min=1e-12)
