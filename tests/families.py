@@ -130,3 +130,17 @@ def small_student(teacher, folder, seed: int = 3):
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def token_drawer(tokenizer, seed: int = 7):
+    """`draw(n)`: n random token ids of `tokenizer` that are no special token, from a generator seeded `seed`
+    (prompts and completions handed alike to TRL's trainers and ours)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    special = set(tokenizer.all_special_ids)
+    ordinary = [i for i in range(len(tokenizer)) if i not in special]
+
+    def draw(n: int) -> list[int]:
+        return [ordinary[int(j)] for j in torch.randint(len(ordinary), (n,), generator=g)]
+    return draw

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from families import build_family, small_student
+from families import build_family, small_student, token_drawer
 from helpers import ROOT, run_toolkit, user_error_line, write_jsonl, write_recipe
 
 trl = pytest.importorskip("trl")
@@ -46,12 +46,7 @@ def batch(pair):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(pair[0])
-    g = torch.Generator().manual_seed(7)
-    special = set(tokenizer.all_special_ids)
-    ordinary = [i for i in range(len(tokenizer)) if i not in special]
-
-    def tokens(n):
-        return [ordinary[int(j)] for j in torch.randint(len(ordinary), (n,), generator=g)]
+    tokens = token_drawer(tokenizer)
     eos = tokenizer.eos_token_id
     prompts = [tokens(PROMPT_LENGTH) for _ in range(PROMPTS)]
     completions = [tokens(3) + [eos], tokens(MAX_NEW), [eos], tokens(5) + [eos]]

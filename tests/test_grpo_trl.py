@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from families import build_family
+from families import build_family, token_drawer
 
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -51,12 +51,7 @@ def batch(folder):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    g = torch.Generator().manual_seed(7)
-    special = set(tokenizer.all_special_ids)
-    ordinary = [i for i in range(len(tokenizer)) if i not in special]
-
-    def tokens(n):
-        return [ordinary[int(j)] for j in torch.randint(len(ordinary), (n,), generator=g)]
+    tokens = token_drawer(tokenizer)
     eos = tokenizer.eos_token_id
     prompts = [tokens(PROMPT_LENGTH) for _ in range(PROMPTS)]
     lengths = [3, MAX_NEW, 1, 5, 2, 6, MAX_NEW, 4]

@@ -381,6 +381,24 @@ def first_letter_prompts(words: list[str]) -> list[dict]:
                         {"role": "user", "content": f"First letter of '{w}'?"}], "answer": w[0]} for w in words]
 
 
+def first_letter_run(tmp_path, model: dict, rl: dict, train: dict, **extra) -> list[dict]:
+    """An online run (rl) on 64 first-letter prompts, 32 held out, trained on one thread: its metrics rows.
+    One thread, as test_qlora.py: with two threads on the 2 shared cores a step waited on a thread another
+    process had preempted (68 s of sampling where the step before took 4 s)."""
+    words = list(NOUNS)
+    random.Random(0).shuffle(words)
+    files = write_jsonl(tmp_path / "train.jsonl", first_letter_prompts(words[:64]))
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", first_letter_prompts(words[64:]))
+    out = tmp_path / "run"
+    path = write_recipe(tmp_path / "run.yaml", output_dir=str(out), seed=3, model=model,
+                        data={"train_files": [str(files)], "eval_files": [str(evaluation)], "format": "prompt",
+                              "max_seq_len": 128},
+                        rl=rl, train={"precision": "fp32", "log_every_steps": 1, **train}, **extra)
+    proc = run_toolkit("train", path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(out)
+
+
 @pytest.mark.slow
 def test_grpo_raises_held_out_reward(tmp_path, real_model_dir):
     """LoRA GRPO (r 16, all-linear) with a verifiable reward: exact_match of the sampled answer against
@@ -393,24 +411,12 @@ def test_grpo_raises_held_out_reward(tmp_path, real_model_dir):
     0.969 at step 6 and at step 12; train reward 0.312, 0.469, 0.844 in steps 1-3 and 0.938, 1.0, 0.969
     in steps 10-12. Before sampling drew by inverse CDF: 0.281 -> 0.969, and 0.281,
     0.312, 0.812 against 0.969, 1.0, 0.969 (benchmarks/NOTES.md)."""
-    words = list(NOUNS)
-    random.Random(0).shuffle(words)
-    train = write_jsonl(tmp_path / "train.jsonl", first_letter_prompts(words[:64]))
-    evaluation = write_jsonl(tmp_path / "eval.jsonl", first_letter_prompts(words[64:]))
-    out = tmp_path / "run"
-    path = write_recipe(tmp_path / "grpo.yaml", output_dir=str(out), seed=3, model={"path": str(real_model_dir)},
-                        lora={"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"},
-                        data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "prompt",
-                              "max_seq_len": 128},
-                        rl={"method": "grpo", "num_generations": 8, "max_new_tokens": 6, "temperature": 1.0,
-                            "rewards": ["exact_match"]},
-                        train={"micro_batch_size": 4, "max_steps": 12, "learning_rate": 5e-4, "warmup_steps": 2,
-                               "precision": "fp32", "eval_every_steps": 6, "log_every_steps": 1})
-    # One thread, as test_qlora.py: with two threads on the 2 shared cores a step waited on a thread
-    # another process had preempted (68 s of sampling where the step before took 4 s).
-    proc = run_toolkit("train", path, env={"OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(out)
+    rows = first_letter_run(tmp_path, {"path": str(real_model_dir)},
+                            {"method": "grpo", "num_generations": 8, "max_new_tokens": 6, "temperature": 1.0,
+                             "rewards": ["exact_match"]},
+                            {"micro_batch_size": 4, "max_steps": 12, "learning_rate": 5e-4, "warmup_steps": 2,
+                             "eval_every_steps": 6},
+                            lora={"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"})
     evals = {r["step"]: r["eval_reward"] for r in rows if "eval_reward" in r}
     assert list(evals) == [0, 6, 12], evals
     assert 0.1 < evals[0] < 0.5, evals  # the base model is sometimes right: there is something to learn
@@ -430,21 +436,11 @@ def test_distillation_lowers_held_out_divergence_to_the_teacher(tmp_path, real_m
     2026-11-28 (2 shared CPU cores, one thread; 61 s): eval_loss 4.780 -> 3.875 at step 12 -> 3.736 at step 24."""
     from families import small_student
 
-    words = list(NOUNS)
-    random.Random(0).shuffle(words)
-    train = write_jsonl(tmp_path / "train.jsonl", first_letter_prompts(words[:64]))
-    evaluation = write_jsonl(tmp_path / "eval.jsonl", first_letter_prompts(words[64:]))
     student = small_student(real_model_dir, tmp_path / "student")
-    out = tmp_path / "run"
-    path = write_recipe(tmp_path / "distill.yaml", output_dir=str(out), seed=3, model={"path": str(student)},
-                        data={"train_files": [str(train)], "eval_files": [str(evaluation)], "format": "prompt",
-                              "max_seq_len": 128},
-                        rl={"method": "distill", "teacher": str(real_model_dir), "max_new_tokens": 8},
-                        train={"micro_batch_size": 8, "max_steps": 24, "learning_rate": 3e-3, "warmup_steps": 2,
-                               "precision": "fp32", "eval_every_steps": 12, "log_every_steps": 1})
-    proc = run_toolkit("train", path, env={"OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(out)
+    rows = first_letter_run(tmp_path, {"path": str(student)},
+                            {"method": "distill", "teacher": str(real_model_dir), "max_new_tokens": 8},
+                            {"micro_batch_size": 8, "max_steps": 24, "learning_rate": 3e-3, "warmup_steps": 2,
+                             "eval_every_steps": 12})
     evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
     print(f"distillation from SmolLM2: eval_loss {evals}; train loss {[round(r['loss'], 3) for r in rows[1:]]}")
     assert list(evals) == [0, 12, 24], evals
