@@ -110,7 +110,7 @@ def main() -> int:
     if recipe.model.preset is None and sft_result_made(Path(recipe.model.path)) != 0:
         return 1
     if recipe.rl.method == "distill":
-        if sft_result_made(Path(recipe.rl.teacher)) != 0:
+        if sft_result_made(Path(recipe.rl.teacher), "rl.teacher") != 0:
             return 1
         return distil(recipe, recipe_path, overrides)
     if recipe.rl.method is not None:
@@ -137,13 +137,13 @@ def main() -> int:
     return 0
 
 
-def sft_result_made(start: Path) -> int:
-    """The SFT quickstart's result that a LoRA, QLoRA or RL quickstart starts from, made first when
-    it is missing (0), or the exit code of that run."""
+def sft_result_made(start: Path, key: str = "model.path") -> int:
+    """The SFT quickstart's result that a LoRA, QLoRA or RL quickstart starts from (or a distillation
+    quickstart learns from: `key` rl.teacher), made first when it is missing (0), or the exit code of that run."""
     if (start / "config.json").is_file():
         return 0
     if start != Path("runs/quickstart-full/final"):
-        sys.exit(f"examples/quickstart.py: model.path {start} is not a model folder; the quickstart starts from "
+        sys.exit(f"examples/quickstart.py: {key} {start} is not a model folder; the quickstart starts from "
                  "a built-in preset or from runs/quickstart-full/final")
     print(f"{start} is missing: running the SFT quickstart first ...", flush=True)
     argv, sys.argv = sys.argv, [sys.argv[0], "examples/recipes/quickstart_full.yaml"]

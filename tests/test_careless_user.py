@@ -449,7 +449,7 @@ def refusal(call, *args, **kwargs) -> str:
 def test_a_prompt_file_given_as_pairs_is_refused_naming_the_file_and_columns(tmp_path, stages):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(16))
     message = refusal(stages, prompts, "rl.method=null", "preference.method=dpo", "rl.rewards=[]",
-                      "rl.num_generations=null", "rl.max_new_tokens=256", format="preference")
+                      "rl.num_generations=8", "rl.max_new_tokens=256", format="preference")
     assert "prompts.jsonl" in message and "chosen, rejected" in message, message
 
 

@@ -181,6 +181,10 @@ class Backend:
         """How `sampling` holds the weights, for the start-of-run line of online RL."""
         return "whole weights"
 
+    def check_frozen(self) -> None:
+        """Refuse, in one line, a second frozen model (distillation's teacher) this launch cannot hold, before
+        it loads."""
+
     def prepare_frozen(self, model):
         """A second model that only runs forwards (distillation's teacher), frozen, in eval mode, held as this
         backend holds such a model (TRL's prepare_deepspeed / prepare_model(evaluation_mode=True)): here a whole

@@ -81,6 +81,15 @@ class DeepSpeed(Backend):
                     coordinator._invalidate_trace()  # the trace of training's forwards, not the sampling's
                 offload._register_deepspeed_module(offload.module)
 
+    def check_frozen(self) -> None:
+        """ZeRO-3 with parameters offloaded to NVMe: a second model loading under zero.Init would set up its
+        swapper in the trained model's swap folder, which DeepSpeed clears first."""
+        offload = self.config.get("zero_optimization", {}).get("offload_param") or {}
+        if self.stage == 3 and offload.get("device") == "nvme":
+            raise ToolkitError("rl.teacher: ZeRO-3 with offload_param on NVMe cannot hold a second model (its "
+                               "swapper would clear the student's swapped weights in nvme_path); offload the "
+                               "parameters to cpu, or launch without parameter offload")
+
     def prepare_frozen(self, model):
         """ZeRO-3: an inference engine of its own over the model (loaded partitioned, under the plugin's
         zero.Init), sharded as the trained one with its offload_param, the training-only blocks dropped, as

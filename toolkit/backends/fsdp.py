@@ -85,13 +85,20 @@ class FSDP(Backend):
 
     def prepare_frozen(self, model):
         """FSDP2: sharded as the trained model (the plugin's wrapping, mixed precision and offload), as TRL's
-        prepare_model(evaluation_mode=True) does; FSDP1: a whole copy on every rank."""
+        prepare_model(evaluation_mode=True) does, and every module resharded after its forward (FSDP2 keeps the
+        root's, and shard-grad-op every module's, parameters whole after a forward until a backward that a
+        frozen model never runs); FSDP1: a whole copy on every rank."""
         if self.plugin.fsdp_version != 2:
             return super().prepare_frozen(model)
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+        from torch.distributed.fsdp import FSDPModule
 
         model.requires_grad_(False)
-        return fsdp2_prepare_model(self.accelerator, model.to(self.accelerator.device)).eval()
+        model = fsdp2_prepare_model(self.accelerator, model)  # fully_shard moves only this rank's shards
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_reshard_after_forward(True, recurse=False)
+        return model.eval()
 
     def frozen_line(self) -> str:
         return "sharded across the ranks (FSDP2)" if self.plugin.fsdp_version == 2 else "a whole copy on every rank"

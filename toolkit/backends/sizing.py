@@ -100,10 +100,11 @@ policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-
 keep (4 bytes a token) are not counted. A reward model of rl.rewards is loaded whole on every GPU in
 its folder's dtype, by no strategy sharded: `reward_models`, its weight files' size (its scoring
 forward, without gradient, one batch of the step's completions, is not counted). Distillation's
-teacher (rl.method=distill) is held in model.dtype, sharded over the GPUs by ZeRO-3 and FSDP, whole
-under DDP and ZeRO-1/2: `teacher`, its weights, plus its logits of one micro-batch in the compute
-dtype and its fp32 log-probabilities at the completion tokens (micro-batch x new tokens x vocab x 4),
-plus two of its layers gathered where sharded; its forward counts in the forward passes said below.
+teacher (rl.method=distill) is held in train.precision's dtype (e), sharded over the GPUs by ZeRO-3
+and FSDP, whole under DDP and ZeRO-1/2: `teacher`, its weights, plus its fp32 log-probabilities at
+a micro-batch's completion tokens (micro-batch x new tokens x vocab x 4; its output layer runs on
+those only), plus two of its layers gathered where sharded; its forward counts in the forward passes
+said below.
 
 **Communication** per optimizer step, bytes each process sends over ring collectives (an
 all-reduce sends 2(N-1)/N of its buffer, an all-gather or reduce-scatter (N-1)/N), once per
@@ -429,15 +430,16 @@ def teacher_sharded(strategy: Strategy) -> bool:
 
 
 def teacher_bytes(strategy: Strategy, setup: Setup) -> float:
-    """Distillation's teacher per GPU: its weights (sharded or whole), its logits of a micro-batch and its fp32
-    log-probabilities at the completion tokens, and two of its layers gathered where sharded; 0 without one."""
+    """Distillation's teacher per GPU: its weights in train.precision's dtype (sharded or whole), its fp32
+    log-probabilities at a micro-batch's completion tokens (its output layer runs on those only, a chunk at a
+    time), and two of its layers gathered where sharded; 0 without one."""
     t = setup.teacher
     if t is None:
         return 0.0
     e, sharded = BYTES[setup.precision], teacher_sharded(strategy)
-    weights = t.params * BYTES[setup.base_dtype] / (setup.gpus if sharded else 1)
-    logits = setup.micro_batch * (setup.seq_len * e + setup.new_tokens * 4) * t.vocab
-    return weights + logits + (2 * t.layer * BYTES[setup.base_dtype] if sharded else 0)
+    weights = t.params * e / (setup.gpus if sharded else 1)
+    logits = setup.micro_batch * setup.new_tokens * t.vocab * 4  # its fp32 log-probabilities at the targets
+    return weights + logits + (2 * t.layer * e if sharded else 0)
 
 
 def communication(strategy: Strategy, setup: Setup) -> float:

@@ -113,7 +113,7 @@ class RLConfig:
     teacher: Optional[str] = None
     """distill only: the teacher, a causal LM folder (or Hub id) whose next-token distribution the
     student learns (TRL's teacher_model_name_or_path). It must share the student's vocabulary (its
-    tokenizer, where the folder has one, must equal the student's). Loaded in the student's dtype,
+    tokenizer, where the folder has one, must equal the student's). Loaded in train.precision's dtype,
     frozen, and prepared by the launched backend as TRL prepares it: sharded under ZeRO-3 and FSDP2,
     a whole copy on every rank otherwise."""
     epsilon: float = 0.2

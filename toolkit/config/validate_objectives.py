@@ -107,7 +107,12 @@ def validate_rl(r: Recipe, need) -> None:
                                  if isinstance(e, DataSource) and e.format}
     if rl.method is None:
         need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo, rloo or distill)")
-        changed = [f.name for f in dataclasses.fields(RLConfig) if getattr(rl, f.name) != getattr(RLConfig(), f.name)]
+        # Unset, these read as grpo's defaults, as every run folder before distillation recorded them (a resume
+        # of one, or its config.yaml loaded again, sees the same values).
+        rl.beta = 0.0 if rl.beta is None else rl.beta
+        rl.num_generations = 8 if rl.num_generations is None else rl.num_generations
+        default = dataclasses.replace(RLConfig(), beta=0.0, num_generations=8)
+        changed = [f.name for f in dataclasses.fields(RLConfig) if getattr(rl, f.name) != getattr(default, f.name)]
         need(not changed, f"rl.{changed[0] if changed else ''}", "set only with rl.method (grpo, rloo or distill)")
         return
     need(formats == {"prompt"}, "data.format",
@@ -206,8 +211,8 @@ def validate_sampling(r: Recipe, need) -> None:
     """What every rl.method samples with."""
     rl = r.rl
     need(rl.max_new_tokens > 0, "rl.max_new_tokens", f"must be positive, got {rl.max_new_tokens}")
-    need(rl.temperature > 0, "rl.temperature",
-         f"must be above 0 (greedy completions of a prompt are all alike: no advantage), got {rl.temperature}")
+    need(rl.temperature > 0, "rl.temperature", f"must be above 0 (the completions are sampled at it), got "
+         f"{rl.temperature}")
     need(0 < rl.top_p <= 1, "rl.top_p", f"must be in (0, 1], got {rl.top_p}")
     need(rl.top_k >= 0, "rl.top_k", f"must be 0 (off) or a number of tokens, got {rl.top_k}")
     need(rl.repetition_penalty > 0, "rl.repetition_penalty", f"must be above 0 (1: off), got {rl.repetition_penalty}")

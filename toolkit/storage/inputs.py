@@ -14,9 +14,10 @@ from ..errors import ToolkitError
 
 WHAT = {"model": "the base model (model.path: its weights and config)",
         "rewards": "the reward functions' code (rl.rewards)",
-        "reward_models": "the reward models' weights and config (rl.rewards' model entries)"}
+        "reward_models": "the reward models' weights and config (rl.rewards' model entries)",
+        "teacher": "the distillation teacher's weights and config (rl.teacher)"}
 # Recipe keys that only say where an input is: not compared on resume where the input is compared by content.
-PATH_KEYS = {"model.path": "model"}
+PATH_KEYS = {"model.path": "model", "rl.teacher": "teacher"}
 
 
 def check_unchanged(saved: dict | None, now: dict | None, path: Path, accept=(), verb: str = "resume") -> None:

@@ -281,7 +281,10 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
         held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
         if recipe.rl.method == "distill":  # the teacher loads now and is prepared after the student
             distill.check_student_vocabulary(recipe.rl, model, backend.full_shape)
-            teacher = distill.load_teacher(recipe.rl, recipe.model, DTYPES[recipe.model.dtype])
+            backend.check_frozen()
+            teacher = distill.load_teacher(recipe.rl, recipe.model, DTYPES[recipe.train.precision])
+            t = recipe.train  # its output layer on the targets only, a chunk at a time, as the student's
+            use_token_loss(teacher, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
             objective = distill.Distill(recipe.rl, teacher, tokenizer, backend, recipe.seed, sources, held,
                                         out=Path(recipe.output_dir))
         else:  # scores with the rewards

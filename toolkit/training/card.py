@@ -67,8 +67,10 @@ def objective_tag(recipe: Recipe) -> str:
 
 def objective_text(recipe: Recipe) -> str:
     if recipe.rl.method == "distill":
-        return (f"on-policy distillation from {recipe.rl.teacher} (generalized JSD, beta {recipe.rl.beta:g}, "
-                f"temperature {recipe.rl.temperature:g})")
+        from .distill import divergence_name
+
+        return (f"on-policy distillation from {recipe.rl.teacher} ({divergence_name(recipe.rl.beta)}, temperature "
+                f"{recipe.rl.temperature:g})")
     if recipe.rl.method:
         rewards = ", ".join(r if isinstance(r, str) else r.function for r in recipe.rl.rewards)
         return f"online RL ({recipe.rl.method}, {recipe.rl.loss_type} loss) rewarded by {rewards}"

@@ -30,7 +30,7 @@ from ..errors import ToolkitError
 from ..model.load import full_numel
 from ..model.sampling import completion_seed
 from ..storage import disk
-from .loss import token_divergences
+from .loss import target_distributions, token_divergences
 from .online import GroupRL
 
 
@@ -96,8 +96,9 @@ def check_student_vocabulary(rl, model, full_shape) -> None:
 
 
 def load_teacher(rl, model_cfg, dtype: torch.dtype) -> torch.nn.Module:
-    """The teacher as transformers loads it, in `dtype` (the student's model.dtype), under ZeRO-3 partitioned as
-    it loads (accelerate's plugin makes transformers build it under zero.Init), in eval mode."""
+    """The teacher as transformers loads it, in `dtype` (train.precision's: frozen, it needs no fp32 master
+    weights), under ZeRO-3 partitioned as it loads (accelerate's plugin makes transformers build it under
+    zero.Init), in eval mode."""
     from transformers import AutoModelForCausalLM
 
     attn = "sdpa" if model_cfg.attn_implementation == "varlen" else model_cfg.attn_implementation
@@ -124,6 +125,7 @@ class Distill(GroupRL):
         self.eval_metrics = ()
         self.evaluating = False
         self.eval_units = 0
+        self.held_said = False
 
     def describe(self) -> list[str]:
         c = self.cfg
@@ -135,11 +137,6 @@ class Distill(GroupRL):
 
     def after_prepare(self) -> None:
         self.teacher = self.backend.prepare_frozen(self.teacher)
-        if self.accelerator.is_main_process:
-            held = sum(self.backend.held_numel(p) * p.element_size() for p in self.teacher.parameters())
-            whole = self.teacher_params * next(self.teacher.parameters()).element_size()
-            self.say(f"distill: the teacher's weights take {held / 2**20:,.1f} MiB on this rank "
-                     f"(the whole model: {whole / 2**20:,.1f} MiB)")
 
     def units(self, batch: dict) -> int:
         if "completion_mask" not in batch:  # an eval batch of prompts: its completions' tokens, counted in loss_sum
@@ -171,13 +168,18 @@ class Distill(GroupRL):
     @torch.no_grad()
     def teacher_logps(self, batch: dict) -> torch.Tensor:
         """The teacher's log-probabilities (at rl.temperature) at the batch's target positions, (targets, vocab),
-        in float32, on the run's device."""
-        device = self.accelerator.device
+        in float32, on the run's device: through its own forward (where every backend has its weights whole),
+        its output layer applied to the targets only, a chunk at a time (train.loss=chunked)."""
         with self.accelerator.autocast():
-            logits = self.teacher(input_ids=batch["input_ids"].to(device),
-                                  attention_mask=batch["attention_mask"].to(device), use_cache=False).logits
-        targets = batch["labels"][:, 1:].to(device) != IGNORE
-        return (logits[:, :-1][targets].float() / self.cfg.temperature).log_softmax(-1)
+            logps = target_distributions(self.teacher, batch, self.cfg.temperature)
+        if not self.held_said:  # what a rank keeps of the teacher between its forwards
+            self.held_said = True
+            if self.accelerator.is_main_process:
+                held = sum(self.backend.held_numel(p) * p.element_size() for p in self.teacher.parameters())
+                whole = self.teacher_params * next(self.teacher.parameters()).element_size()
+                self.say(f"distill: between forwards the teacher's weights take {held / 2**20:,.2f} MiB on this "
+                         f"rank (the whole model: {whole / 2**20:,.2f} MiB)")
+        return logps
 
     def divergences(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(each completion token's divergence, the student's entropy there, the completion mask there), flat."""

@@ -66,6 +66,16 @@ def token_logps_each(model, batch: dict[str, torch.Tensor],
                  token_loss_temperature=temperature)
 
 
+def target_distributions(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """The model's log-probabilities over the whole vocabulary at each target position (labels != IGNORE), of
+    the logits divided by `temperature`, (targets, vocabulary) in float32, in the order of the targets:
+    distillation's teacher, through the chunked output layer where train.loss=chunked (only the targets'
+    logits are made, a chunk at a time)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, token_loss_labels=batch["labels"], token_loss_distribution=True,
+                 token_loss_temperature=temperature)
+
+
 def token_divergences(model, batch: dict[str, torch.Tensor], teacher_logps: torch.Tensor, beta: float,
                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(the divergence between the model's next-token distribution and the teacher's at each target token
@@ -122,9 +132,16 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
     def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None,
                 token_loss_shifted=False, token_loss_per_token=False, token_loss_temperature=1.0,
-                token_loss_teacher=None, **kwargs):
+                token_loss_teacher=None, token_loss_distribution=False, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
+        if token_loss_distribution:
+            if kind == "full":
+                targets = token_loss_labels[:, 1:] != IGNORE
+                logits = original(*args, **{**kwargs, "use_cache": False}).logits[:, :-1][targets]
+                return (logits.float() / token_loss_temperature).log_softmax(-1)
+            return chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls,
+                                    temperature=token_loss_temperature, distribution=True, **kwargs)
         if token_loss_teacher is not None:
             if kind == "full":
                 return full_token_divergences(original(*args, **{**kwargs, "use_cache": False}).logits,
@@ -214,7 +231,8 @@ def full_token_divergences(logits: torch.Tensor, labels: torch.Tensor, teacher_l
 
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
                      return_outputs: bool = False, per_row: torch.Tensor | None = None, shifted: bool = False,
-                     per_token: bool = False, temperature: float = 1.0, teacher=None, **kwargs):
+                     per_token: bool = False, temperature: float = 1.0, teacher=None, distribution: bool = False,
+                     **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
@@ -224,7 +242,8 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     `shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`).
     `per_token`: (each target's log-probability, the entropy there, detached), as `token_logps_each`, of
     the logits divided by `temperature`; with `teacher` (the teacher's log-probabilities at the targets, beta), each
-    target's divergence to it (`generalized_jsd`) instead of its log-probability."""
+    target's divergence to it (`generalized_jsd`) instead of its log-probability. `distribution`: the targets'
+    log-probabilities over the whole vocabulary, as `target_distributions` (no gradient)."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
@@ -254,6 +273,18 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     chunks = max(1, math.ceil(len(labels) / chunk_tokens))
     if same_calls is not None:
         chunks = same_calls(head, chunks, hidden.device)
+    if distribution:
+        out = None
+        for i in range(chunks):
+            part = slice(i * chunk_tokens, (i + 1) * chunk_tokens)
+            logits = head(hidden[part])
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            logps = (logits.float() / temperature).log_softmax(-1)
+            if out is None:  # filled chunk by chunk: no second copy of the whole
+                out = logps.new_empty((len(labels), logps.shape[-1]))
+            out[part] = logps
+        return out
     if per_token:
         parts = []
         for i in range(chunks):

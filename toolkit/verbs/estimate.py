@@ -226,9 +226,9 @@ def rl_lines(setup: Setup) -> list[str]:
             "(no strategy shards them; their scoring forward is not counted)"] if setup.reward_model_bytes else []) \
         + ([f"rl: reward models not counted (not a local folder): {', '.join(setup.reward_models_uncounted)}"]
            if setup.reward_models_uncounted else []) \
-        + ([f"rl: teacher (rl.teacher): {_count(t.params)} parameters in {setup.base_dtype}, sharded over the GPUs by "
-            "ZeRO-3 and FSDP, whole under DDP and ZeRO-1/2; the teacher column holds its weights, its logits of a "
-            "micro-batch and its fp32 log-probabilities at the completion tokens"] if t is not None else []) + [""]
+        + ([f"rl: teacher (rl.teacher): {_count(t.params)} parameters in {setup.precision}, sharded over the GPUs by "
+            "ZeRO-3 and FSDP, whole under DDP and ZeRO-1/2; the teacher column holds its weights and its fp32 "
+            "log-probabilities at a micro-batch's completion tokens"] if t is not None else []) + [""]
 
 
 def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | None) -> str:
