@@ -359,3 +359,18 @@ def test_a_teacher_that_is_not_a_causal_lm_is_refused_before_the_model_loads(tmp
     proc = run_toolkit("train", recipe(tmp_path, folder))
     assert user_error_line(proc) == (f"error: rl.teacher: {folder} is a LlamaForSequenceClassification, not a causal "
                                      "LM (the teacher's next-token distribution is what the student learns)")
+
+
+@pytest.mark.launch
+def test_a_teacher_under_zero3_with_parameters_on_nvme_is_refused_before_it_loads(workdir):
+    """Its swapper would set up in the student's nvme_path, which DeepSpeed clears first: refused in one line,
+    before the teacher loads."""
+    import subprocess
+
+    from helpers import accelerate_launch, launch_config_for
+
+    path = launch_recipe(workdir, "nvme", "zero3")
+    command = accelerate_launch(launch_config_for("zero3_nvme", workdir)) + ["toolkit", "train", str(path)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert user_error_line(proc, launched=True).startswith(
+        "error: rl.teacher: ZeRO-3 with offload_param on NVMe cannot hold a second model"), proc.stderr[-2000:]
