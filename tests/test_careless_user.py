@@ -109,7 +109,7 @@ def one_line(code: int, err: str) -> str:
 RL = [
     ("one generation", ["rl.num_generations=1"], "rl.num_generations: at least 2 (advantages compare"),
     ("generations as a word", ["rl.num_generations=eight"], "rl.num_generations: expected an integer, got string"),
-    ("temperature 0", ["rl.temperature=0"], "rl.temperature: must be above 0 (greedy completions"),
+    ("temperature 0", ["rl.temperature=0"], "rl.temperature: must be above 0 (the completions are sampled at it)"),
     ("temperature as a word", ["rl.temperature=hot"], "rl.temperature: expected a number, got string 'hot'"),
     ("top_p 0", ["rl.top_p=0"], "rl.top_p: must be in (0, 1], got 0.0"),
     ("negative top_k", ["rl.top_k=-1"], "rl.top_k: must be 0 (off) or a number of tokens, got -1"),
