@@ -121,7 +121,9 @@ RL = [
     ("mask_truncated_completions as a word", ["rl.mask_truncated_completions=maybe"],
      "rl.mask_truncated_completions: expected"),
     ("negative max_new_tokens", ["rl.max_new_tokens=-1"], "rl.max_new_tokens: must be positive, got -1"),
-    ("beta with full fine-tuning", ["rl.beta=0.04"], "rl.beta: above 0 the reference is the base with the LoRA"),
+    ("beta with full fine-tuning of a preset", ["rl.beta=0.04"],
+     "rl.beta: above 0 with full fine-tuning the reference is a frozen copy of the base loaded from model.path; a "
+     "preset has none"),
     ("negative beta", ["rl.beta=-0.1", "lora.enabled=true"], "rl.beta: must be 0 or more, got -0.1"),
     ("num_iterations 0", ["rl.num_iterations=0"], "rl.num_iterations: must be at least 1, got 0"),
     ("checkpoints inside a generated batch", ["rl.num_iterations=2", "checkpoint.every_steps=3"],

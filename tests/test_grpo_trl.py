@@ -132,8 +132,16 @@ def ours(folder, batch, trainer, *, lora, rl: dict, loss: str):
         cfg.epsilon_high = cfg.epsilon
     if cfg.beta is None:  # what validation resolves for grpo and rloo
         cfg.beta = 0.0
+    reference = None
+    if cfg.beta > 0 and not lora:  # full fine-tuning: the base loaded once more, as build.setup_objective does
+        from toolkit.config import ModelConfig
+        from toolkit.model.load import build_model
+
+        reference = build_model(ModelConfig(path=str(folder)), torch.float32).eval().requires_grad_(False)
+        use_token_loss(reference, loss, chunk_tokens=5)
     objective = GroupRL(cfg, rewards, batch["tokenizer"], backend, 0, ["train"], ["train"],
-                        adapter=model if lora else None)
+                        adapter=model if lora else None, reference=reference)
+    objective.after_prepare()
     objective.stops = list(trainer.eos_token_ids)
     objective.generate = lambda model, prompts, seeds: [list(c) for c in batch["completions"]]
     micro = {"prompt_ids": batch["prompt_ids"], "keys": torch.tensor([[0, i] for i in range(PROMPTS)]),
@@ -159,6 +167,7 @@ CASES = {
     "dapo-scale-none": case(scale_rewards="none", temperature=0.7),
     "dapo-mask-truncated": case(mask_truncated_completions=True),
     "grpo-top-entropy": case(loss_type="grpo", top_entropy_quantile=0.5, temperature=0.7),
+    "full-dapo-beta-reference-model": case(beta=0.04, temperature=0.7, loss="chunked"),
     "lora-dapo-beta-2-iterations": case(lora=True, beta=0.04, num_iterations=2, temperature=0.7),
     "lora-grpo-sequence-beta": case(lora=True, loss_type="grpo", beta=0.04, **SEQ),
     "lora-dr_grpo": case(lora=True, loss_type="dr_grpo", temperature=0.7),
@@ -247,6 +256,17 @@ def test_grpo_equals_trls_trainer_from_completions_to_gradients(tmp_path, folder
     worst, sums = iterations_agree(trainer, theirs, model, objective, mine, rl.get("num_iterations", 1), real,
                                    metrics_agree)
     print(f"{name}: worst relative gradient difference {worst:.2e}")
+    if objective.reference is not None:  # after the SGD steps the policy moved; the reference did not
+        made = objective.step_batches(model, [micro], step=1 + rl.get("num_iterations", 1))
+        with torch.no_grad():
+            want = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, attention,
+                                                              theirs["completion_ids"].size(1))[0]
+            moved = objective.per_token(model, made[0])[0]
+        for i in range(len(batch["completions"])):
+            n = int(both[i].sum())
+            span = slice(PROMPT_LENGTH - 1, PROMPT_LENGTH - 1 + n)
+            torch.testing.assert_close(made[0]["ref_logps"][i, span], want[i, :n], rtol=1e-5, atol=1e-5)
+        assert (moved - made[0]["ref_logps"]).abs().max() > 1e-3  # a frozen copy, not the policy as it is
     if rl.get("num_iterations", 1) > 1 and not real:  # the second iteration's ratios moved off 1: clipping exercised
         assert sums["clip_ratio"].item() > 0 or rl.get("loss_type") == "dr_grpo"
 

@@ -241,6 +241,31 @@ def test_lora_with_kl_to_the_disabled_adapter_trains_and_merges(workdir):
     assert merged.returncode == 0 and (workdir / "lora_merged" / "model.safetensors").is_file(), merged.stderr[-2000:]
 
 
+def test_full_fine_tuning_with_kl_to_a_frozen_reference_and_zero3_equal_one_process(workdir):
+    """rl.beta > 0 without LoRA: the reference is the base loaded once more and frozen (TRL's ref_model; equal to it
+    in test_grpo_trl.py), held as the backend holds a frozen model; the KL to it grows from 0 as the policy moves
+    away over generated batches; ZeRO-3 on 2 processes (the reference sharded too) equals one process."""
+    import json as json_module
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.model.load import PRESETS, build_byte_tokenizer
+
+    base = workdir / "base"
+    if not (base / "config.json").is_file():
+        torch.manual_seed(5)
+        LlamaForCausalLM(LlamaConfig(**json_module.loads((PRESETS / "tiny-llama-mini.json").read_text()))
+                         ).save_pretrained(base)
+        build_byte_tokenizer().save_pretrained(base)
+    run, log = train(workdir, "full_kl", model={"path": str(base)}, rl__beta=0.04)
+    assert "KL to the base (a frozen copy of it, a whole copy on every rank) x 0.04" in log, log[-3000:]
+    kl = [r["kl"] for r in read_metrics(run)[1:]]
+    assert kl[0] == pytest.approx(0, abs=1e-9) and kl[-1] > 0, kl  # step 1: the policy is the base
+    zero3, log = train(workdir, "full_kl_zero3", "zero3", model={"path": str(base)}, rl__beta=0.04)
+    assert "a frozen copy of it, sharded across the ranks (a ZeRO-3 engine of its own)" in log
+    assert_close(run, zero3)
+
+
 def yaml_rl(workdir) -> dict:
     return {"method": "grpo", "num_generations": 4, "max_new_tokens": 6,
             "rewards": [f"{workdir / 'grader.py'}:shorter"]}

@@ -128,7 +128,9 @@ class RLConfig:
     beta: Optional[float] = None
     """grpo and rloo: the weight of the KL term to the reference model (None: 0, as TRL's GRPO: no
     reference pass; TRL's RLOO default is 0.05). Above 0 the reference is the base with the LoRA
-    adapter disabled (lora.enabled: no second model). grpo adds beta x KL per token to the loss; rloo
+    adapter disabled (lora.enabled: no second model), or with full fine-tuning a frozen copy of the
+    base loaded from model.path (TRL's ref_model, sharded as the launch shards a frozen model). grpo
+    adds beta x KL per token to the loss; rloo
     subtracts beta x each completion's summed log-ratio to the reference from its reward, as TRL's.
     distill: TRL's DistillationConfig.beta, which divergence: 0 the forward KL(teacher || student),
     1 the reverse KL(student || teacher) (None: 1, TRL's default), between them the generalized JSD

@@ -153,9 +153,13 @@ def validate_rl(r: Recipe, need) -> None:
         rl.epsilon_high = rl.epsilon
     need(rl.epsilon_high > 0, "rl.epsilon_high", f"must be positive, got {rl.epsilon_high}")
     need(rl.beta >= 0, "rl.beta", f"must be 0 or more, got {rl.beta}")
-    need(rl.beta == 0 or r.lora.enabled, "rl.beta",
-         "above 0 the reference is the base with the LoRA adapter disabled, which needs lora.enabled=true "
-         "(a frozen copy for full fine-tuning is not built)")
+    if rl.beta > 0 and not r.lora.enabled:  # full fine-tuning: a frozen copy of the base is the reference
+        need(r.model.preset is None, "rl.beta",
+             "above 0 with full fine-tuning the reference is a frozen copy of the base loaded from model.path; a "
+             "preset has none: save it as a folder first, or set lora.enabled=true (the base is the reference)")
+        need(not r.model.add_special_tokens, "model.add_special_tokens",
+             "with rl.beta above 0 and full fine-tuning the reference would lack the added tokens' rows; set "
+             "lora.enabled=true, or add the tokens to the base first")
     need(rl.num_iterations >= 1, "rl.num_iterations", f"must be at least 1, got {rl.num_iterations}")
     k = rl.num_iterations
     need(not r.train.max_steps or r.train.max_steps % k == 0, "train.max_steps",

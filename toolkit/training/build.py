@@ -288,10 +288,17 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
             objective = distill.Distill(recipe.rl, teacher, tokenizer, backend, recipe.seed, sources, held,
                                         out=Path(recipe.output_dir))
         else:  # scores with the rewards
+            reference = None
+            if recipe.rl.beta > 0 and not recipe.lora.enabled:  # TRL's ref_model: the base loaded once more
+                backend.check_frozen()
+                t = recipe.train
+                reference = build_model(dataclasses.replace(recipe.model, gradient_checkpointing=False),
+                                        DTYPES[t.precision]).eval().requires_grad_(False)
+                use_token_loss(reference, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
             objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                                        adapter=model if recipe.lora.enabled else None,
                                        router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
-                                       out=Path(recipe.output_dir))
+                                       out=Path(recipe.output_dir), reference=reference)
     elif recipe.preference.method == "reward":
         objective = reward_training.PairScores(recipe.preference)
     elif recipe.preference.method == "kto":  # its KL estimate is reduced over the ranks

@@ -64,10 +64,12 @@ class GroupRL(Objective):
     has_eval_loss = False
 
     def __init__(self, cfg, rewards: list, tokenizer, backend, seed: int, sources: list[str],
-                 eval_sources: list[str], adapter=None, router_coef: float = 0.0, out: Path | None = None):
+                 eval_sources: list[str], adapter=None, router_coef: float = 0.0, out: Path | None = None,
+                 reference=None):
         self.cfg, self.rewards, self.tokenizer, self.backend = cfg, rewards, tokenizer, backend
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
+        self.reference = reference  # full fine-tuning with rl.beta > 0: a frozen copy of the base (after_prepare)
         self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
         self.rloo = cfg.method == "rloo"
         self.unit = "completion tokens" if cfg.loss_type in TOKEN_MEAN and not self.rloo else "completions"
@@ -98,6 +100,10 @@ class GroupRL(Objective):
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
 
+    def reference_text(self) -> str:
+        return ("adapter disabled" if self.reference is None else
+                f"a frozen copy of it, {self.backend.frozen_line()}")
+
     def sampling_text(self) -> str:
         """How completions are sampled, in words."""
         c = self.cfg
@@ -116,8 +122,8 @@ class GroupRL(Objective):
                     f"clip [1 - {c.epsilon:g}, 1 + {c.epsilon_high:g}]"
                     + ("; rewards clipped to [{:g}, {:g}]".format(*c.reward_clip_range) if c.reward_clip_range else "")
                     + ("; advantages standardised over the global batch" if c.normalize_advantages else "")
-                    + (f"; reward minus {c.beta:g} x the summed log-ratio to the base (adapter disabled)" if c.beta
-                       else "; no reference model"))
+                    + (f"; reward minus {c.beta:g} x the summed log-ratio to the base ({self.reference_text()})"
+                       if c.beta else "; no reference model"))
         variant = {"grpo": "GRPO", "dapo": "DAPO", "dr_grpo": "Dr. GRPO", "cispo": "CISPO"}[c.loss_type] \
             + (" with sequence-level ratios (GSPO)" if c.importance_sampling == "sequence" else "")
         clip = (f"importance weight capped at {c.epsilon_high:g}" if c.loss_type == "cispo" else
@@ -125,12 +131,16 @@ class GroupRL(Objective):
                 + (f", ratio capped at {c.delta:g} (two-sided)" if c.delta is not None else ""))
         scale = {"group": "group's std", "batch": "global batch's std", "none": "nothing"}[c.scale_rewards]
         return (f"{variant}, {sampling}; {clip}; advantages scaled by the {scale}"
-                + (f"; KL to the base (adapter disabled) x {c.beta:g}" if c.beta else "; no reference model")
+                + (f"; KL to the base ({self.reference_text()}) x {c.beta:g}" if c.beta else "; no reference model")
                 + (f"; the policy term on the top {c.top_entropy_quantile:g} of the global batch's completion "
                    "tokens by entropy" if c.top_entropy_quantile < 1 else ""))
 
     def unsplittable(self) -> str | None:
         return "online RL samples and scores whole completions, not rows split across ranks"
+
+    def after_prepare(self) -> None:
+        if self.reference is not None:  # held as the backend holds a frozen model, as TRL's ref_model
+            self.reference = self.backend.prepare_frozen(self.reference)
 
     def resumable_after(self, step: int) -> bool:
         return step % self.iterations == 0  # a checkpoint between a generated batch's steps would lose it
@@ -349,7 +359,10 @@ class GroupRL(Objective):
             inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
             if self.iterations > 1 or self.rloo:  # rloo: its KL in the reward is of the policy that sampled
                 batch["old_logps"] = self.per_token(model, inputs)[0]
-            if self.cfg.beta > 0:
+            if self.cfg.beta > 0 and self.reference is not None:
+                with self.accelerator.autocast():
+                    batch["ref_logps"] = self.per_token(self.reference, inputs)[0]
+            elif self.cfg.beta > 0:
                 with self.adapter.disable_adapter():
                     batch["ref_logps"] = self.per_token(model, inputs)[0]
 
