@@ -343,7 +343,7 @@ def test_estimate_counts_the_teacher_sharded_under_zero3_and_fsdp_and_whole_othe
     assert main(["estimate", "--recipe", str(path), "--gpus", "4", "--gpu-memory", "80"]) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("GiB per GPU"))
-    assert "teacher" in header and "the teacher " in text and "rl: teacher (rl.teacher):" in text
+    assert "frozen" in header and "the teacher " in text and "rl: teacher (rl.teacher):" in text
 
 
 @pytest.mark.launch

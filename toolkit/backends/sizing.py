@@ -94,8 +94,10 @@ prompts of the step at once (micro_batch_size x gradient_accumulation_steps x nu
 sequences), token by token with a KV cache: 2 (keys, values) x layers x key/value heads x head dim x
 sequences x (prompt + new tokens) x e bytes, `kv_cache`. The cache is freed before the step's
 forwards, so the total holds the larger of it and activations + logits. The reference's
-log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter disabled (rl.beta
-needs LoRA): no second model, one more forward without gradient per generated batch, as the old
+log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter disabled (no second
+model), or with full fine-tuning from a frozen copy of the base, held and counted as distillation's
+teacher below (`teacher`, shown as the frozen column): one more forward without gradient per
+generated batch, as the old
 policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they
 keep (4 bytes a token) are not counted. A reward model of rl.rewards is loaded whole on every GPU in
 its folder's dtype, by no strategy sharded: `reward_models`, its weight files' size (its scoring

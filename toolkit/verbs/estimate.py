@@ -194,6 +194,10 @@ def _gib(b: float) -> str:
     return f"{b / GIB:.1f}" if b < 100 * GIB else f"{b / GIB:.0f}"
 
 
+FROZEN = {True: "reference (rl.beta > 0, full fine-tuning: a frozen copy of the base)",
+          False: "teacher (rl.teacher)"}
+
+
 def rl_lines(setup: Setup) -> list[str]:
     """Online RL's generation and its forwards, below the table (none without rl.method)."""
     if not setup.generations:
@@ -202,14 +206,16 @@ def rl_lines(setup: Setup) -> list[str]:
     kv_heads = m.kv_heads or m.heads
     lora = m.trainable < m.params
     once = 1 / k  # sampling and the fixed log-probabilities: once per generated batch of k optimizer steps
+    t = setup.teacher  # distillation's teacher, or full fine-tuning's frozen reference
+    reference = t is not None and t.name.startswith("the reference")
     forwards = [f"training {2 if lora else 3} (forward and backward{', LoRA' if lora else ''})", f"sampling {once:g}"]
     if setup.reference_forward:
-        forwards.append(f"reference log-probabilities {once:g} (rl.beta > 0: this model with its LoRA adapter "
-                        "disabled, no second model)")
+        forwards.append(f"reference log-probabilities {once:g} (rl.beta > 0: "
+                        + ("a frozen copy of this model)" if reference else
+                           "this model with its LoRA adapter disabled, no second model)"))
     if k > 1:
         forwards.append(f"old log-probabilities {once:g} (rl.num_iterations {k})")
-    t = setup.teacher
-    if t is not None:
+    if t is not None and not reference:
         forwards.append(f"the teacher {t.params / m.params:.3g} (one forward of its {_count(t.params)} parameters, "
                         "counted in this model's forwards)")
     kv = kv_cache_bytes(m, setup)
@@ -226,8 +232,8 @@ def rl_lines(setup: Setup) -> list[str]:
             "(no strategy shards them; their scoring forward is not counted)"] if setup.reward_model_bytes else []) \
         + ([f"rl: reward models not counted (not a local folder): {', '.join(setup.reward_models_uncounted)}"]
            if setup.reward_models_uncounted else []) \
-        + ([f"rl: teacher (rl.teacher): {_count(t.params)} parameters in {setup.precision}, sharded over the GPUs by "
-            "ZeRO-3 and FSDP, whole under DDP and ZeRO-1/2; the teacher column holds its weights and its fp32 "
+        + ([f"rl: {FROZEN[reference]}: {_count(t.params)} parameters in {setup.precision}, sharded over the GPUs "
+            "by ZeRO-3 and FSDP, whole under DDP and ZeRO-1/2; the frozen column holds its weights and its fp32 "
             "log-probabilities at a micro-batch's completion tokens"] if t is not None else []) + [""]
 
 
@@ -252,7 +258,7 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
                ("buffers", "buffers", 9), ("activations", "activ.", 8), ("logits", "logits", 8)]
     columns += [("kv_cache", "kv cache", 10)] if setup.generations else []
     columns += [("reward_models", "reward m.", 10)] if setup.reward_model_bytes else []
-    columns += [("teacher", "teacher", 9)] if setup.teacher is not None else []
+    columns += [("teacher", "frozen", 9)] if setup.teacher is not None else []
     columns += [("total", "total", 8)]
     lines.append(f"{'GiB per GPU':<33}" + "".join(f"{title:>{w}}" for _, title, w in columns)
                  + f"{'fits':>6}{'host/node':>11}{'comm/step':>11}")
