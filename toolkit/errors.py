@@ -61,3 +61,9 @@ def command(line: str) -> str:
         return f"{path.name} {rest}".rstrip()
     shown = os.path.relpath(path) if Path.cwd() in path.parents else str(path)
     return f"{shown} {rest}".rstrip()
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first line of text (its type's name where it has none), for a one-line error."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

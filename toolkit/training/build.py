@@ -282,19 +282,16 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
         if recipe.rl.method == "distill":  # the teacher loads now and is prepared after the student
             distill.check_student_vocabulary(recipe.rl, model, backend.full_shape)
             backend.check_frozen()
-            teacher = distill.load_teacher(recipe.rl, recipe.model, DTYPES[recipe.train.precision])
-            t = recipe.train  # its output layer on the targets only, a chunk at a time, as the student's
-            use_token_loss(teacher, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
+            teacher = frozen_with_loss(backend, recipe,
+                                       distill.load_teacher(recipe.rl, recipe.model, DTYPES[recipe.train.precision]))
             objective = distill.Distill(recipe.rl, teacher, tokenizer, backend, recipe.seed, sources, held,
                                         out=Path(recipe.output_dir))
         else:  # scores with the rewards
             reference = None
             if recipe.rl.beta > 0 and not recipe.lora.enabled:  # TRL's ref_model: the base loaded once more
                 backend.check_frozen()
-                t = recipe.train
-                reference = build_model(dataclasses.replace(recipe.model, gradient_checkpointing=False),
-                                        DTYPES[t.precision]).eval().requires_grad_(False)
-                use_token_loss(reference, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
+                base = dataclasses.replace(recipe.model, gradient_checkpointing=False)
+                reference = frozen_with_loss(backend, recipe, build_model(base, DTYPES[recipe.train.precision]))
             objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                                        adapter=model if recipe.lora.enabled else None,
                                        router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
@@ -310,6 +307,16 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
     for line in objective.describe():
         log(line)
     return objective
+
+
+def frozen_with_loss(backend: backends.Backend, recipe: Recipe, model):
+    """A second model that only runs forwards (distillation's teacher, full fine-tuning's reference), frozen, in
+    eval mode, its output layer applied to the targets only as the trained model's (train.loss); the backend
+    prepares it after the trained model (`Objective.after_prepare`)."""
+    t = recipe.train
+    model.eval().requires_grad_(False)
+    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
+    return model
 
 
 def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption: Preemption,

@@ -26,7 +26,7 @@ import torch
 
 from .. import faults
 from ..data.formats import IGNORE
-from ..errors import ToolkitError
+from ..errors import ToolkitError, first_line
 from ..model.load import full_numel
 from ..model.sampling import completion_seed
 from ..storage import disk
@@ -59,7 +59,7 @@ def check_teacher(rl, tokenizer, student_vocab: int) -> None:
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
-        raise ToolkitError(f"rl.teacher: {rl.teacher}: its config cannot be read: {_first_line(err)}") from None
+        raise ToolkitError(f"rl.teacher: {rl.teacher}: its config cannot be read: {first_line(err)}") from None
     heads = config.architectures or []
     if heads and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in heads):
         raise ToolkitError(f"rl.teacher: {rl.teacher} is a {', '.join(heads)}, not a causal LM (the teacher's "
@@ -73,7 +73,7 @@ def check_teacher(rl, tokenizer, student_vocab: int) -> None:
         try:
             theirs = AutoTokenizer.from_pretrained(folder, local_files_only=True).get_vocab()
         except (OSError, ValueError, KeyError) as err:
-            raise ToolkitError(f"rl.teacher: {rl.teacher}: its tokenizer cannot be read: {_first_line(err)}") from None
+            raise ToolkitError(f"rl.teacher: {rl.teacher}: its tokenizer cannot be read: {first_line(err)}") from None
         ours = tokenizer.get_vocab()
         if theirs != ours:
             differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:1]
@@ -106,7 +106,7 @@ def load_teacher(rl, model_cfg, dtype: torch.dtype) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(teacher_folder(rl), local_files_only=True, dtype=dtype,
                                                      attn_implementation=attn)
     except (OSError, ValueError) as err:
-        raise ToolkitError(f"rl.teacher: {rl.teacher} cannot be loaded as a causal LM: {_first_line(err)}") from None
+        raise ToolkitError(f"rl.teacher: {rl.teacher} cannot be loaded as a causal LM: {first_line(err)}") from None
     return model.eval()
 
 
@@ -249,8 +249,3 @@ class Distill(GroupRL):
         if self.accelerator.is_main_process:
             with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
                 f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__

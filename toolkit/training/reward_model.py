@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ToolkitError
+from ..errors import ToolkitError, first_line
 
 
 class ModelReward:
@@ -57,7 +57,7 @@ def load_reward_model(key: str, source: str, template_kwargs: dict | None = None
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
-        raise ToolkitError(f"{key}: {source}: its config cannot be read: {_first_line(err)}") from None
+        raise ToolkitError(f"{key}: {source}: its config cannot be read: {first_line(err)}") from None
     heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
     if not heads:
         raise ToolkitError(f"{key}: {source} is a {', '.join(config.architectures or ['model without a head'])}, "
@@ -70,7 +70,7 @@ def load_reward_model(key: str, source: str, template_kwargs: dict | None = None
         with _not_partitioned():
             model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype="auto").eval()
     except (OSError, ValueError, KeyError) as err:
-        raise ToolkitError(f"{key}: {source} cannot be loaded: {_first_line(err)}") from None
+        raise ToolkitError(f"{key}: {source} cannot be loaded: {first_line(err)}") from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise ToolkitError(f"{key}: {source}'s tokenizer has neither a padding nor an end-of-text token: a batch "
@@ -93,8 +93,3 @@ def _not_partitioned():
     finally:
         if held is not None:
             deepspeed.set_hf_deepspeed_config(held)
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
