@@ -179,6 +179,13 @@ RL = [
      "rl.reward_clip_range: [low, high] with low below high, got [1.0, 0.0]"),
     ("no eval completions", ["rl.num_generations_eval=0"],
      "rl.num_generations_eval: at least 1 completion per eval prompt, got 0"),
+    ("completions printed without the table", ["rl.num_completions_to_print=3"],
+     "rl.num_completions_to_print: shows completions of the table rl.log_completions writes; set "
+     "rl.log_completions: true"),
+    ("a negative number printed", ["rl.log_completions=true", "rl.num_completions_to_print=-1"],
+     "rl.num_completions_to_print: a number of completions (0: none; unset: all), got -1"),
+    ("gathering as a word", ["rl.gather_for_sampling=sometimes"],
+     "rl.gather_for_sampling: expected"),
 ]
 PREFERENCE = [
     ("beta 0", ["preference.beta=0"], "preference.beta: must be positive, got 0.0"),

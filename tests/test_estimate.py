@@ -465,6 +465,16 @@ def estimate_json(capsys, *args) -> dict:
     return json.loads(out)
 
 
+def run_estimate_text(capsys, *args) -> str:
+    """`toolkit estimate ...`'s table and lines, in this process."""
+    from toolkit.cli import main
+
+    code = main(["estimate", *map(str, args)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
 def held_bytes(precision: str, model_dtype: str) -> int:
     """The parameter bytes of tiny-llama with LoRA (r 8, every linear layer) as training builds it:
     the base in model.dtype, the adapters in fp32."""
@@ -701,10 +711,13 @@ def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
         assert got["kv_cache"] == kv and plain["kv_cache"] == 0
         for key in ("params", "gradients", "optimizer", "buffers", "activations", "logits"):
             assert got[key] == plain[key], (strategy.name, key)  # the reference is no second model
+        # ZeRO-3 gathers the whole weights (bf16) for the sampling, beside the cache (rl.gather_for_sampling)
+        gathered = 2 * rl.model.params if strategy.shards == "parameters" else 0
+        assert got["sampling"] == gathered and plain["sampling"] == 0
         states = sum(got[k] for k in ("params", "gradients", "optimizer", "buffers"))
-        assert got["total"] == states + max(got["activations"] + got["logits"], kv)
+        assert got["total"] == states + max(got["activations"] + got["logits"], kv + gathered)
         long = estimate(strategy, replace(rl, accumulation=400)).gpu  # a cache larger than the activations
-        assert long["kv_cache"] == 100 * kv and long["total"] == states + 100 * kv
+        assert long["kv_cache"] == 100 * kv and long["total"] == states + 100 * kv + gathered
 
     table = render(rl, [estimate(BY_NAME["DDP"], rl)], {"recommendation": "-", "epoch": None}, None)
     assert "  kv cache   total  fits" in table
@@ -719,11 +732,49 @@ def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
     assert "kv cache" not in plain_table and "rl:" not in plain_table
 
     report = estimate_json(capsys, "--recipe", rl_recipe(tmp_path), "--gpus", "2")
-    assert report["rl"] == {"completions_sampled_per_gpu": 64, "forwards_without_gradient_per_step": 1.0}
+    assert report["rl"] == {"completions_sampled_per_gpu": 64, "forwards_without_gradient_per_step": 1.0,
+                            "gather_for_sampling": True}
     assert report["setup"]["micro_batch"] == 16 and report["setup"]["seq_len"] == 384
     assert all(r["gpu_bytes"]["kv_cache"] == kv for r in report["strategies"])
     supervised_report = estimate_json(capsys, "--model", "tiny-llama")
     assert supervised_report["rl"] is None
+
+
+def test_sampling_from_sharded_weights_is_counted_and_recommended_when_gathering_does_not_fit(
+        llama_7b_config, tmp_path, capsys):
+    """Online RL under ZeRO-3 / FSDP full-shard gathers the whole weights for the sampling (rl.gather_for_sampling,
+    TRL's ds3_gather_for_generation), beside the KV cache; false samples a layer at a time. On 8 GPUs a 7B full
+    fine-tuning whose gathered copy does not fit is recommended ZeRO-3 with rl.gather_for_sampling=false before
+    any offload; a recipe with the key false has no gathered column."""
+    from dataclasses import replace
+
+    from toolkit.backends.model_counts import count_model, read_config
+    from toolkit.backends.sizing import BY_NAME, GIB, USABLE_FRACTION, Setup, estimate, recommend
+    from toolkit.verbs.estimate import render
+
+    setup = Setup(model=count_model(read_config(str(llama_7b_config)), "llama-7b"), gpus_per_node=8, precision="bf16",
+                  gradient_checkpointing=True, micro_batch=8, seq_len=1024, generations=8, new_tokens=512)
+    sharded = replace(setup, gathered_sampling=False)
+    gathered, layered = estimate(BY_NAME["ZeRO-3"], setup).gpu, estimate(BY_NAME["ZeRO-3"], sharded).gpu
+    assert gathered["sampling"] == 2 * setup.model.params and layered["sampling"] == 0  # bf16, the whole model
+    assert gathered["total"] > layered["total"] + GIB
+    memory = (gathered["total"] + layered["total"]) / 2 / USABLE_FRACTION / GIB
+    setup, sharded = replace(setup, gpu_memory_gib=memory), replace(sharded, gpu_memory_gib=memory)
+    for name in ("DDP", "ZeRO-2", "FSDP shard-grad-op", "ZeRO-3", "FSDP full-shard"):
+        assert not estimate(BY_NAME[name], setup).fits, name  # nothing fits with the gathered copy
+    said = recommend(setup)  # the smaller of the two sharding strategies, the other also fitting; no offload
+    assert said == "FSDP full-shard (accelerate_configs/fsdp.yaml), with rl.gather_for_sampling=false (also fits: " \
+                   "ZeRO-3)", said
+    assert recommend(sharded) == "FSDP full-shard (accelerate_configs/fsdp.yaml) (also fits: ZeRO-3)"
+    assert "gathered" in render(setup, [estimate(BY_NAME["ZeRO-3"], setup)], {"recommendation": "-", "epoch": None},
+                                None)
+
+    report = estimate_json(capsys, "--recipe", rl_recipe(tmp_path, gather_for_sampling=False), "--gpus", "2")
+    assert report["rl"]["gather_for_sampling"] is False
+    assert all(r["gpu_bytes"]["sampling"] == 0 for r in report["strategies"])
+    text = run_estimate_text(capsys, "--recipe", str(rl_recipe(tmp_path, gather_for_sampling=False)), "--gpus", "2")
+    assert "gathered" not in text.split("\n\n")[1].splitlines()[0]  # the table's head
+    assert "rl.gather_for_sampling false: ZeRO-3 and FSDP full-shard sample gathering a layer at a time" in text
 
 
 def test_a_reward_model_counts_whole_on_every_gpu(tmp_path, capsys):

@@ -66,7 +66,7 @@ def recipe(workdir, name, layout="single", lora=False, **extra):
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
                  "format": "prompt", "max_seq_len": 64},
         "rl": {"method": "grpo", "num_generations": 4, "max_new_tokens": 6, "top_entropy_quantile": 0.5,
-               "num_generations_eval": 2, "log_completions": True,
+               "num_generations_eval": 2, "log_completions": True, "num_completions_to_print": 2,
                "rewards": [f"{workdir / 'grader.py'}:shorter", {"function": "exact_match", "weight": 0.5}]},
         "train": {"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 2,
                   "max_steps": STEPS, "learning_rate": 1e-2, "eval_every_steps": STEPS, "log_every_steps": 1},
@@ -135,6 +135,12 @@ def test_one_process_samples_scores_and_learns(single, workdir):
     base = load_weights(run / "checkpoints" / "step-000001")  # the weights moved, step after step
     assert not all(torch.equal(base[k], v) for k, v in load_weights(run / "final").items() if k in base)
     assert "sample " in log and "(reward " in log  # completions with their rewards at evaluation
+    shown = [line for line in log.splitlines()
+             if line.startswith("step ") and "' -> " in line and "| sample" not in line]
+    assert [line.split(":")[0] for line in shown] == [f"step {s}" for s in range(1, STEPS + 1) for _ in range(2)]
+    first = rows[0]  # rl.num_completions_to_print 2: the first two rows of each step's table, with their scores
+    assert shown[0].endswith(f"-> {first['completion']!r}, reward {first['reward']:.4g}, advantage "
+                             f"{first['advantage']:.4g}"), shown[0]
 
 
 # FSDP's case runs by hand (`-m slow`) within CI's budget; in CI, FSDP samples and trains in the resume test's move.
@@ -142,8 +148,31 @@ def test_one_process_samples_scores_and_learns(single, workdir):
 def test_two_processes_equal_one(layout, workdir, single):
     """Each rank samples its prompts' groups with the same seeds as one process: the same rewards,
     completion lengths, losses and weights within 1e-4."""
-    run, _ = train(workdir, f"full_{layout}", layout)
+    run, log = train(workdir, f"full_{layout}", layout)
     assert_close(single[0], run)
+    held, whole = held_while_sampling(log)  # rl.gather_for_sampling (the default): whole weights on every rank
+    assert held >= whole if layout != "ddp" else held == pytest.approx(whole, rel=1e-6), (held, whole)
+
+
+def held_while_sampling(log: str) -> tuple[float, float]:
+    """(MiB of the policy's weights a rank held between sampling's forwards, the whole model's MiB), as the run said."""
+    said = log.split("rl: between sampling's forwards the policy's weights took ")[1].split("\n")[0]
+    return float(said.split(" MiB")[0].replace(",", "")), float(said.split("whole model: ")[1].split(" MiB")[0])
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "zero3"])
+def test_sampling_from_sharded_weights_equals_one_process_and_holds_no_whole_copy(layout, workdir, single):
+    """rl.gather_for_sampling false (TRL's ds3_gather_for_generation=False): each forward of sampling gathers a
+    layer at a time and frees it, every rank stepping until all are done; the completions, rewards, losses and
+    weights equal one process's, and between forwards a rank holds about its half of the weights (gathered: the
+    whole model, and more: its shard beside it)."""
+    run, log = train(workdir, f"sharded_sampling_{layout}", layout, rl__gather_for_sampling=False)
+    assert "each layer gathered in each token's forward" in log and "rl.gather_for_sampling false" in log, log[-3000:]
+    held, whole = held_while_sampling(log)
+    assert held < 0.6 * whole, (held, whole)
+    assert_close(single[0], run)
+    _, single_log = single
+    assert held_while_sampling(single_log)[0] == pytest.approx(whole, rel=1e-6)  # one process: whole weights
 
 
 def rloo_rl(workdir) -> dict:

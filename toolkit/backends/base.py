@@ -171,15 +171,20 @@ class Backend:
         return None
 
     @contextmanager
-    def sampling(self, model):
+    def sampling(self, model, gather: bool = True):
         """The module online RL samples completions from (`model/sampling.py`), token by token. By
         default the module as it is: whole weights (one process, DDP). A backend that shards the
-        weights gathers them once for the whole sampling here, not per layer per token."""
+        weights gathers them once for the whole sampling here, not per layer per token; with `gather`
+        false (rl.gather_for_sampling) each forward gathers a layer at a time and frees it, as in training."""
         yield self.accelerator.unwrap_model(model)
 
-    def sampling_line(self) -> str:
+    def sampling_line(self, gather: bool = True) -> str:
         """How `sampling` holds the weights, for the start-of-run line of online RL."""
         return "whole weights"
+
+    def materialized_numel(self, p: torch.nn.Parameter) -> int:
+        """The elements of a parameter this rank holds right now: its shard, and the whole while gathered."""
+        return self.held_numel(p)
 
     def check_frozen(self) -> None:
         """Refuse, in one line, a second frozen model (distillation's teacher) this launch cannot hold, before

@@ -56,11 +56,13 @@ class DeepSpeed(Backend):
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
 
     @contextmanager
-    def sampling(self, model):
+    def sampling(self, model, gather: bool = True):
         """ZeRO-3: every parameter gathered once for the whole sampling, with the engine's forward
         hooks taken off meanwhile (they would release each layer after its forward and gather it again
-        for the next token), as TRL's unwrap_model_for_generation does; other stages: as it is."""
-        if self.stage != 3:
+        for the next token), as TRL's unwrap_model_for_generation does; without `gather`, the module with
+        its hooks (TRL's ds3_gather_for_generation=False): a layer at a time, every rank stepping together
+        (`sample`'s `synced`). Other stages: as it is."""
+        if self.stage != 3 or not gather:
             yield self.accelerator.unwrap_model(model)
             return
         import deepspeed
@@ -113,8 +115,11 @@ class DeepSpeed(Backend):
         return "sharded across the ranks (a ZeRO-3 engine of its own)" if self.stage == 3 \
             else "a whole copy on every rank"
 
-    def sampling_line(self) -> str:
-        return ("whole weights gathered once per sampling (ZeRO-3)" if self.stage == 3 else "whole weights")
+    def sampling_line(self, gather: bool = True) -> str:
+        if self.stage != 3:
+            return "whole weights"
+        return ("whole weights gathered once per sampling (ZeRO-3)" if gather else
+                "sharded weights, each layer gathered in each token's forward (ZeRO-3, rl.gather_for_sampling false)")
 
     def check_prepared(self, model) -> None:
         import deepspeed
@@ -221,6 +226,10 @@ class DeepSpeed(Backend):
 
     def held_numel(self, p) -> int:
         return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()  # ZeRO-3: this rank's partition
+
+    def materialized_numel(self, p) -> int:
+        # ZeRO-3: the partition, and the whole while gathered (a released parameter's data is empty)
+        return p.ds_tensor.numel() + p.data.numel() if hasattr(p, "ds_tensor") else p.numel()
 
     def full_shape(self, p) -> torch.Size:
         return getattr(p, "ds_shape", p.shape)  # ZeRO-3 leaves each rank a flat part

@@ -57,10 +57,13 @@ class FSDP(Backend):
         return self.accelerator.state.fsdp_plugin
 
     @contextmanager
-    def sampling(self, model):
+    def sampling(self, model, gather: bool = True):
         """Every FSDP module unsharded once and kept whole across the sampling's forwards (FSDP2
         otherwise gathers each layer in each token's forward and frees it after), then resharded
-        and its reshard-after-forward setting put back as it was."""
+        and its reshard-after-forward setting put back as it was. Without `gather`
+        (rl.gather_for_sampling false) every module, the root too, resharded after each forward instead, so
+        no rank holds more than a layer beyond its shards; every rank steps together (`sample`'s `synced`).
+        FSDP1: its own forward, a unit at a time, either way."""
         from torch.distributed.fsdp import FSDPModule
 
         module = self.accelerator.unwrap_model(model)
@@ -71,8 +74,9 @@ class FSDP(Backend):
                  for m in sharded]
         autos = [state._auto_reshard_after_forward for state, _ in saved]
         for m in sharded:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.unshard()
+            m.set_reshard_after_forward(not gather, recurse=False)
+            if gather:
+                m.unshard()
         try:
             yield module
         finally:
@@ -103,8 +107,11 @@ class FSDP(Backend):
     def frozen_line(self) -> str:
         return "sharded across the ranks (FSDP2)" if self.plugin.fsdp_version == 2 else "a whole copy on every rank"
 
-    def sampling_line(self) -> str:
-        return "whole weights gathered once per sampling (FSDP modules unsharded for it)"
+    def sampling_line(self, gather: bool = True) -> str:
+        if self.plugin.fsdp_version != 2:
+            return "FSDP1's own forward (online RL is tested on FSDP2 only)"
+        return ("whole weights gathered once per sampling (FSDP modules unsharded for it)" if gather else
+                "sharded weights, each layer gathered in each token's forward (FSDP2, rl.gather_for_sampling false)")
 
     def check_prepared(self, model) -> None:
         FSDPModule, FSDP1 = _fsdp_classes()

@@ -92,10 +92,12 @@ completion sequences of up to data.max_seq_len + rl.max_new_tokens tokens, so th
 logits above are counted for those. Before that, each rank samples the completions of all its
 prompts of the step at once (micro_batch_size x gradient_accumulation_steps x num_generations
 sequences), token by token with a KV cache: 2 (keys, values) x layers x key/value heads x head dim x
-sequences x (prompt + new tokens) x e bytes, `kv_cache`. The cache is freed before the step's
-forwards, so the total holds the larger of it and activations + logits. The reference's
-log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter disabled (no second
-model), or with full fine-tuning from a frozen copy of the base, held and counted as distillation's
+sequences x (prompt + new tokens) x e bytes, `kv_cache`. ZeRO-3 and FSDP full-shard gather the whole
+weights (e bytes each, TRL's ds3_gather_for_generation) for the sampling beside it, `sampling`, unless
+rl.gather_for_sampling is false (a layer at a time, as training's forward). The cache and the gathered
+weights are freed before the step's forwards, so the total holds the larger of them and activations +
+logits. The reference's log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter
+disabled (no second model), or with full fine-tuning from a frozen copy of the base, held and counted as distillation's
 teacher below (`teacher`, shown as the frozen column): one more forward without gradient per
 generated batch, as the old
 policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they
@@ -196,6 +198,7 @@ class Setup:
     reward_model_bytes: float = 0.0  # rl.rewards models: whole on every GPU, their weights as their folders store them
     reward_models_uncounted: tuple = ()  # rl.rewards models not in a local folder: their size is not known here
     teacher: ModelCounts | None = None  # rl.teacher (rl.method=distill): a frozen model beside this one
+    gathered_sampling: bool = True  # rl.gather_for_sampling: ZeRO-3 / FSDP full-shard sample from whole weights
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
@@ -348,6 +351,16 @@ def kv_cache_bytes(m: ModelCounts, setup: Setup) -> float:
     return 2 * m.layers * m.kv * setup.sampled * setup.seq_len * BYTES[setup.precision]
 
 
+def gathered_sampling_bytes(strategy: Strategy, setup: Setup, whole: float) -> float:
+    """Online RL under a strategy that shards the parameters (ZeRO-3, FSDP full-shard) with
+    rl.gather_for_sampling: the whole weights (`whole`, in the compute dtype, 4-bit ones packed) gathered on
+    every GPU for the sampling, beside the KV cache; 0 otherwise (rl.gather_for_sampling false gathers a layer
+    at a time, as training's forward: the buffers count it)."""
+    if not setup.generations or not setup.gathered_sampling or strategy.shards != "parameters":
+        return 0.0
+    return whole
+
+
 def rl_forwards(setup: Setup) -> float:
     """Online RL's forwards without gradient per trained token and optimizer step, besides training's
     own: sampling (about one forward over each prompt and completion token, run token by token), the
@@ -413,13 +426,16 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     activations = activation_bytes(m, setup, regime, autocast=not strategy.deepspeed)
     logits = logits_bytes(m, setup, e if strategy.deepspeed else 4)
     kv_cache = kv_cache_bytes(m, setup)
+    sampling = gathered_sampling_bytes(strategy, setup, e * (T + F - Q) + NF4_BYTES * Q)
     rewards = setup.reward_model_bytes  # not sharded by any strategy: each rank scores with a whole copy
     teacher = teacher_bytes(strategy, setup)
     gpu = {"params": params, "gradients": grads, "optimizer": optimizer, "buffers": buffers,
            "activations": activations, "logits": logits, "kv_cache": kv_cache, "reward_models": rewards,
-           "teacher": teacher}
-    # Online RL samples, and frees its cache, before the step's forwards: the larger of the two is held.
-    gpu["total"] = params + grads + optimizer + buffers + rewards + teacher + max(activations + logits, kv_cache)
+           "teacher": teacher, "sampling": sampling}
+    # Online RL samples, and frees its cache (and the weights gathered for it), before the step's forwards: the
+    # larger of the two is held.
+    gpu["total"] = (params + grads + optimizer + buffers + rewards + teacher
+                    + max(activations + logits, kv_cache + sampling))
     fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
     host += offloaded_activation_bytes(m, setup, regime)
@@ -485,7 +501,8 @@ def estimate_all(setup: Setup) -> list[Row]:
 def recommend(setup: Setup) -> str:
     """The first step along the usual path that fits: one GPU / DDP, then bf16 and activation
     checkpointing, then sharding (ZeRO-2 / FSDP shard-grad-op), ZeRO-3 / FSDP full-shard, offload.
-    At each sharding step the settings as given come first, then with bf16 and checkpointing.
+    At each sharding step the settings as given come first, then with bf16 and checkpointing, then (online RL)
+    each of those sampling a layer at a time (rl.gather_for_sampling false).
     Under sequence parallelism only the DeepSpeed steps are taken (`runnable`)."""
     if setup.gpu_memory_gib is None:
         return "no GPU memory given"
@@ -496,6 +513,9 @@ def recommend(setup: Setup) -> str:
     changed = replace(setup, precision="bf16" if setup.precision == "fp32" else setup.precision,
                       gradient_checkpointing=True)
     tries = [(setup, "")] + ([(changed, f", with {' and '.join(changes)}")] if changes else [])
+    if setup.generations and setup.gathered_sampling:  # sampling a layer at a time, before offloading
+        tries += [(replace(s, gathered_sampling=False), (text or ", with") + (" and " if text else " ")
+                   + "rl.gather_for_sampling=false") for s, text in tries]
     rows = [({r.strategy.name: r for r in estimate_all(s)}, text) for s, text in tries]
     for by_name, text in rows:
         if "DDP" in by_name and by_name["DDP"].fits:

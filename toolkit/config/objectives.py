@@ -188,6 +188,15 @@ class RLConfig:
     log_completions): step, prompt, completion, reward and each function's (null: no opinion),
     advantage, and the columns reward functions gave log_extra. A row per completion of every step:
     about (prompt + completion text) x num_generations x prompts per step."""
+    num_completions_to_print: Optional[int] = None
+    """With rl.log_completions: how many of each generated batch's completions the log also shows, with
+    their rewards and advantages (TRL's num_completions_to_print; None: all of them, as TRL; 0: none)."""
+    gather_for_sampling: bool = True
+    """ZeRO-3 and FSDP2: gather the whole weights once for each sampling and keep them on every rank until
+    it ends (TRL's ds3_gather_for_generation, default true: fastest). false: each forward of sampling
+    gathers one layer at a time and frees it, as training's forward does, so a model that fits only
+    sharded can sample, at the cost of a gather per layer per token. Completions and what is learned are
+    the same either way; `toolkit estimate` shows which fits. Other backends hold whole weights anyway."""
     disable_dropout: bool = False
     """Set every dropout layer's rate to 0 (TRL's `disable_dropout`, off by default as in TRL), LoRA's
     included, so that the loss, the old-policy and the reference passes see the same network and a

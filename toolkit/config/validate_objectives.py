@@ -223,6 +223,10 @@ def validate_sampling(r: Recipe, need) -> None:
     need(rl.min_p is None or 0 <= rl.min_p <= 1, "rl.min_p", f"must be in [0, 1], got {rl.min_p}")
     need(rl.num_generations_eval is None or rl.num_generations_eval >= 1, "rl.num_generations_eval",
          f"at least 1 completion per eval prompt, got {rl.num_generations_eval}")
+    need(rl.num_completions_to_print is None or rl.num_completions_to_print >= 0, "rl.num_completions_to_print",
+         f"a number of completions (0: none; unset: all), got {rl.num_completions_to_print}")
+    need(rl.num_completions_to_print is None or rl.log_completions, "rl.num_completions_to_print",
+         "shows completions of the table rl.log_completions writes; set rl.log_completions: true")
 
 
 def validate_prompt_data(r: Recipe, need) -> None:

@@ -18,7 +18,6 @@ evaluation and reports eval_loss: the student's mean divergence to the teacher p
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from ..data.formats import IGNORE
 from ..errors import ToolkitError, first_line
 from ..model.load import full_numel
 from ..model.sampling import completion_seed
-from ..storage import disk
 from .loss import target_distributions, token_divergences
 from .online import GroupRL
 
@@ -132,7 +130,8 @@ class Distill(GroupRL):
         return [f"distill: {divergence_name(c.beta)} to the teacher at temperature {c.temperature:g} on every "
                 f"completion token; the loss is a mean over completion tokens",
                 f"distill: teacher {c.teacher} ({self.teacher_params / 1e6:,.1f}M parameters, frozen, "
-                f"{self.backend.frozen_line()}); {self.sampling_text()}; sampling from {self.backend.sampling_line()}"
+                f"{self.backend.frozen_line()}); {self.sampling_text()}; sampling from "
+                f"{self.backend.sampling_line(c.gather_for_sampling)}"
                 + (f"; completions logged to {self.table}" if self.table else "")]
 
     def after_prepare(self) -> None:
@@ -242,10 +241,4 @@ class Distill(GroupRL):
             return
         rows = [{"step": step, "prompt": f.get("prompt"), "completion": self.text(c)}
                 for f, c in zip(fields, completions)]
-        if self.accelerator.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            rows = gather_object(rows)
-        if self.accelerator.is_main_process:
-            with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
-                f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+        self.append_table(rows)

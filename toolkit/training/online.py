@@ -84,6 +84,7 @@ class GroupRL(Objective):
         self.stops: list[int] | None = None  # where a completion ends: set on first use, from the model
         self.table = out / "completions.jsonl" if out is not None and cfg.log_completions else None
         self.last_step = 0  # the optimizer steps done when evaluation runs (trainer_state.global_step)
+        self.sampling_said = False  # the weights a rank held while sampling: said once, after the first sampling
 
     # ------------------------------------------------------------------ the contract
 
@@ -95,7 +96,7 @@ class GroupRL(Objective):
                 + f"; the loss is a mean over {self.unit}",
                 f"rl: rewards {names}; groups stay on one rank"
                 + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")
-                + f"; sampling from {self.backend.sampling_line()}"
+                + f"; sampling from {self.backend.sampling_line(c.gather_for_sampling)}"
                 + (f"; completions logged to {self.table}" if self.table else "")] \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
@@ -267,7 +268,7 @@ class GroupRL(Objective):
     def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
         """Each prompt's completion, sampled from the model as the backend holds it for sampling
         (`Backend.sampling`), in eval mode (no dropout), in the run's precision."""
-        with self.backend.sampling(model) as module:
+        with self.backend.sampling(model, self.cfg.gather_for_sampling) as module:
             if self.stops is None:
                 self.stops = stop_token_ids(module, self.tokenizer)
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
@@ -275,12 +276,19 @@ class GroupRL(Objective):
             module.eval()
             try:
                 with self.accelerator.autocast():
-                    return sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens,
-                                  stop_ids=self.stops, pad_id=pad, temperature=self.cfg.temperature,
-                                  top_p=self.cfg.top_p, top_k=self.cfg.top_k, min_p=self.cfg.min_p,
-                                  repetition_penalty=self.cfg.repetition_penalty, synced=self.all_done)
+                    completions = sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens,
+                                         stop_ids=self.stops, pad_id=pad, temperature=self.cfg.temperature,
+                                         top_p=self.cfg.top_p, top_k=self.cfg.top_k, min_p=self.cfg.min_p,
+                                         repetition_penalty=self.cfg.repetition_penalty, synced=self.all_done)
             finally:
                 module.train(was_training)
+            if not self.sampling_said:  # after the last forward of sampling: what stays between its forwards
+                self.sampling_said = True
+                held = sum(self.backend.materialized_numel(p) * p.element_size() for p in module.parameters())
+                whole = sum(self.backend.full_shape(p).numel() * p.element_size() for p in module.parameters())
+                self.say(f"rl: between sampling's forwards the policy's weights took {held / 2**20:,.2f} MiB on this "
+                         f"rank (the whole model: {whole / 2**20:,.2f} MiB)")
+            return completions
 
     def all_done(self, done: bool) -> bool:
         """Whether every rank's completions have all stopped (each rank steps until then)."""
@@ -460,13 +468,26 @@ class GroupRL(Objective):
                  **{name: value(v[i]) for name, v in values.items()}, "advantage": a,
                  **{column: extra[i] for column, extra in logged.extra.items()}}
                 for i, (f, c, r, a) in enumerate(zip(fields, completions, rewards.tolist(), advantages.tolist()))]
+        self.append_table(rows)
+
+    def append_table(self, rows: list[dict]) -> None:
+        """Every rank's rows of a generated batch gathered and appended to completions.jsonl, and
+        rl.num_completions_to_print of them shown in the log (None: all, as TRL)."""
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             rows = gather_object(rows)
-        if self.accelerator.is_main_process:
-            with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
-                f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+        if not self.accelerator.is_main_process:
+            return
+        with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
+            f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+        shown = rows if self.cfg.num_completions_to_print is None else rows[:self.cfg.num_completions_to_print]
+        for row in shown:
+            prompt = row["prompt"][-1]["content"] if isinstance(row["prompt"], list) and row["prompt"] \
+                and isinstance(row["prompt"][-1], dict) else row["prompt"]
+            scores = "".join(f", {k} {row[k]:.4g}" if isinstance(row[k], float) else f", {k} {row[k]}"
+                             for k in ("reward", "advantage") if k in row)
+            tqdm.write(f"step {row['step']}: {str(prompt)[-80:]!r} -> {row['completion'][:200]!r}{scores}")
 
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
         """Reward mean and std (total and per function), completion lengths, the share cut at

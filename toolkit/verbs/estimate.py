@@ -116,7 +116,7 @@ def run(args) -> int:
               "strategies": [r.as_json() for r in rows], "launched": launched.name if launched else None,
               "recommendation": recommend(setup), "epoch": epoch_cost(setup, args.tokens, args.throughput, args.price),
               "rl": {"completions_sampled_per_gpu": setup.sampled, "forwards_without_gradient_per_step":
-                     rl_forwards(setup)} if setup.generations else None}
+                     rl_forwards(setup), "gather_for_sampling": setup.gathered_sampling} if setup.generations else None}
     report["setup"]["gpus"] = setup.gpus
     if args.json:
         print(json.dumps(report, indent=1))
@@ -225,6 +225,12 @@ def rl_lines(setup: Setup) -> list[str]:
             f"{m.kv // kv_heads} head dim x {setup.sampled} sequences x {setup.seq_len} tokens x "
             f"{BYTES[setup.precision]} bytes = {size_text(kv)}, freed before training (total: the larger of it and "
             "activ. + logits)",
+            ("rl: ZeRO-3 and FSDP full-shard gather the whole weights on every GPU to sample (rl.gather_for_sampling, "
+             "TRL's ds3_gather_for_generation), the gathered column, freed with the kv cache; "
+             "rl.gather_for_sampling=false gathers a layer at a time instead, slower, the same completions"
+             if setup.gathered_sampling else
+             "rl: rl.gather_for_sampling false: ZeRO-3 and FSDP full-shard sample gathering a layer at a time, as "
+             "training's forward (no whole copy; a gather per layer per token)"),
             "rl: forward passes per trained token and optimizer step: " + ", ".join(forwards)
             + (f"; all but training once per generated batch of {k} steps" if k > 1 else "")
             + "; sampling runs a token at a time, bound by memory bandwidth more than compute"] \
@@ -257,6 +263,7 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     columns = [("params", "params", 7), ("gradients", "grads", 7), ("optimizer", "optim", 7),
                ("buffers", "buffers", 9), ("activations", "activ.", 8), ("logits", "logits", 8)]
     columns += [("kv_cache", "kv cache", 10)] if setup.generations else []
+    columns += [("sampling", "gathered", 10)] if any(r.gpu["sampling"] for r in rows) else []
     columns += [("reward_models", "reward m.", 10)] if setup.reward_model_bytes else []
     columns += [("teacher", "frozen", 9)] if setup.teacher is not None else []
     columns += [("total", "total", 8)]
