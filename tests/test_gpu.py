@@ -402,6 +402,59 @@ def test_grpo_lora_with_kl_and_two_iterations_on_cuda(method, tmp_path):
         assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
 
+def test_grpo_full_fine_tuning_with_a_frozen_reference_and_sharded_sampling_on_cuda(tmp_path):
+    """Full fine-tuning with rl.beta > 0 loads a frozen reference (TRL's ref_model, `Backend.prepare_frozen`), never
+    run on CUDA: one process, and ZeRO-3 launched with 2 processes where a second GPU exists (else 1) sampling from
+    sharded weights (rl.gather_for_sampling false, a layer gathered per forward); bf16, rl.num_iterations 2. The
+    reference is the policy at step 1 (KL 0 up to bf16 rounding) and the KL grows once the policy moves."""
+    from test_rl_train import REWARDS, prompts
+
+    from helpers import write_jsonl
+
+    write_jsonl(tmp_path / "train.jsonl", prompts(16))
+    (tmp_path / "grader.py").write_text(REWARDS)
+    base = tmp_path / "base"
+    torch.manual_seed(5)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.model.load import PRESETS, build_byte_tokenizer
+
+    LlamaForCausalLM(LlamaConfig(**json.loads((PRESETS / "tiny-llama-mini.json").read_text()))).save_pretrained(base)
+    build_byte_tokenizer().save_pretrained(base)
+    processes = min(2, torch.cuda.device_count())
+    runs = {}
+    for name, backend in (("single", None), ("zero3", "zero3")):
+        path = write_recipe(tmp_path / f"{name}_recipe.yaml", output_dir=str(tmp_path / name), seed=5,
+                            model={"path": str(base)}, lora={"enabled": False},
+                            data={"train_files": [str(tmp_path / "train.jsonl")], "format": "prompt",
+                                  "max_seq_len": 64},
+                            rl={"method": "grpo", "num_generations": 4, "max_new_tokens": 8, "beta": 0.04,
+                                "num_iterations": 2, "temperature": 0.7, "top_p": 0.95,
+                                "gather_for_sampling": backend is None,
+                                "rewards": [f"{tmp_path / 'grader.py'}:shorter"]},
+                            train={"micro_batch_size": 4 // (processes if backend else 1),
+                                   "gradient_accumulation_steps": 1, "max_steps": 4, "learning_rate": 1e-3,
+                                   "log_every_steps": 1, "precision": "bf16"})
+        launcher = None if backend is None else accelerate_launch(launch_config_for(backend, tmp_path),
+                                                                  num_processes=processes)
+        proc = run_toolkit("train", path, launcher=launcher)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        out = proc.stdout + proc.stderr
+        assert "a frozen copy of it" in out, out[-3000:]
+    for name, rows in runs.items():
+        record(case=f"grpo_full_reference_{name}_bf16", loss=[r["loss"] for r in rows], kl=[r["kl"] for r in rows],
+               reward=[r["reward"] for r in rows], generation_seconds=[r.get("generation_seconds") for r in rows],
+               peak_memory_gib=rows[-1].get("peak_memory_gib"), processes=processes, gpu=device_name())
+        # step 1: the policy is the reference, up to bf16 rounding (the reference is held in bf16, one process's
+        # policy in fp32 under autocast: 7e-7 on a CPU); step 2 trains on the same batch after an update
+        assert rows[0]["kl"] == pytest.approx(0, abs=1e-4) and rows[1]["kl"] > 1e-3, rows
+        assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    # One process and ZeRO-3 are not compared: in bf16 their logits differ in rounding (fp32 weights under autocast
+    # vs DeepSpeed's bf16 weights), and so do sampled tokens (a CPU run of this test: rewards -0.731 vs -0.738).
+
+
 def test_lora_zero3_gradient_checkpointing_bf16_on_cuda(tmp_path):
     """LoRA + ZeRO-3 (one process) + model.gradient_checkpointing in bf16 (transformers 47254; AgileRL pins
     DeepSpeed 0.19.2 because later versions left ZeRO-3's frozen parameters gathered after recompute; we
