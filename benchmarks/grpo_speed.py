@@ -11,7 +11,7 @@ Same work per step. Both start from the same local Hugging Face folder (--model,
 weights of a preset saved as `examples/quickstart.py` does) and train on the first --steps x --prompts
 rows of examples/data/tasks_prompts_train.jsonl (chat prompts, an `answer` column), each row once,
 each in its own seeded order. One optimizer step = --prompts prompts x --generations completions,
-sampled with the policy as it stands (temperature, top_p 1, no top_k), at most --max-new-tokens new
+sampled with the policy as it stands (--temperature, --top-p, no top_k), at most --max-new-tokens new
 tokens each, scored by `letters` below (the same Python function for both: ours gets it as
 `benchmarks/grpo_speed.py:letters` in rl.rewards), advantages normalised per group, the DAPO loss
 (loss_type dapo), beta 0 (no reference model), one iteration per generated batch, AdamW at --lr with
@@ -108,7 +108,7 @@ def prepare(work: Path, a) -> Path:
         "data": {"train_files": [str(work / "train.jsonl")], "format": "prompt", "max_seq_len": 512,
                  "eval_fraction": 0.0},
         "rl": {"method": "grpo", "loss_type": "dapo", "beta": 0.0, "num_generations": a.generations,
-               "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": 1.0,
+               "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p,
                "scale_rewards": "group", "num_iterations": 1, "rewards": [f"{Path(__file__).resolve()}:letters"]},
         "train": {"micro_batch_size": a.prompts, "gradient_accumulation_steps": 1, "max_steps": a.steps,
                   "learning_rate": a.lr, "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
@@ -223,7 +223,7 @@ def run_trl(work: Path, a) -> None:
     args = GRPOConfig(
         output_dir=str(work / "trl_run"), per_device_train_batch_size=a.prompts * a.generations,
         gradient_accumulation_steps=1, num_generations=a.generations, max_completion_length=a.max_new_tokens,
-        temperature=a.temperature, top_p=1.0, top_k=0, loss_type="dapo", beta=0.0, num_iterations=1,
+        temperature=a.temperature, top_p=a.top_p, top_k=0, loss_type="dapo", beta=0.0, num_iterations=1,
         scale_rewards="group", learning_rate=a.lr, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, max_steps=a.steps, use_vllm=False, use_cpu=not torch.cuda.is_available(), bf16=False,
         fp16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none",
@@ -308,7 +308,8 @@ def summarize(a, model: Path, runs: dict) -> dict:
                      "python": platform.python_version()},
         "model": str(model) if a.model else f"preset {a.preset} (initial weights)",
         "prompts": a.prompts, "generations": a.generations, "completions_per_step": a.prompts * a.generations,
-        "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "lr": a.lr, "loss_type": "dapo",
+        "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p, "lr": a.lr,
+        "loss_type": "dapo",
         "beta": 0.0, "precision": "fp32", "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, **sides,
     }
     if len(sides) == 2:
@@ -333,7 +334,7 @@ def cpu_name() -> str:
 def forwarded(a) -> list[str]:
     return ["--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts", str(a.prompts), "--generations",
             str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature),
-            "--lr", str(a.lr)]
+            "--top-p", str(a.top_p), "--lr", str(a.lr)]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -346,6 +347,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8, help="completions per prompt (the group)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling on both sides (TRL's top_p)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--repeats", type=int, default=1, help="processes per side, interleaved")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of both sides (default: torch's, one per core); on "

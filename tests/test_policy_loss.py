@@ -37,7 +37,7 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old, processes=1, accumulation=1,
-             num_items=None, delta=None, top_entropy_quantile=1.0, entropies=None):
+             num_items=None, delta=None, top_entropy_quantile=1.0, entropies=None, is_ratio=None):
     """TRL's `_compute_loss` of one micro-batch, on a stub trainer set up as `GRPOTrainer.__init__` sets itself up
     from a real GRPOConfig (TRL's defaults for everything not named); `num_items`: the completion tokens of the
     whole generation batch, over every process (TRL gathers it; default: this micro-batch's).
@@ -71,6 +71,9 @@ def trl_loss(tmp_path, data, logps, *, loss_type, importance_sampling, beta, old
         "ref_per_token_logps": data["ref_logps"] if beta else None,
         "num_items_in_batch": mask.sum() if num_items is None else torch.tensor(num_items),
     }
+    if is_ratio is not None:  # completions from vLLM: TRL's correction, the ratio as TRL made it (trl_is_ratio)
+        stub.use_vllm = stub.vllm_importance_sampling_correction = True
+        inputs["importance_sampling_ratio"] = is_ratio
     return grpo_trainer.GRPOTrainer._compute_loss(stub, None, inputs), stub._metrics["train"]
 
 
@@ -307,3 +310,68 @@ def test_the_entropy_threshold_above_torch_quantiles_limit_is_its_interpolation(
     have = [module.entropy_threshold(values, q) for q in (0.2, 0.5, 0.37, 1.0)]
     for w, h in zip(want, have):
         torch.testing.assert_close(h, w, rtol=0, atol=1e-7)
+
+
+def trl_is_ratio(tmp_path, old_logps, sampling_logps, mask, mode, clip_min, clip_max) -> torch.Tensor:
+    """TRL 1.16's vLLM importance-sampling ratio, by TRL's own lines: the block of
+    `GRPOTrainer._generate_and_score_completions` that makes it (from `if self.use_vllm and
+    self.vllm_importance_sampling_correction:` to the reference's log-probabilities), run on these tensors with a
+    GRPOConfig's settings."""
+    import inspect
+    import math
+    import textwrap
+
+    source = inspect.getsource(grpo_trainer.GRPOTrainer._generate_and_score_completions)
+    start = source.index("            if self.use_vllm and self.vllm_importance_sampling_correction:\n"
+                         "                mask = completion_mask")
+    end = source.index("            # Compute the per-token log probabilities for the reference model", start)
+    args = grpo_trainer.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False,
+                                   vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+                                   vllm_importance_sampling_clip_max=clip_max)
+    stub = types.SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True,
+                                 vllm_importance_sampling_mode=args.vllm_importance_sampling_mode,
+                                 vllm_importance_sampling_clip_min=args.vllm_importance_sampling_clip_min,
+                                 vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max)
+    scope = {"self": stub, "old_per_token_logps": old_logps, "sampling_per_token_logps": sampling_logps,
+             "completion_mask": mask, "tool_mask": None, "torch": torch, "math": math}
+    exec(textwrap.dedent(source[start:end]), scope)
+    return scope["vllm_importance_sampling_ratio"]
+
+
+SAMPLER_CASES = [(mode, low, high) for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+                 for low, high in ((None, 3.0), (0.5, 2.0), (0.8, None))]
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", SAMPLER_CASES)
+def test_the_sampler_correction_and_its_loss_equal_trls_vllm_importance_sampling(tmp_path, mode, clip_min, clip_max):
+    """An inference server's log-probabilities of the sampled tokens (NaN where it gave none) against the trained
+    model's: the ratio of every mode and bound equals TRL's own lines, and the loss and gradient with it equal
+    TRL's `_compute_loss` with use_vllm (DAPO, beta 0.04, one iteration: the old log-probabilities are the policy's
+    at generation)."""
+    from toolkit.training.policy_loss import sampler_correction
+
+    data = batch(seed=70 + SAMPLER_CASES.index((mode, clip_min, clip_max)))
+    g = torch.Generator().manual_seed(9)
+    sampler = data["logps"] + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    sampler[1, 0] = float("nan")  # a token the server gave no log-probability for
+    want = trl_is_ratio(tmp_path, data["logps"], sampler, data["mask"].long(), mode, clip_min, clip_max)
+    got = sampler_correction(data["logps"], sampler, data["mask"], mode, clip_min, clip_max)
+    assert got.shape == want.shape == ((B, T) if mode.startswith("token") else (B, 1))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert ((got != 1) & (got != 0)).any() and (got != want.new_ones(want.shape)).any()
+    config = dict(loss_type="dapo", importance_sampling="token", beta=0.04, old=False)
+    theirs_logps = data["logps"].clone().requires_grad_()
+    theirs, _ = trl_loss(tmp_path, data, theirs_logps, **config, is_ratio=want)
+    our_logps = data["logps"].clone().requires_grad_()
+    loss_sum, units, _ = policy_loss(our_logps, None, data["ref_logps"], data["advantages"], data["mask"],
+                                     loss_type="dapo", importance_sampling="token", epsilon=EPSILON,
+                                     epsilon_high=EPSILON_HIGH, beta=0.04, max_completion_length=T,
+                                     sampler_weights=got)
+    torch.testing.assert_close(loss_sum / units, theirs, rtol=1e-6, atol=1e-7)
+    (their_grad,) = torch.autograd.grad(theirs, theirs_logps)
+    (our_grad,) = torch.autograd.grad(loss_sum / units, our_logps)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-6, atol=1e-7)
+    plain, _, _ = policy_loss(data["logps"], None, data["ref_logps"], data["advantages"], data["mask"],
+                              loss_type="dapo", importance_sampling="token", epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
+                              beta=0.04, max_completion_length=T)
+    assert not torch.allclose(plain / units, theirs)  # the correction changes the loss: the check can fail

@@ -3,8 +3,9 @@ sampling; INTELLECT-2's two-sided clipping by `delta`) and RLOO's, as pure tenso
 log-probabilities in, loss out; no model, no generation.
 
 It is TRL 1.16's `GRPOTrainer._compute_loss` with TRL's defaults for what is not a parameter here
-(no off-policy mask, no vLLM importance-sampling correction, no
-entropy bonus, and `use_bias_correction_kl=True`: the KL term is weighted by the importance ratio),
+(no off-policy mask, no entropy bonus, and `use_bias_correction_kl=True`: the KL term is weighted by the
+importance ratio); `sampler_weights` is its vLLM importance-sampling correction (`inputs["importance_sampling_
+ratio"]`), made by `sampler_correction` from the sampler's log-probabilities as TRL makes it,
 and `group_advantages` is the advantage of `_generate_and_score_completions`. tests/test_policy_loss.py
 calls TRL's own code on the same tensors and checks the loss, its gradient and the metrics.
 `leave_one_out_advantages` and `rloo_loss` are TRL 1.16's RLOOTrainer's advantages and `_compute_loss`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
+SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TOKEN_MEAN = ("dapo", "cispo")  # averaged over every completion token of the global batch
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
@@ -51,6 +53,26 @@ def nanstd(x: torch.Tensor) -> torch.Tensor:
     return variance.sqrt()
 
 
+def sampler_correction(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                    clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """TRL 1.16's vLLM importance-sampling correction (`vllm_importance_sampling_mode` and its clip bounds): the
+    ratio of the trained model's probability of each sampled token (`old_logps`, no gradient) to the sampler's
+    (`sampler_logps`, what an inference server reported; NaN where it reported none: ratio 1), per token (B, T)
+    or per completion (B, 1, the sum of its tokens' log-ratios); `*_truncate` clamps it to [clip_min, clip_max],
+    `*_mask` sets it to 0 outside them (a bound of None: none on that side)."""
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"mode: {mode!r}; one of {', '.join(SAMPLER_CORRECTIONS)}")
+    diff = torch.nan_to_num((old_logps - sampler_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -float("inf") if clip_min is None else clip_min
+    high = float("inf") if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
@@ -66,13 +88,16 @@ def policy_loss(
     max_completion_length: int,
     delta: float | None = None,
     entropy_mask: torch.Tensor | None = None,
+    sampler_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """The clipped-surrogate loss (plus `beta` x KL to the reference) of a micro-batch of B completions.
 
     logps, old_logps, ref_logps: (B, T) log-probabilities of the completion tokens under the policy (with
     its gradient), the policy that sampled them (None: `logps` detached, i.e. one iteration per batch) and
     the reference (needed iff beta > 0); advantages: (B,); mask: (B, T), 1.0 on completion tokens;
-    entropy_mask: (B, T) bool, the tokens whose policy term counts (TRL's top_entropy_quantile; None: all).
+    entropy_mask: (B, T) bool, the tokens whose policy term counts (TRL's top_entropy_quantile; None: all);
+    sampler_weights: (B, T) or (B, 1) from `sampler_correction`, multiplying the policy term (not the KL), as TRL's
+    vLLM importance-sampling correction (None: completions sampled by the trained model itself).
 
     Returns (loss_sum, units, metric_sums); loss_sum / units is TRL's loss of this micro-batch:
       dapo, cispo: the sum of per-token losses over the mask.sum() tokens;
@@ -105,6 +130,8 @@ def policy_loss(
         per_token_loss = -torch.min(unclipped * advantages, clipped * advantages)
     if entropy_mask is not None:  # before the KL term, as TRL: the KL still counts on every token
         per_token_loss = per_token_loss * entropy_mask
+    if sampler_weights is not None:  # the inference server's sampling corrected, before the KL term, as TRL
+        per_token_loss = per_token_loss * sampler_weights
     if beta != 0.0:
         ref_minus_policy = ref_logps - logps
         # k3 estimator of KL(policy || ref), times the ratio: TRL's use_bias_correction_kl (on by default)
