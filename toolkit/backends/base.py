@@ -287,6 +287,12 @@ class Backend:
 
     # -- saving ------------------------------------------------------------------------------------
 
+    def trainable_weights(self, model) -> dict:
+        """The trainable parameters (a LoRA adapter's) by name, whole, on the host, complete on the main process
+        (a collective: every rank calls it); nothing else is gathered."""
+        module = self.accelerator.unwrap_model(model)
+        return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
+
     def full_state_dict(self, model) -> dict:
         """The model's whole state dict, complete on the main process (a collective: every rank
         calls it; other ranks may get an empty dict)."""

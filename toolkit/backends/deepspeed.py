@@ -325,6 +325,16 @@ class DeepSpeed(Backend):
 
     # -- saving ------------------------------------------------------------------------------------
 
+    def trainable_weights(self, model) -> dict:
+        if self.stage != 3:
+            return super().trainable_weights(model)
+        import deepspeed
+
+        module = self.accelerator.unwrap_model(model)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):  # these only, on every rank
+            return {n: p.detach().cpu().clone() for n, p in named} if self.accelerator.is_main_process else {}
+
     def full_state_dict(self, model) -> dict:
         """The module's state (ZeRO-3: gathered; None off the main rank), with the fp32 masters in
         place of 16-bit weights: under bf16/fp16 the masters are what was learned, so a bf16 ZeRO

@@ -126,6 +126,15 @@ class FSDP(Backend):
     def call_is_collective(self, module) -> bool:
         return any(isinstance(m, _fsdp_classes()) for m in module.modules())
 
+    def trainable_weights(self, model) -> dict:
+        module = self.accelerator.unwrap_model(model)
+        out = {}
+        for n, p in module.named_parameters():  # every rank gathers each shard, in the same order
+            if p.requires_grad:
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+                out[n] = whole.detach().cpu().clone()
+        return out if self.accelerator.is_main_process else {}
+
     def full_state_dict(self, model) -> dict:
         state_dict = super().full_state_dict(model)
         # A sharded state-dict type hands back DTensor shards: gather each (all ranks, same order).

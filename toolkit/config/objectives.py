@@ -197,6 +197,33 @@ class RLConfig:
     gathers one layer at a time and frees it, as training's forward does, so a model that fits only
     sharded can sample, at the cost of a gather per layer per token. Completions and what is learned are
     the same either way; `toolkit estimate` shows which fits. Other backends hold whole weights anyway."""
+    sampler: Literal["toolkit", "vllm"] = "toolkit"
+    """Who samples the completions. `toolkit`: the trained model itself, seeded per completion, the same
+    completions on every backend (docs/rl.md). `vllm`: a vLLM server (TRL's use_vllm with vllm_mode server)
+    that the run starts from `make vllm`'s environment (rl.vllm_python) and stops at its end, or the one at
+    rl.vllm_url; the LoRA adapter is loaded into it before each generated batch, and the loss is corrected
+    for its log-probabilities (rl.vllm_importance_sampling_*). LoRA only for now."""
+    vllm_url: Optional[str] = None
+    """A running vLLM server (http://HOST:PORT, TRL's vllm_server_base_url) serving this run's model.path with
+    --enable-lora, --logprobs-mode processed_logprobs and runtime LoRA updating on; None: the run starts its
+    own on a loopback port, logged to vllm.log in the run folder."""
+    vllm_python: Optional[str] = None
+    """The Python of the vLLM environment the run starts its server with (None: `make vllm`'s .venv-vllm)."""
+    vllm_args: list[str] = field(default_factory=list)
+    """Extra arguments to the server the run starts (e.g. [--max-num-seqs, "64"])."""
+    vllm_timeout: float = 240.0
+    """Seconds to wait for the server to come up, and for each generated batch (TRL's vllm_server_timeout)."""
+    vllm_importance_sampling_correction: bool = True
+    """Correct the loss for the server sampling from slightly other probabilities than the trained model's
+    (TRL's key of that name, on by default): one more forward without gradient per generated batch."""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        "sequence_mask"
+    """TRL's: per token or per completion, the ratio clipped into the bounds (truncate) or zeroed outside them
+    (mask)."""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """TRL's lower bound of the ratio (None: none)."""
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    """TRL's upper bound of the ratio (None: none)."""
     disable_dropout: bool = False
     """Set every dropout layer's rate to 0 (TRL's `disable_dropout`, off by default as in TRL), LoRA's
     included, so that the loss, the old-policy and the reference passes see the same network and a

@@ -170,6 +170,7 @@ def validate_rl(r: Recipe, need) -> None:
     need(rl.max_unscored_steps >= 0, "rl.max_unscored_steps", f"must be 0 (never stop) or more, got "
          f"{rl.max_unscored_steps}")
     validate_sampling(r, need)
+    validate_sampler(r, need)
     need(0 < rl.top_entropy_quantile <= 1, "rl.top_entropy_quantile",
          f"the share of tokens kept, in (0, 1] (1: every token; TRL's paper keeps 0.2), got {rl.top_entropy_quantile}")
     need(bool(rl.rewards), "rl.rewards", "give at least one reward function (file.py:name, module:name or "
@@ -229,6 +230,47 @@ def validate_sampling(r: Recipe, need) -> None:
          "shows completions of the table rl.log_completions writes; set rl.log_completions: true")
 
 
+VLLM_KEYS = ("vllm_url", "vllm_python", "vllm_args", "vllm_timeout", "vllm_importance_sampling_correction",
+             "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+
+
+def validate_sampler(r: Recipe, need) -> None:
+    """rl.sampler and its vLLM keys: the server's settings only with it; LoRA (the weights synced are the adapter's);
+    a model folder the server can load; the environment to start it from, or a URL."""
+    rl, default = r.rl, RLConfig()
+    if rl.sampler == "toolkit":
+        for name in VLLM_KEYS:
+            need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
+                 "a vLLM setting: set rl.sampler: vllm, or remove it")
+        return
+    need(rl.method == "grpo", "rl.sampler", f"vllm: grpo only for now (rl.method is {rl.method}); use the "
+         "toolkit's sampler")
+    need(r.lora.enabled, "rl.sampler",
+         "vllm: the server samples from the policy through its LoRA adapter, loaded into it each generated batch; "
+         "full fine-tuning's weights are not synced to a server yet: set lora.enabled=true, or rl.sampler: toolkit")
+    need(r.model.preset is None, "rl.sampler", "vllm: the server loads model.path; a preset has no folder: save it "
+         "as one first")
+    need(not r.model.add_special_tokens, "model.add_special_tokens",
+         "with rl.sampler: vllm the server's base would lack the added tokens' rows")
+    need(rl.vllm_timeout > 0, "rl.vllm_timeout", f"seconds, above 0, got {rl.vllm_timeout}")
+    low, high = rl.vllm_importance_sampling_clip_min, rl.vllm_importance_sampling_clip_max
+    need(low is None or low >= 0, "rl.vllm_importance_sampling_clip_min", f"a ratio, 0 or more, got {low}")
+    need(high is None or high > 0, "rl.vllm_importance_sampling_clip_max", f"a ratio, above 0, got {high}")
+    need(low is None or high is None or low < high, "rl.vllm_importance_sampling_clip_min",
+         f"below rl.vllm_importance_sampling_clip_max ({high}), got {low}")
+    if rl.vllm_url is not None:
+        need(str(rl.vllm_url).startswith(("http://", "https://")), "rl.vllm_url",
+             f"http://HOST:PORT of a running vLLM server, got {rl.vllm_url!r}")
+        need(not rl.vllm_args and rl.vllm_python is None, "rl.vllm_args" if rl.vllm_args else "rl.vllm_python",
+             "for the server the run starts; with rl.vllm_url the server is yours: remove it")
+        return
+    from ..rollout.server import default_python
+
+    python = Path(rl.vllm_python).expanduser() if rl.vllm_python else default_python()
+    need(python.is_file(), "rl.vllm_python", f"{python} not found: run `make vllm` (a virtual environment with "
+         "vLLM), or give rl.vllm_url of a running server")
+
+
 def validate_prompt_data(r: Recipe, need) -> None:
     """What prompt rows cannot be trained with."""
     need(not r.data.packing and not r.data.padding_free, "data.packing" if r.data.packing else "data.padding_free",
@@ -260,5 +302,6 @@ def validate_distill(r: Recipe, need) -> None:
     if rl.num_generations is None:
         rl.num_generations = 1
     need(rl.num_generations >= 1, "rl.num_generations", f"at least 1, got {rl.num_generations}")
+    need(rl.sampler == "toolkit", "rl.sampler", "distill samples with the student itself; vllm: grpo only")
     validate_sampling(r, need)
     validate_prompt_data(r, need)

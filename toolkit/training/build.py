@@ -292,10 +292,18 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                 backend.check_frozen()
                 base = dataclasses.replace(recipe.model, gradient_checkpointing=False)
                 reference = frozen_with_loss(backend, recipe, build_model(base, DTYPES[recipe.train.precision]))
+            sampler = None
+            if recipe.rl.sampler == "vllm":  # the server starts now, while the data is prepared
+                from ..rollout.vllm_sampler import VLLMSampler
+
+                sampler = VLLMSampler(recipe.rl, model_path=recipe.model.path, tokenizer=tokenizer, backend=backend,
+                                      out=Path(recipe.output_dir), seed=recipe.seed,
+                                      max_model_len=recipe.data.max_seq_len + recipe.rl.max_new_tokens,
+                                      precision=recipe.train.precision, lora_rank=recipe.lora.r)
             objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                                        adapter=model if recipe.lora.enabled else None,
                                        router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
-                                       out=Path(recipe.output_dir), reference=reference)
+                                       out=Path(recipe.output_dir), reference=reference, sampler=sampler)
     elif recipe.preference.method == "reward":
         objective = reward_training.PairScores(recipe.preference)
     elif recipe.preference.method == "kto":  # its KL estimate is reduced over the ranks

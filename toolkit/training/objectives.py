@@ -72,6 +72,9 @@ class Objective(ABC):
         """Once the trained model is prepared by the backend: what the objective prepares after it
         (distillation's teacher, held as the backend holds a frozen model)."""
 
+    def close(self) -> None:
+        """At the run's end, however it ends: what the objective started stops (online RL's vLLM server)."""
+
     def begin_eval(self, model, batches) -> None:
         """Before evaluation's batches: what the objective takes over the whole eval set first
         (KTO's KL estimate); `batches` iterates this rank's eval batches on the host."""

@@ -48,13 +48,15 @@ from .policy_loss import (
     leave_one_out_advantages,
     policy_loss,
     rloo_loss,
+    sampler_correction,
 )
 
 # Metric names the loop and this objective write in a step's row: a reward function's log_metric cannot take one.
 ROW_METRICS = frozenset({
     "step", "epoch", "loss", "lr", "grad_norm", "tokens", "time", "skipped_steps", "loss_scale", "compiled_graphs",
     "peak_memory_gib", "mfu", "tflops_per_device", "eta_seconds", "samples_per_second", "tokens_per_second",
-    "target_tokens_per_second", "clip_ratio_low", "clip_ratio_high", "clip_ratio", "entropy", "kl"})
+    "target_tokens_per_second", "clip_ratio_low", "clip_ratio_high", "clip_ratio", "entropy", "kl",
+    "sampler_logp_difference", "sampler_weight"})
 
 
 class GroupRL(Objective):
@@ -65,11 +67,13 @@ class GroupRL(Objective):
 
     def __init__(self, cfg, rewards: list, tokenizer, backend, seed: int, sources: list[str],
                  eval_sources: list[str], adapter=None, router_coef: float = 0.0, out: Path | None = None,
-                 reference=None):
+                 reference=None, sampler=None):
         self.cfg, self.rewards, self.tokenizer, self.backend = cfg, rewards, tokenizer, backend
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.reference = reference  # full fine-tuning with rl.beta > 0: a frozen copy of the base (after_prepare)
+        self.sampler = sampler  # rl.sampler=vllm: the server's client (rollout/vllm_sampler.py); None: our own
+        self.corrected = sampler is not None and cfg.vllm_importance_sampling_correction
         self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
         self.rloo = cfg.method == "rloo"
         self.unit = "completion tokens" if cfg.loss_type in TOKEN_MEAN and not self.rloo else "completions"
@@ -96,7 +100,8 @@ class GroupRL(Objective):
                 + f"; the loss is a mean over {self.unit}",
                 f"rl: rewards {names}; groups stay on one rank"
                 + (", the batch std is reduced over ranks" if c.scale_rewards == "batch" else "")
-                + f"; sampling from {self.backend.sampling_line(c.gather_for_sampling)}"
+                + (f"; sampling by {self.sampler.describe()}" if self.sampler is not None else
+                   f"; sampling from {self.backend.sampling_line(c.gather_for_sampling)}")
                 + (f"; completions logged to {self.table}" if self.table else "")] \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
@@ -142,6 +147,12 @@ class GroupRL(Objective):
     def after_prepare(self) -> None:
         if self.reference is not None:  # held as the backend holds a frozen model, as TRL's ref_model
             self.reference = self.backend.prepare_frozen(self.reference)
+        if self.sampler is not None:  # the server up and serving our tokenizer before the first step
+            self.sampler.start()
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
 
     def resumable_after(self, step: int) -> bool:
         return step % self.iterations == 0  # a checkpoint between a generated batch's steps would lose it
@@ -172,7 +183,14 @@ class GroupRL(Objective):
         fields = [f for b in micro_batches for f in b["fields"]]
         g = self.cfg.num_generations
         seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
-        completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
+        sampled_logps = None
+        if self.sampler is not None:  # the adapter as it stands into the server, then every rank asks for its own
+            if self.stops is None:
+                self.stops = stop_token_ids(self.accelerator.unwrap_model(model), self.tokenizer)
+            self.sampler.sync(model)
+            completions, sampled_logps = self.sampler.sample([p for p in prompts for _ in range(g)], seeds, self.stops)
+        else:
+            completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
         rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
         logged = reward_functions.Logged(reserved=frozenset(self.table_columns()))
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
@@ -185,16 +203,18 @@ class GroupRL(Objective):
             made.append(self.sequences([p for p in b["prompt_ids"] for _ in range(g)], completions[start:start + n],
                                        advantages[start:start + n],
                                        left_out=[self.truncated(c) for c in completions[start:start + n]]
-                                       if self.cfg.mask_truncated_completions else None))
+                                       if self.cfg.mask_truncated_completions else None,
+                                       sampled_logps=sampled_logps[start:start + n] if sampled_logps else None))
             start += n
-        if self.iterations > 1 or self.cfg.beta > 0:
+        if self.iterations > 1 or self.cfg.beta > 0 or self.corrected:
             self.add_fixed_logps(model, made)
         kl = {}
         if self.rloo:
             advantages, kl = self.rloo_advantages(rewards, made)
         self.mark_high_entropy(model, made)
         self.made = made
-        generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started), **kl}
+        generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started), **kl,
+                     **self.sampler_metrics(made)}
         self.generated = {**generated, **self.logged_metrics(logged, taken=set(generated))}
         self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
                          logged)
@@ -237,7 +257,8 @@ class GroupRL(Objective):
                 logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
                 loss_type=self.cfg.loss_type, importance_sampling=self.cfg.importance_sampling,
                 epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high, beta=self.cfg.beta,
-                max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta, entropy_mask=high)
+                max_completion_length=self.cfg.max_new_tokens, delta=self.cfg.delta, entropy_mask=high,
+                sampler_weights=batch.get("sampler_weights"))
         sums = {**sums, "entropy": (entropy * mask).sum().double()}
         for name, value in sums.items():
             self.sums[name] = self.sums.get(name, 0) + value.detach().double()
@@ -330,10 +351,11 @@ class GroupRL(Objective):
         return len(completion) == self.cfg.max_new_tokens and (not completion or completion[-1] not in self.stops)
 
     def sequences(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
-                  left_out: list[bool] | None = None) -> dict:
+                  left_out: list[bool] | None = None, sampled_logps: list[list[float]] | None = None) -> dict:
         """The micro-batch the loss is taken on: prompt + completion rows, right-padded; labels on the
         completion tokens (its stop token included); `completion_mask` over labels[:, 1:], zero on the
-        rows `left_out` (rl.mask_truncated_completions: TRL multiplies its mask so)."""
+        rows `left_out` (rl.mask_truncated_completions: TRL multiplies its mask so); `sampler_logps` over
+        labels[:, 1:] too, where an inference server sampled the completions (NaN elsewhere)."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
         width = max(len(p) + max(len(c), 1) for p, c in zip(prompts, completions))
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -346,8 +368,14 @@ class GroupRL(Objective):
         completion_mask = (labels[:, 1:] != IGNORE).float()
         if left_out is not None:
             completion_mask[torch.tensor(left_out, dtype=torch.bool)] = 0.0
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+        made = {"input_ids": ids, "attention_mask": mask, "labels": labels,
                 "completion_mask": completion_mask, "advantages": advantages.float()}
+        if sampled_logps is not None:
+            at = torch.full((len(prompts), width - 1), float("nan"))
+            for i, (p, values) in enumerate(zip(prompts, sampled_logps)):
+                at[i, len(p) - 1:len(p) - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+            made["sampler_logps"] = at
+        return made
 
     def per_token(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T-1) log-probabilities of the completion tokens and the entropy there (0 elsewhere)."""
@@ -365,14 +393,38 @@ class GroupRL(Objective):
         device = self.accelerator.device
         for batch in made:
             inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
-            if self.iterations > 1 or self.rloo:  # rloo: its KL in the reward is of the policy that sampled
-                batch["old_logps"] = self.per_token(model, inputs)[0]
+            if self.iterations > 1 or self.rloo or self.corrected:  # rloo: its KL in the reward is of the policy
+                batch["old_logps"] = self.per_token(model, inputs)[0]  # that sampled; a server's: TRL's correction
+            if self.corrected:
+                c = self.cfg
+                batch["sampler_weights"] = sampler_correction(
+                    batch["old_logps"], batch["sampler_logps"].to(device), batch["completion_mask"].to(device),
+                    c.vllm_importance_sampling_mode, c.vllm_importance_sampling_clip_min,
+                    c.vllm_importance_sampling_clip_max)
             if self.cfg.beta > 0 and self.reference is not None:
                 with self.accelerator.autocast():
                     batch["ref_logps"] = self.per_token(self.reference, inputs)[0]
             elif self.cfg.beta > 0:
                 with self.adapter.disable_adapter():
                     batch["ref_logps"] = self.per_token(model, inputs)[0]
+
+    def sampler_metrics(self, made: list[dict]) -> dict[str, float]:
+        """rl.sampler=vllm: how far the server's log-probabilities of the sampled tokens are from the trained
+        model's (the mean |difference| over the global batch's completion tokens, TRL's
+        sampling/sampling_logp_difference/mean) and the mean correction weight (TRL's
+        sampling/importance_sampling_ratio/mean, over tokens or completions as the mode takes it)."""
+        if not self.corrected:
+            return {}
+        device = self.accelerator.device
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        for b in made:
+            mask = b["completion_mask"].to(device)
+            diff = (b["old_logps"] - b["sampler_logps"].to(device)).abs().nan_to_num(0.0) * mask
+            weights = b["sampler_weights"]
+            where = mask if weights.shape[1] > 1 else torch.ones_like(weights)
+            sums += torch.stack([diff.sum(), mask.sum(), (weights * where).sum(), where.sum()]).double()
+        s = self.accelerator.reduce(sums, "sum").tolist() if self.accelerator.num_processes > 1 else sums.tolist()
+        return {"sampler_logp_difference": s[0] / max(s[1], 1.0), "sampler_weight": s[2] / max(s[3], 1.0)}
 
     def rloo_advantages(self, rewards: torch.Tensor, made: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
         """rl.method=rloo, TRL's RLOO: the rewards clipped (rl.reward_clip_range), minus rl.beta x each completion's

@@ -44,6 +44,8 @@ def _run(backend: backends.Backend, recipe: Recipe, preemption: Preemption, lock
         # without an active exception", SIGABRT instead of the stop's code (ZeRO-3 save read-back, CI 2026-11-26)
         backend.teardown()
         raise
+    finally:
+        run.objective.close()  # online RL's vLLM server, whatever the end
     end_trackers(accelerator)
     backend.teardown()
     return last

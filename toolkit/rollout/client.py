@@ -1,0 +1,114 @@
+"""The HTTP side of a vLLM server (OpenAI-compatible, `vllm.entrypoints.openai.api_server`), with the
+standard library only: health, the tokenizer check, loading a LoRA adapter at runtime, and completions of
+token-id prompts with the sampled tokens' ids and log-probabilities.
+
+Each completion is a request of its own with its own seed (one prompt, n=1): vLLM seeds a request's
+sampler, so completion i depends on its seed and the weights, not on which completions share a batch.
+The requests of a generated batch go out together (a thread each, up to `PARALLEL`) and the server
+batches them. Every failure a user can meet (refused connection, a timeout, an error status such as a
+prompt longer than the server's context) is one `ToolkitError` line naming the server."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import ToolkitError
+
+PARALLEL = 64  # requests in flight at once from one rank
+PROBE = "Hello world, héllo! 12 + 30 = 42\n\tdef f(x): return x"  # the tokenizer check's text
+
+
+def call(url: str, path: str, body: dict | None = None, *, timeout: float) -> dict | str:
+    """GET (no body) or POST JSON; the answer's JSON (or its text); one line on any failure."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data,
+                                     headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            text = answer.read().decode()
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("error", {}).get("message", detail) if detail.startswith("{") else detail
+        except (ValueError, AttributeError):
+            pass
+        raise ToolkitError(f"rl.sampler: the vLLM server at {url} answered {path} with {err.code}: "
+                           f"{' '.join(str(detail).split())[:300]}") from None
+    except TimeoutError:
+        raise ToolkitError(f"rl.vllm_timeout: the vLLM server at {url} did not answer {path} within {timeout:g} s")\
+            from None
+    except (urllib.error.URLError, ConnectionError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, TimeoutError):
+            raise ToolkitError(f"rl.vllm_timeout: the vLLM server at {url} did not answer {path} within "
+                               f"{timeout:g} s") from None
+        raise ToolkitError(f"rl.sampler: no vLLM server answers at {url} ({path}: {reason})") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    try:
+        call(url, "/health", timeout=timeout)
+        return True
+    except ToolkitError:
+        return False
+
+
+def served_models(url: str, timeout: float) -> list[str]:
+    answer = call(url, "/v1/models", timeout=timeout)
+    return [m.get("id") for m in answer.get("data", [])] if isinstance(answer, dict) else []
+
+
+def check_tokenizer(url: str, model: str, tokenizer, timeout: float) -> None:
+    """The server's tokenizer must split a probe text as ours does (another model or tokenizer would sample
+    token ids that mean something else here)."""
+    answer = call(url, "/tokenize", {"model": model, "prompt": PROBE, "add_special_tokens": False}, timeout=timeout)
+    theirs = answer.get("tokens") if isinstance(answer, dict) else None
+    ours = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+    if theirs != ours:
+        raise ToolkitError(f"rl.sampler: the vLLM server at {url} serves another tokenizer than model.path's (it "
+                           f"splits a probe text into {theirs[:8] if theirs else theirs}..., ours into {ours[:8]}...); "
+                           "serve the same model folder")
+
+
+def load_adapter(url: str, name: str, path: str, timeout: float) -> None:
+    """vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING), the adapter replaced in place."""
+    call(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True}, timeout=timeout)
+
+
+def complete(url: str, model: str, prompt: list[int], seed: int, params: dict, stops: list[int],
+             timeout: float) -> tuple[list[int], list[float]]:
+    """One completion of a token-id prompt: its token ids (the stop token included where it stopped) and each
+    one's log-probability as the server sampled it (NaN where it gave none)."""
+    body = {"model": model, "prompt": prompt, "n": 1, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "stop_token_ids": stops, **params}
+    answer = call(url, "/v1/completions", body, timeout=timeout)
+    try:
+        choice = answer["choices"][0]
+        tokens = [int(t.rpartition(":")[2]) for t in choice["logprobs"]["tokens"]]
+        logps = [math.nan if v is None else float(v) for v in choice["logprobs"]["token_logprobs"]]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ToolkitError(f"rl.sampler: the vLLM server at {url} answered a completion without token ids and "
+                           f"log-probabilities: {str(answer)[:200]}") from None
+    stopped_by = choice.get("stop_reason")
+    left_out = isinstance(stopped_by, int) and (not tokens or tokens[-1] != stopped_by)
+    if choice.get("finish_reason") == "stop" and left_out:
+        tokens.append(stopped_by)  # a stop token the server left out of the text's tokens
+        logps.append(math.nan)
+    return tokens, logps
+
+
+def complete_all(url: str, model: str, prompts: list[list[int]], seeds: list[int], params: dict, stops: list[int],
+                 timeout: float) -> tuple[list[list[int]], list[list[float]]]:
+    """Every prompt's completion, the requests in flight together."""
+    with ThreadPoolExecutor(max_workers=max(1, min(PARALLEL, len(prompts)))) as pool:
+        done = list(pool.map(lambda ps: complete(url, model, ps[0], ps[1], params, stops, timeout),
+                             zip(prompts, seeds)))
+    return [d[0] for d in done], [d[1] for d in done]

@@ -1,0 +1,121 @@
+"""A vLLM server for online RL's completions (rl.sampler: vllm): started by the run from its own
+environment (`make vllm`: vLLM needs another transformers than ours) on a loopback port, its output
+in `vllm.log` in the run folder, and stopped when the run ends, however it ends.
+
+It runs in a session of its own, so the terminal's Ctrl-C reaches the run, not the server, and
+`stop` ends the server and every process it started (vLLM's engine) as one group: SIGTERM, then
+SIGKILL after a grace period. The kernel sends it SIGTERM if the run dies without stopping it
+(PR_SET_PDEATHSIG), and an abrupt exit of the run ends its descendants (`stops.py`): nothing is left
+running. `wait_ready` polls /health until it answers, and names the log's last line if the server
+exits first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ..errors import ToolkitError
+from . import client
+
+ROOT = Path(__file__).resolve().parents[2]
+GRACE_S = 20.0  # SIGTERM to SIGKILL when stopping
+
+
+def default_python() -> Path:
+    """The Python of `make vllm`'s environment."""
+    return ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the run's process ends
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Server:
+    """A vLLM OpenAI-compatible server this process started."""
+
+    def __init__(self, python: Path, model: str, log_path: Path, *, max_model_len: int, dtype: str, seed: int,
+                 lora_rank: int, args: list[str] | None = None):
+        if not Path(python).is_file():
+            raise ToolkitError(f"rl.vllm_python: {python} not found: run `make vllm`, or give rl.vllm_url")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--max-model-len", str(max_model_len), "--dtype", dtype,
+                   "--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--enable-lora",
+                   "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1", *(args or [])]
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU host (vLLM's default is 4)
+        for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # our environment's paths would shadow the server's packages
+            env.pop(key, None)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "ab")
+        self.log.write(f"$ {' '.join(command)}\n".encode())
+        self.log.flush()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until /health answers; the server exiting first or `timeout` seconds passing end the run in one line."""
+        deadline = self.started + timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ToolkitError(f"rl.sampler: the vLLM server exited with code {code} while starting: "
+                                   f"{self.last_line()} (whole log: {self.log_path})")
+            if client.healthy(self.url, timeout=2.0):
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ToolkitError(f"rl.vllm_timeout: the vLLM server did not answer /health within {timeout:g} s "
+                                   f"of starting; its log: {self.log_path}")
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def last_line(self) -> str:
+        """The log's last line that says something (an error's own line, not a traceback's frame)."""
+        try:
+            lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "(no log)"
+        for line in reversed(lines):
+            if not line.startswith(("File ", "^", "~", "Traceback", "raise ", "return ")) and "Error" in line:
+                return line[-300:]
+        return lines[-1][-300:] if lines else "(empty log)"
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after GRACE_S; waits for the server itself."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+            except ProcessLookupError:
+                pass
+        try:  # the engine's processes, in the server's group, if any outlived it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if not self.log.closed:
+            self.log.close()
+

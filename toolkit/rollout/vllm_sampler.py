@@ -1,0 +1,126 @@
+"""Online RL's completions from a vLLM server (rl.sampler: vllm), as TRL's `use_vllm` in server mode.
+
+The main process starts the server (`server.py`) when the run is built, unless rl.vllm_url names one,
+and the other ranks learn its address from it. Before each generated batch the LoRA adapter as it
+stands is gathered (only the adapter's tensors: `Backend.trainable_weights`), written to
+`rollout-adapter/` in the run folder by the main process and loaded into the server in place
+(`/v1/load_lora_adapter`), every rank waiting for it; then each rank asks for its own prompts'
+completions, one request per completion with its own seed, and gets back the sampled tokens' ids and
+log-probabilities (the server runs with --logprobs-mode processed_logprobs: after temperature and the
+cuts, as TRL requires for its correction). The loss corrects for the server's probabilities
+differing from the trained model's (`policy_loss.sampler_correction`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import ToolkitError
+from . import client
+from .server import Server, default_python
+
+ADAPTER = "policy"  # the name the server knows the adapter by
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class VLLMSampler:
+    def __init__(self, cfg, *, model_path: str, tokenizer, backend, out: Path, seed: int, max_model_len: int,
+                 precision: str, lora_rank: int):
+        self.cfg, self.tokenizer, self.backend = cfg, tokenizer, backend
+        self.accelerator = backend.accelerator
+        self.out = out
+        self.server: Server | None = None
+        self.url = cfg.vllm_url
+        self.base = str(model_path)
+        self.ready = False
+        if self.url is None and self.accelerator.is_main_process:
+            python = Path(cfg.vllm_python).expanduser() if cfg.vllm_python else default_python()
+            self.server = Server(python, str(model_path), out / "vllm.log", max_model_len=max_model_len,
+                                 dtype=DTYPES[precision], seed=seed, lora_rank=lora_rank, args=list(cfg.vllm_args))
+
+    def describe(self) -> str:
+        where = f"at {self.url}" if self.cfg.vllm_url else "started by the run (log: vllm.log)"
+        correction = (f"the loss corrected for its log-probabilities ({self.cfg.vllm_importance_sampling_mode}, "
+                      f"bounds [{self.cfg.vllm_importance_sampling_clip_min}, "
+                      f"{self.cfg.vllm_importance_sampling_clip_max}])"
+                      if self.cfg.vllm_importance_sampling_correction else "no correction for its log-probabilities")
+        return f"a vLLM server {where}, the LoRA adapter loaded into it before each generated batch; {correction}"
+
+    def start(self) -> None:
+        """Wait for the server (the main process), check it serves our tokenizer, and tell every rank its URL."""
+        if self.ready:
+            return
+        problem = None
+        if self.accelerator.is_main_process:
+            try:
+                if self.server is not None:
+                    self.server.wait_ready(self.cfg.vllm_timeout)
+                    self.url = self.server.url
+                else:
+                    models = client.served_models(self.url, self.cfg.vllm_timeout)
+                    self.base = models[0] if models else self.base
+                client.check_tokenizer(self.url, self.base, self.tokenizer, self.cfg.vllm_timeout)
+            except ToolkitError as err:
+                problem = str(err)
+        self.url, problem = self.broadcast((self.url, problem))
+        if problem:
+            raise ToolkitError(problem)
+        self.ready = True
+
+    def broadcast(self, value):
+        if self.accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        box = [value]
+        broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def sync(self, model) -> None:
+        """The adapter as it stands, into the server (a collective: every rank calls it)."""
+        weights = self.backend.trainable_weights(model)
+        problem = None
+        if self.accelerator.is_main_process:
+            folder = self.out / "rollout-adapter"
+            try:
+                module = self.accelerator.unwrap_model(model)
+                module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
+                client.load_adapter(self.url, ADAPTER, str(folder.resolve()), self.cfg.vllm_timeout)
+            except ToolkitError as err:
+                problem = self.explained(str(err))
+            except OSError as err:
+                problem = f"rl.sampler: could not write the adapter for the vLLM server to {folder}: {err}"
+        problem = self.broadcast(problem)
+        if problem:
+            raise ToolkitError(problem)
+
+    def sample(self, prompts: list[list[int]], seeds: list[int], stops: list[int]) -> tuple[list, list]:
+        """Each prompt's completion and its tokens' log-probabilities under the server's sampling."""
+        c = self.cfg
+        params = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_p": c.top_p,
+                  "top_k": c.top_k if c.top_k > 0 else -1, "min_p": c.min_p or 0.0,
+                  "repetition_penalty": c.repetition_penalty}
+        try:
+            return client.complete_all(self.url, ADAPTER, prompts, seeds, params, stops, c.vllm_timeout)
+        except ToolkitError as err:
+            raise ToolkitError(self.explained(str(err))) from None
+
+    def explained(self, line: str) -> str:
+        """A request's failure, with the server's own exit where it died."""
+        if self.server is not None and not self.server.alive():
+            return (f"rl.sampler: the vLLM server the run started exited (code {self.server.process.returncode}): "
+                    f"{self.server.last_line()} (log: {self.server.log_path}); the last checkpoint is intact")
+        return line + "; the last checkpoint is intact"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def logps_tensor(logps: list[list[float]], width: int) -> torch.Tensor:
+    """(completions, width) float32, each completion's values from position 0, NaN after its end."""
+    out = torch.full((len(logps), width), float("nan"))
+    for i, row in enumerate(logps):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
