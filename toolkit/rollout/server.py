@@ -70,6 +70,8 @@ class Server:
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.started = time.monotonic()
+        self.log.write(f"# server pid {self.process.pid} (its own process group) at {self.url}\n".encode())
+        self.log.flush()
 
     def wait_ready(self, timeout: float) -> None:
         """Until /health answers; the server exiting first or `timeout` seconds passing end the run in one line."""

