@@ -157,7 +157,7 @@ def test_test_modules_take_helpers_from_helpers_not_conftest():
 # The parts from the ground up: a module imports only from its own part or the parts below it. The
 # ground is the vocabulary every part speaks (the recipe, the user's error, signals, fault seams);
 # the entry (the CLI) sits on top. docs/architecture.md draws the same order.
-LAYERS = ["ground", "storage", "observe", "model", "data", "backends", "training", "verbs", "entry"]
+LAYERS = ["ground", "storage", "observe", "model", "data", "backends", "rollout", "training", "verbs", "entry"]
 GROUND = {"errors", "faults", "stops", "config"}
 GROUND_PACKAGES = {"config"}  # ground that is a folder of modules (the recipe's schema, loading, validation)
 ENTRY = {"", "cli", "__main__"}

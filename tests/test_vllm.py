@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from helpers import (
     finish,
     layout_command,
     read_metrics,
+    run_toolkit,
     start,
     user_error_line,
     write_jsonl,
@@ -131,9 +133,7 @@ def test_faults_at_a_url_end_in_one_line(server, workdir, real_model_dir):
     from toolkit.rollout.server import free_port
 
     def refused(name, model=real_model_dir, **rl) -> str:
-        proc = start([sys.executable, "-m", "toolkit", "train", str(recipe(workdir, name, model, **rl))])
-        finish(proc, timeout=900)
-        return user_error_line(proc)
+        return user_error_line(run_toolkit("train", recipe(workdir, name, model, **rl)))
 
     port = free_port()
     line = refused("down", vllm_url=f"http://127.0.0.1:{port}")
@@ -204,8 +204,8 @@ def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vll
     pid = server_pid(run)
     wait_for_step(run, 1, proc)
     os.kill(pid, signal.SIGKILL)
-    finish(proc, timeout=600)
-    line = user_error_line(proc)
+    rc, out, err = finish(proc, timeout=600)
+    line = user_error_line(types.SimpleNamespace(returncode=rc, stderr=err))
     assert "rl.sampler: the vLLM server the run started exited (code -9)" in line \
         or "rl.sampler: no vLLM server answers at" in line, line
     assert "the last checkpoint is intact" in line

@@ -4,6 +4,7 @@ reward functions built in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 
@@ -79,6 +80,11 @@ class RewardConfig:
 
 
 BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
+
+
+def default_vllm_python() -> Path:
+    """The Python of `make vllm`'s environment (.venv-vllm beside this package's source)."""
+    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 @dataclass

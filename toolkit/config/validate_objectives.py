@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from .data import DataSource
-from .objectives import BUILT_IN_REWARDS, PreferenceConfig, RewardConfig, RLConfig
+from .objectives import BUILT_IN_REWARDS, PreferenceConfig, RewardConfig, RLConfig, default_vllm_python
 from .recipe import Recipe
 
 
@@ -264,9 +264,7 @@ def validate_sampler(r: Recipe, need) -> None:
         need(not rl.vllm_args and rl.vllm_python is None, "rl.vllm_args" if rl.vllm_args else "rl.vllm_python",
              "for the server the run starts; with rl.vllm_url the server is yours: remove it")
         return
-    from ..rollout.server import default_python
-
-    python = Path(rl.vllm_python).expanduser() if rl.vllm_python else default_python()
+    python = Path(rl.vllm_python).expanduser() if rl.vllm_python else default_vllm_python()
     need(python.is_file(), "rl.vllm_python", f"{python} not found: run `make vllm` (a virtual environment with "
          "vLLM), or give rl.vllm_url of a running server")
 

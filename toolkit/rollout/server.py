@@ -21,13 +21,7 @@ from pathlib import Path
 from ..errors import ToolkitError
 from . import client
 
-ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 20.0  # SIGTERM to SIGKILL when stopping
-
-
-def default_python() -> Path:
-    """The Python of `make vllm`'s environment."""
-    return ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def free_port() -> int:

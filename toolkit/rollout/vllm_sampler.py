@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ..config.objectives import default_vllm_python
 from ..errors import ToolkitError
 from . import client
-from .server import Server, default_python
+from .server import Server
 
 ADAPTER = "policy"  # the name the server knows the adapter by
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -35,7 +36,7 @@ class VLLMSampler:
         self.base = str(model_path)
         self.ready = False
         if self.url is None and self.accelerator.is_main_process:
-            python = Path(cfg.vllm_python).expanduser() if cfg.vllm_python else default_python()
+            python = Path(cfg.vllm_python).expanduser() if cfg.vllm_python else default_vllm_python()
             self.server = Server(python, str(model_path), out / "vllm.log", max_model_len=max_model_len,
                                  dtype=DTYPES[precision], seed=seed, lora_rank=lora_rank, args=list(cfg.vllm_args))
 
