@@ -186,6 +186,14 @@ RL = [
      "rl.num_completions_to_print: a number of completions (0: none; unset: all), got -1"),
     ("gathering as a word", ["rl.gather_for_sampling=sometimes"],
      "rl.gather_for_sampling: expected"),
+    ("a vLLM key without the vLLM sampler", ["rl.vllm_url=http://127.0.0.1:8000"],
+     "rl.vllm_url: a vLLM setting: set rl.sampler: vllm, or remove it"),
+    ("vLLM with full fine-tuning", ["rl.sampler=vllm", "lora.enabled=false"],
+     "rl.sampler: vllm: the server samples from the policy through its LoRA adapter"),
+    ("vLLM on a preset", ["rl.sampler=vllm", "lora.enabled=true"],
+     "rl.sampler: vllm: the server loads model.path; a preset has no folder"),
+    ("vLLM under rloo", ["rl.method=rloo", "rl.sampler=vllm"], "rl.sampler: vllm: grpo only for now"),
+    ("vLLM in capitals", ["rl.sampler=vLLM"], "rl.sampler: must be one of toolkit, vllm"),
 ]
 PREFERENCE = [
     ("beta 0", ["preference.beta=0"], "preference.beta: must be positive, got 0.0"),
@@ -298,6 +306,41 @@ def test_a_careless_recipe_is_refused_in_one_line(tmp_path, cli, monkeypatch, ba
     # a mistake at a key an override set is the command line's (issue 53), any other the recipe file's
     source = next((f"command line ({o})" for o in overrides if f" {o.partition('=')[0]}: " in line), str(path))
     assert line.startswith(f"error: {source}: ") and expected in line, line
+    assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+VLLM = [  # (id, overrides on a LoRA GRPO recipe of a model folder with rl.sampler vllm, what the line says)
+    ("a URL without its scheme", ["rl.vllm_url=127.0.0.1:8000"],
+     "rl.vllm_url: http://HOST:PORT of a running vLLM server, got '127.0.0.1:8000'"),
+    ("server arguments for a server at a URL", ["rl.vllm_url=http://127.0.0.1:8000", "rl.vllm_args=[--seed, '1']"],
+     "rl.vllm_args: for the server the run starts; with rl.vllm_url the server is yours"),
+    ("no vLLM environment", ["rl.vllm_python=/nowhere/bin/python"],
+     "rl.vllm_python: /nowhere/bin/python not found: run `make vllm`"),
+    ("bounds upside down", ["rl.vllm_url=http://127.0.0.1:8000", "rl.vllm_importance_sampling_clip_min=4"],
+     "rl.vllm_importance_sampling_clip_min: below rl.vllm_importance_sampling_clip_max (3.0), got 4.0"),
+    ("a mode with the correction off", ["rl.vllm_url=http://127.0.0.1:8000",
+                                        "rl.vllm_importance_sampling_correction=false",
+                                        "rl.vllm_importance_sampling_mode=token_mask"],
+     "rl.vllm_importance_sampling_mode: a setting of the correction, which rl.vllm_importance_sampling_correction"),
+    ("DoRA", ["rl.vllm_url=http://127.0.0.1:8000", "lora.use_dora=true"], "lora.use_dora: vLLM serves no DoRA"),
+    ("a rank vLLM cannot serve", ["rl.vllm_url=http://127.0.0.1:8000", "lora.r=1024"],
+     "lora.r: vLLM serves adapters of rank up to 512, got 1024"),
+    ("a timeout of 0", ["rl.vllm_url=http://127.0.0.1:8000", "rl.vllm_timeout=0"], "rl.vllm_timeout: seconds, above 0"),
+]
+
+
+@pytest.mark.parametrize("case, overrides, expected", VLLM, ids=[c[0] for c in VLLM])
+def test_a_careless_vllm_setting_is_refused_in_one_line(tmp_path, cli, case, overrides, expected):
+    """rl.sampler: vllm's keys, on a LoRA recipe of a model folder (the server loads it): one line each, before any
+    model loads, nothing written."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                ).save_pretrained(tmp_path / "model")
+    path = recipe(tmp_path, "rl", model={"path": str(tmp_path / "model")}, lora={"enabled": True})
+    before = snapshot(tmp_path)
+    line = one_line(*cli("train", path, "rl.sampler=vllm", *overrides)[::2])
+    assert expected in line, line
     assert snapshot(tmp_path) == before and not (tmp_path / "run").exists()
 
 

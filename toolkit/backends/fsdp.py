@@ -127,6 +127,9 @@ class FSDP(Backend):
         return any(isinstance(m, _fsdp_classes()) for m in module.modules())
 
     def trainable_weights(self, model) -> dict:
+        if self.plugin.fsdp_version != 2:  # FSDP1 keeps flat parameters under wrapped names
+            raise ToolkitError("rl.sampler: vllm needs FSDP2 (fsdp_version: 2) or DeepSpeed to gather the adapter; "
+                               "FSDP1 is not supported")
         module = self.accelerator.unwrap_model(model)
         out = {}
         for n, p in module.named_parameters():  # every rank gathers each shard, in the same order

@@ -248,6 +248,13 @@ def validate_sampler(r: Recipe, need) -> None:
     need(r.lora.enabled, "rl.sampler",
          "vllm: the server samples from the policy through its LoRA adapter, loaded into it each generated batch; "
          "full fine-tuning's weights are not synced to a server yet: set lora.enabled=true, or rl.sampler: toolkit")
+    need(not r.lora.use_dora, "lora.use_dora", "vLLM serves no DoRA adapter: with rl.sampler: vllm use plain LoRA")
+    need(r.lora.r <= 512, "lora.r", f"vLLM serves adapters of rank up to 512, got {r.lora.r}")
+    if not rl.vllm_importance_sampling_correction:
+        for name in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                     "vllm_importance_sampling_clip_max"):
+            need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
+                 "a setting of the correction, which rl.vllm_importance_sampling_correction: false turns off")
     need(r.model.preset is None, "rl.sampler", "vllm: the server loads model.path; a preset has no folder: save it "
          "as one first")
     need(not r.model.add_special_tokens, "model.add_special_tokens",
@@ -301,5 +308,6 @@ def validate_distill(r: Recipe, need) -> None:
         rl.num_generations = 1
     need(rl.num_generations >= 1, "rl.num_generations", f"at least 1, got {rl.num_generations}")
     need(rl.sampler == "toolkit", "rl.sampler", "distill samples with the student itself; vllm: grpo only")
+    validate_sampler(r, need)
     validate_sampling(r, need)
     validate_prompt_data(r, need)

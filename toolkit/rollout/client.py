@@ -10,6 +10,7 @@ prompt longer than the server's context) is one `ToolkitError` line naming the s
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import urllib.error
@@ -41,7 +42,7 @@ def call(url: str, path: str, body: dict | None = None, *, timeout: float) -> di
     except TimeoutError:
         raise ToolkitError(f"rl.vllm_timeout: the vLLM server at {url} did not answer {path} within {timeout:g} s")\
             from None
-    except (urllib.error.URLError, ConnectionError, OSError) as err:
+    except (urllib.error.URLError, ConnectionError, OSError, http.client.HTTPException) as err:
         reason = getattr(err, "reason", err)
         if isinstance(reason, TimeoutError):
             raise ToolkitError(f"rl.vllm_timeout: the vLLM server at {url} did not answer {path} within "
@@ -108,7 +109,10 @@ def complete(url: str, model: str, prompt: list[int], seed: int, params: dict, s
 def complete_all(url: str, model: str, prompts: list[list[int]], seeds: list[int], params: dict, stops: list[int],
                  timeout: float) -> tuple[list[list[int]], list[list[float]]]:
     """Every prompt's completion, the requests in flight together."""
-    with ThreadPoolExecutor(max_workers=max(1, min(PARALLEL, len(prompts)))) as pool:
-        done = list(pool.map(lambda ps: complete(url, model, ps[0], ps[1], params, stops, timeout),
-                             zip(prompts, seeds)))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(PARALLEL, len(prompts))))
+    futures = [pool.submit(complete, url, model, p, s, params, stops, timeout) for p, s in zip(prompts, seeds)]
+    try:
+        done = [f.result() for f in futures]
+    finally:  # a failure: the requests not yet sent are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
     return [d[0] for d in done], [d[1] for d in done]

@@ -22,6 +22,12 @@ from ..errors import ToolkitError
 from . import client
 
 GRACE_S = 20.0  # SIGTERM to SIGKILL when stopping
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32's --max-lora-rank takes
+
+
+def max_lora_rank(r: int) -> int:
+    """The smallest --max-lora-rank vLLM takes that holds an adapter of rank r."""
+    return next(k for k in LORA_RANKS if k >= r)
 
 
 def free_port() -> int:
@@ -52,7 +58,7 @@ class Server:
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                    "--port", str(self.port), "--max-model-len", str(max_model_len), "--dtype", dtype,
                    "--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--enable-lora",
-                   "--max-lora-rank", str(max(8, lora_rank)), "--max-loras", "1", *(args or [])]
+                   "--max-lora-rank", str(max_lora_rank(lora_rank)), "--max-loras", "1", *(args or [])]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU host (vLLM's default is 4)
         for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # our environment's paths would shadow the server's packages

@@ -1,17 +1,20 @@
 """Online RL's completions from a vLLM server (rl.sampler: vllm), as TRL's `use_vllm` in server mode.
 
-The main process starts the server (`server.py`) when the run is built, unless rl.vllm_url names one,
-and the other ranks learn its address from it. Before each generated batch the LoRA adapter as it
-stands is gathered (only the adapter's tensors: `Backend.trainable_weights`), written to
-`rollout-adapter/` in the run folder by the main process and loaded into the server in place
-(`/v1/load_lora_adapter`), every rank waiting for it; then each rank asks for its own prompts'
-completions, one request per completion with its own seed, and gets back the sampled tokens' ids and
-log-probabilities (the server runs with --logprobs-mode processed_logprobs: after temperature and the
-cuts, as TRL requires for its correction). The loss corrects for the server's probabilities
-differing from the trained model's (`policy_loss.sampler_correction`)."""
+The main process starts the server (`server.py`) at the first generated batch, once the run folder is
+open (its log goes there), unless rl.vllm_url names one, and the other ranks learn its address from it.
+Before each generated batch the LoRA adapter as it stands is gathered (only the adapter's tensors:
+`Backend.trainable_weights`), written to `rollout-adapter/step-N/` in the run folder by the main process
+and loaded into the server in place (`/v1/load_lora_adapter`; a new folder each time, as vLLM's prefix
+cache is keyed by the adapter's name and path, so no cached keys and values of an older adapter are
+reused), every rank waiting for it; then each rank asks for its own prompts' completions, one request
+per completion with its own seed, and gets back the sampled tokens' ids and log-probabilities (the
+server runs with --logprobs-mode processed_logprobs: after temperature and the cuts, as TRL requires
+for its correction). A failed request on any rank stops every rank in one line. The loss corrects for
+the server's probabilities differing from the trained model's (`policy_loss.sampler_correction`)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -35,10 +38,13 @@ class VLLMSampler:
         self.url = cfg.vllm_url
         self.base = str(model_path)
         self.ready = False
-        if self.url is None and self.accelerator.is_main_process:
-            python = Path(cfg.vllm_python).expanduser() if cfg.vllm_python else default_vllm_python()
-            self.server = Server(python, str(model_path), out / "vllm.log", max_model_len=max_model_len,
-                                 dtype=DTYPES[precision], seed=seed, lora_rank=lora_rank, args=list(cfg.vllm_args))
+        self.settings = {"max_model_len": max_model_len, "dtype": DTYPES[precision], "seed": seed,
+                         "lora_rank": lora_rank, "args": list(cfg.vllm_args)}
+        if self.url is None and torch.cuda.is_available() and not any(
+                a.startswith("--gpu-memory-utilization") for a in cfg.vllm_args):
+            raise ToolkitError("rl.vllm_args: the server the run starts shares the first GPU of this node with "
+                               "training (vLLM takes 90% of a GPU by default): give its share, e.g. "
+                               "[--gpu-memory-utilization, '0.3'], or run a server on other GPUs and give rl.vllm_url")
 
     def describe(self) -> str:
         where = f"at {self.url}" if self.cfg.vllm_url else "started by the run (log: vllm.log)"
@@ -55,7 +61,9 @@ class VLLMSampler:
         problem = None
         if self.accelerator.is_main_process:
             try:
-                if self.server is not None:
+                if self.url is None:
+                    python = Path(self.cfg.vllm_python).expanduser() if self.cfg.vllm_python else default_vllm_python()
+                    self.server = Server(python, self.base, self.out / "vllm.log", **self.settings)
                     self.server.wait_ready(self.cfg.vllm_timeout)
                     self.url = self.server.url
                 else:
@@ -78,16 +86,21 @@ class VLLMSampler:
         broadcast_object_list(box, from_process=0)
         return box[0]
 
-    def sync(self, model) -> None:
-        """The adapter as it stands, into the server (a collective: every rank calls it)."""
+    def sync(self, model, step: int) -> None:
+        """The adapter as it stands, into the server, started first if it is not yet (a collective: every rank
+        calls it)."""
+        self.start()
         weights = self.backend.trainable_weights(model)
         problem = None
         if self.accelerator.is_main_process:
-            folder = self.out / "rollout-adapter"
+            folder = self.out / "rollout-adapter" / f"step-{step:06d}"
             try:
                 module = self.accelerator.unwrap_model(model)
                 module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
                 client.load_adapter(self.url, ADAPTER, str(folder.resolve()), self.cfg.vllm_timeout)
+                for older in folder.parent.iterdir():  # the server holds the loaded one in memory
+                    if older != folder:
+                        shutil.rmtree(older, ignore_errors=True)
             except ToolkitError as err:
                 problem = self.explained(str(err))
             except OSError as err:
@@ -102,10 +115,18 @@ class VLLMSampler:
         params = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_p": c.top_p,
                   "top_k": c.top_k if c.top_k > 0 else -1, "min_p": c.min_p or 0.0,
                   "repetition_penalty": c.repetition_penalty}
+        made, problem = None, None
         try:
-            return client.complete_all(self.url, ADAPTER, prompts, seeds, params, stops, c.vllm_timeout)
+            made = client.complete_all(self.url, ADAPTER, prompts, seeds, params, stops, c.vllm_timeout)
         except ToolkitError as err:
-            raise ToolkitError(self.explained(str(err))) from None
+            problem = self.explained(str(err))
+        if self.accelerator.num_processes > 1:  # every rank stops on one rank's failure, none waits in a collective
+            from accelerate.utils import gather_object
+
+            problem = next((p for p in gather_object([problem]) if p), None)
+        if problem:
+            raise ToolkitError(problem)
+        return made
 
     def explained(self, line: str) -> str:
         """A request's failure, with the server's own exit where it died."""
@@ -118,10 +139,3 @@ class VLLMSampler:
         if self.server is not None:
             self.server.stop()
 
-
-def logps_tensor(logps: list[list[float]], width: int) -> torch.Tensor:
-    """(completions, width) float32, each completion's values from position 0, NaN after its end."""
-    out = torch.full((len(logps), width), float("nan"))
-    for i, row in enumerate(logps):
-        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out

@@ -41,7 +41,8 @@ RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "resume_
                      "train.report_to", "train.peak_tflops", "train.profile_steps", "train.watchdog",
                      "train.watchdog_seconds", "data.padding_free", "model.attn_implementation", "train.compile",
                      "data.num_proc", "data.eval_files", "train.eval_every_steps", "train.max_nonfinite_steps",
-                     "rl.log_completions", "rl.num_generations_eval"}
+                     "rl.log_completions", "rl.num_generations_eval", "rl.num_completions_to_print",
+                     "rl.gather_for_sampling", "rl.vllm_url", "rl.vllm_python", "rl.vllm_args", "rl.vllm_timeout"}
 
 
 def open_run(accelerator, recipe: Recipe, lock: "RunLock") -> Path | None:

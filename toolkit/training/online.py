@@ -147,8 +147,6 @@ class GroupRL(Objective):
     def after_prepare(self) -> None:
         if self.reference is not None:  # held as the backend holds a frozen model, as TRL's ref_model
             self.reference = self.backend.prepare_frozen(self.reference)
-        if self.sampler is not None:  # the server up and serving our tokenizer before the first step
-            self.sampler.start()
 
     def close(self) -> None:
         if self.sampler is not None:
@@ -187,7 +185,7 @@ class GroupRL(Objective):
         if self.sampler is not None:  # the adapter as it stands into the server, then every rank asks for its own
             if self.stops is None:
                 self.stops = stop_token_ids(self.accelerator.unwrap_model(model), self.tokenizer)
-            self.sampler.sync(model)
+            self.sampler.sync(model, step)
             completions, sampled_logps = self.sampler.sample([p for p in prompts for _ in range(g)], seeds, self.stops)
         else:
             completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
@@ -417,12 +415,15 @@ class GroupRL(Objective):
             return {}
         device = self.accelerator.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)
+        per_token = self.cfg.vllm_importance_sampling_mode.startswith("token")
         for b in made:
             mask = b["completion_mask"].to(device)
-            diff = (b["old_logps"] - b["sampler_logps"].to(device)).abs().nan_to_num(0.0) * mask
+            sampled = b["sampler_logps"].to(device)
+            known = mask * ~sampled.isnan()  # tokens the server gave a log-probability for, as TRL's
+            diff = (b["old_logps"] - sampled).abs().nan_to_num(0.0) * known
             weights = b["sampler_weights"]
-            where = mask if weights.shape[1] > 1 else torch.ones_like(weights)
-            sums += torch.stack([diff.sum(), mask.sum(), (weights * where).sum(), where.sum()]).double()
+            where = mask if per_token else torch.ones_like(weights)
+            sums += torch.stack([diff.sum(), known.sum(), (weights * where).sum(), where.sum()]).double()
         s = self.accelerator.reduce(sums, "sum").tolist() if self.accelerator.num_processes > 1 else sums.tolist()
         return {"sampler_logp_difference": s[0] / max(s[1], 1.0), "sampler_weight": s[2] / max(s[3], 1.0)}
 
