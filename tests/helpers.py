@@ -166,17 +166,24 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def kill_after_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> None:
-    """SIGKILL a run started with `start` (it and every process it started) once its metrics.jsonl has
-    logged `step`, or once it ended or `timeout` passed; reaped."""
+def reached_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> bool:
+    """Wait until a run started with `start` has logged `step` in its metrics.jsonl (True), or ended or
+    `timeout` passed (False)."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         try:
             if max(r["step"] for r in read_metrics(run_dir)) >= step:
-                break
+                return True
         except (FileNotFoundError, ValueError, json.JSONDecodeError):
             pass
         time.sleep(0.05)
+    return False
+
+
+def kill_after_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> None:
+    """SIGKILL a run started with `start` (it and every process it started) once its metrics.jsonl has
+    logged `step`, or once it ended or `timeout` passed; reaped."""
+    reached_step(proc, run_dir, step, timeout)
     for pid in [proc.pid, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)

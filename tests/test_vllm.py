@@ -25,6 +25,7 @@ from helpers import (
     ROOT,
     finish,
     layout_command,
+    reached_step,
     read_metrics,
     run_toolkit,
     start,
@@ -165,18 +166,6 @@ def server_pid(run: Path, timeout: float = 300) -> int:
     raise AssertionError("the run started no server")
 
 
-def wait_for_step(run: Path, step: int, proc, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if max(r["step"] for r in read_metrics(run)) >= step:
-                return
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"no step {step}: {proc.poll()}")
-
-
 def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vllm_python, workdir, real_model_dir):
     """The run starts its own server (.venv-vllm, vllm.log in the run folder). SIGTERM after step 1 finishes the
     step, saves and exits 75 with the server stopped (no process of its group left); resume=auto starts a new
@@ -187,7 +176,7 @@ def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vll
     proc = start([sys.executable, "-m", "toolkit", "train", str(path)])
     run = workdir / name
     pid = server_pid(run)
-    wait_for_step(run, 1, proc)
+    assert reached_step(proc, run, 1, timeout=900), proc.poll()
     os.killpg(proc.pid, signal.SIGTERM)  # the run's own group; the server is in a session of its own
     rc, out, err = finish(proc, timeout=600)
     assert rc == 75, err[-3000:]
@@ -203,7 +192,7 @@ def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vll
                                                                         vllm_python=str(vllm_python)))])
     run = workdir / name
     pid = server_pid(run)
-    wait_for_step(run, 1, proc)
+    assert reached_step(proc, run, 1, timeout=900), proc.poll()
     os.kill(pid, signal.SIGKILL)
     rc, out, err = finish(proc, timeout=600)
     line = user_error_line(types.SimpleNamespace(returncode=rc, stderr=err))
