@@ -188,8 +188,6 @@ RL = [
      "rl.gather_for_sampling: expected"),
     ("a vLLM key without the vLLM sampler", ["rl.vllm_url=http://127.0.0.1:8000"],
      "rl.vllm_url: a vLLM setting: set rl.sampler: vllm, or remove it"),
-    ("vLLM with full fine-tuning", ["rl.sampler=vllm", "lora.enabled=false"],
-     "rl.sampler: vllm: the server samples from the policy through its LoRA adapter"),
     ("vLLM on a preset", ["rl.sampler=vllm", "lora.enabled=true"],
      "rl.sampler: vllm: the server loads model.path; a preset has no folder"),
     ("vLLM under rloo", ["rl.method=rloo", "rl.sampler=vllm"], "rl.sampler: vllm: grpo only for now"),

@@ -733,7 +733,7 @@ def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
 
     report = estimate_json(capsys, "--recipe", rl_recipe(tmp_path), "--gpus", "2")
     assert report["rl"] == {"completions_sampled_per_gpu": 64, "forwards_without_gradient_per_step": 1.0,
-                            "gather_for_sampling": True}
+                            "gather_for_sampling": True, "server_sampling": False}
     assert report["setup"]["micro_batch"] == 16 and report["setup"]["seq_len"] == 384
     assert all(r["gpu_bytes"]["kv_cache"] == kv for r in report["strategies"])
     supervised_report = estimate_json(capsys, "--model", "tiny-llama")
@@ -775,6 +775,32 @@ def test_sampling_from_sharded_weights_is_counted_and_recommended_when_gathering
     text = run_estimate_text(capsys, "--recipe", str(rl_recipe(tmp_path, gather_for_sampling=False)), "--gpus", "2")
     assert "gathered" not in text.split("\n\n")[1].splitlines()[0]  # the table's head
     assert "rl.gather_for_sampling false: ZeRO-3 and FSDP full-shard sample gathering a layer at a time" in text
+
+
+def test_sampling_on_a_vllm_server_counts_neither_its_cache_nor_a_gathered_copy(llama_7b_config):
+    """rl.sampler: vllm: the server samples in its own memory: no KV cache and no gathered copy on the training
+    GPUs, no rl.gather_for_sampling recommended, no sampling forward but the correction's old log-probabilities;
+    the lines below the table say where the sampling is."""
+    from dataclasses import replace
+
+    from toolkit.backends.model_counts import count_model, read_config
+    from toolkit.backends.sizing import BY_NAME, Setup, estimate, recommend, rl_forwards
+    from toolkit.verbs.estimate import rl_lines
+
+    setup = Setup(model=count_model(read_config(str(llama_7b_config)), "llama-7b"), gpus_per_node=8, precision="bf16",
+                  gradient_checkpointing=True, micro_batch=8, seq_len=1024, generations=8, new_tokens=512,
+                  gpu_memory_gib=80)
+    served = replace(setup, server_sampling=True)
+    for name in ("ZeRO-3", "FSDP full-shard", "DDP"):
+        own, theirs = estimate(BY_NAME[name], setup).gpu, estimate(BY_NAME[name], served).gpu
+        assert own["kv_cache"] > 0 and theirs["kv_cache"] == 0 and theirs["sampling"] == 0, name
+        assert theirs["total"] <= own["total"], name
+    assert rl_forwards(setup) == 1 and rl_forwards(served) == 1  # sampling here, or the correction's forward
+    assert "gather_for_sampling" not in recommend(served)
+    text = "\n".join(rl_lines(served))
+    assert "a vLLM server (rl.sampler) samples the 8 completions" in text and "kv cache:" not in text, text
+    assert "sampling 0 (on the vLLM server)" in text and "old log-probabilities 1 (the vLLM sampler's correction)" \
+        in text
 
 
 def test_a_reward_model_counts_whole_on_every_gpu(tmp_path, capsys):

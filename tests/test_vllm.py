@@ -72,34 +72,27 @@ def server(vllm_python, real_model_dir, workdir):
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live processes of a process group (a server and the engine it started), from /proc."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
-            found.append(int(entry.name))
-    return found
+    """Live processes of a process group (a server and the engine it started), as `ps` lists them (zombies
+    left out)."""
+    listed = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True, check=True)
+    return [int(pid) for pid, group, stat in (line.split()[:3] for line in listed.stdout.splitlines())
+            if int(group) == pgid and not stat.startswith(("Z", "X"))]
 
 
-def recipe(workdir, name, model, layout="single", **rl):
+def recipe(workdir, name, model, layout="single", lora=True, **rl):
     return write_recipe(
         workdir / f"{name}.yaml", output_dir=str(workdir / name), seed=5, model={"path": str(model)},
-        lora={"enabled": True, "r": 4, "alpha": 8},
+        lora={"enabled": True, "r": 4, "alpha": 8} if lora else {"enabled": False},
         data={"train_files": [str(workdir / "train.jsonl")], "format": "prompt", "max_seq_len": 128},
         rl={"method": "grpo", "num_generations": 4, "max_new_tokens": 16, "temperature": 0.7,
             "rewards": [f"{workdir / 'grader.py'}:shorter"], "log_completions": True, "sampler": "vllm", **rl},
         train={"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 1,
-               "max_steps": STEPS, "learning_rate": 1e-3, "log_every_steps": 1},
+               "max_steps": STEPS, "learning_rate": 1e-3 if lora else 1e-4, "log_every_steps": 1},
         checkpoint={"every_steps": 1, "keep_last": 10})
 
 
-def train(workdir, name, model, layout="single", timeout=1200, **rl):
-    proc = start(layout_command(workdir, layout, recipe(workdir, name, model, layout, **rl)))
+def train(workdir, name, model, layout="single", timeout=1200, lora=True, **rl):
+    proc = start(layout_command(workdir, layout, recipe(workdir, name, model, layout, lora, **rl)))
     rc, out, err = finish(proc, timeout=timeout)
     assert rc == 0, err[-4000:]
     return workdir / name, out + err
@@ -127,6 +120,59 @@ def test_a_server_at_a_url_samples_for_one_process_and_zero3_alike(server, workd
     assert table(zero3) == table(single)
     for a, b in zip(rows, [r for r in read_metrics(zero3) if "loss" in r]):
         assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def full_server(vllm_python, real_model_dir, workdir):
+    """A server for full fine-tuning (no LoRA; VLLM_SERVER_DEV_MODE=1 for /collective_rpc), as a run starts it."""
+    from toolkit.rollout.server import Server
+
+    s = Server(vllm_python, str(real_model_dir), workdir / "full-server.log", max_model_len=256, dtype="float32",
+               seed=0, lora_rank=None)
+    try:
+        s.wait_ready(600)
+        yield s
+    finally:
+        s.stop()
+    assert group_members(s.process.pid) == []
+
+
+def synced(run: Path) -> list[dict]:
+    """The trained steps' metrics, each with the server's log-probabilities of its sampled tokens those of the
+    policy as it stood (mean difference under 1e-3)."""
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert 0 <= r["sampler_logp_difference"] < 1e-3 and r["sampler_weight"] == pytest.approx(1, abs=1e-2), r
+    return rows
+
+
+def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(full_server, server, workdir,
+                                                                                real_model_dir):
+    """Full fine-tuning: before each generated batch the trained weights are written (rollout-weights/step-N)
+    and reloaded by the server's workers (/collective_rpc reload_weights), so its log-probabilities of the tokens
+    it sampled are the policy's at every step (lr 1e-4 moves them well past 1e-3 in a step). One process, ZeRO-3
+    and FSDP2 on 2 processes (each gathering one tensor at a time) get the same completions and rewards. LoRA
+    under DDP samples as one process did. A server without /collective_rpc is refused in one line."""
+    single, log = train(workdir, "full_single", real_model_dir, lora=False, vllm_url=full_server.url)
+    assert "the policy's weights reloaded into it" in log and "rl: the policy's weights (" in log, log[-3000:]
+    rows = synced(single)
+    assert [f.parent.name for f in (single / "rollout-weights").glob("*/model.safetensors")] == [f"step-{STEPS:06d}"]
+    for layout in ("zero3", "fsdp"):
+        other, _ = train(workdir, f"full_{layout}", real_model_dir, layout, lora=False, vllm_url=full_server.url)
+        assert table(other) == table(single), layout
+        for a, b in zip(rows, synced(other)):
+            assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-4), layout
+    ddp, _ = train(workdir, "url_ddp", real_model_dir, "ddp", vllm_url=server.url)
+    synced(ddp)
+    lora_single = workdir / "url_single"  # the first test's, or trained here when this one runs alone
+    if not (lora_single / "completions.jsonl").is_file():
+        train(workdir, "url_single", real_model_dir, vllm_url=server.url)
+    assert table(ddp) == table(lora_single)
+    line = user_error_line(run_toolkit("train", recipe(workdir, "no_rpc", real_model_dir, lora=False,
+                                                       vllm_url=server.url)))
+    assert line.startswith(f"error: rl.vllm_url: the vLLM server at {server.url} has no /collective_rpc"), line
+    assert "VLLM_SERVER_DEV_MODE=1" in line
 
 
 def test_faults_at_a_url_end_in_one_line(server, workdir, real_model_dir):

@@ -288,8 +288,9 @@ class Backend:
     # -- saving ------------------------------------------------------------------------------------
 
     def trainable_weights(self, model) -> dict:
-        """The trainable parameters (a LoRA adapter's) by name, whole, on the host, complete on the main process
-        (a collective: every rank calls it); nothing else is gathered."""
+        """The trainable parameters (a LoRA adapter's, or every trained weight) by name, whole, on the host,
+        complete on the main process (a collective: every rank calls it); nothing else is gathered, and a sharded
+        backend gathers one tensor at a time."""
         module = self.accelerator.unwrap_model(model)
         return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 

@@ -331,9 +331,13 @@ class DeepSpeed(Backend):
         import deepspeed
 
         module = self.accelerator.unwrap_model(model)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):  # these only, on every rank
-            return {n: p.detach().cpu().clone() for n, p in named} if self.accelerator.is_main_process else {}
+        out = {}
+        for n, p in module.named_parameters():  # one tensor whole at a time, on every rank, in the same order
+            if p.requires_grad:
+                with deepspeed.zero.GatheredParameters([p]):
+                    if self.accelerator.is_main_process:
+                        out[n] = p.detach().cpu().clone()
+        return out
 
     def full_state_dict(self, model) -> dict:
         """The module's state (ZeRO-3: gathered; None off the main rank), with the fp32 masters in

@@ -77,7 +77,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
                      "reference_forward": rl.beta > 0 and not distill, "iterations": rl.num_iterations,
                      "reward_model_bytes": rewards, "reward_models_uncounted": uncounted, "teacher": teacher,
-                     "gathered_sampling": rl.gather_for_sampling}
+                     "gathered_sampling": rl.gather_for_sampling, "server_sampling": rl.sampler == "vllm"}
                     if rl else {}), **kwargs)
 
 
@@ -160,7 +160,8 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
             f"activations {size_text(g['activations'] + g['logits'])} ({setup.batch_text()})"
             + (f", KV cache {size_text(g['kv_cache'])} ({setup.sampled} completions sampled at once"
                + (f", beside the whole weights gathered for it, {size_text(g['sampling'])}" if g["sampling"] else "")
-               + "; freed before training: the larger counts)" if setup.generations else "")
+               + "; freed before training: the larger counts)" if setup.generations and not setup.server_sampling
+               else ", sampling on the vLLM server (its memory not counted)" if setup.generations else "")
             + (f", reward models {size_text(g['reward_models'])} (whole on every process)"
                if g["reward_models"] else "") + f" = {size_text(g['total'])}")
     if row.host_per_node:

@@ -199,6 +199,7 @@ class Setup:
     reward_models_uncounted: tuple = ()  # rl.rewards models not in a local folder: their size is not known here
     teacher: ModelCounts | None = None  # rl.teacher (rl.method=distill): a frozen model beside this one
     gathered_sampling: bool = True  # rl.gather_for_sampling: ZeRO-3 / FSDP full-shard sample from whole weights
+    server_sampling: bool = False  # rl.sampler vllm: a server samples, its cache and weights in its own memory
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
@@ -347,7 +348,10 @@ def logits_bytes(m: ModelCounts, setup: Setup, grad_bytes: int) -> float:
 
 def kv_cache_bytes(m: ModelCounts, setup: Setup) -> float:
     """Online RL's generation: keys and values of every layer for each completion a rank samples at
-    once (`Setup.sampled`), over its prompt and new tokens, in the compute dtype; 0 without online RL."""
+    once (`Setup.sampled`), over its prompt and new tokens, in the compute dtype; 0 without online RL, or with a
+    vLLM server sampling (rl.sampler vllm: its cache is in its own memory)."""
+    if setup.server_sampling:
+        return 0.0
     return 2 * m.layers * m.kv * setup.sampled * setup.seq_len * BYTES[setup.precision]
 
 
@@ -356,7 +360,8 @@ def gathered_sampling_bytes(strategy: Strategy, setup: Setup, whole: float) -> f
     rl.gather_for_sampling: the whole weights (`whole`, in the compute dtype, 4-bit ones packed) gathered on
     every GPU for the sampling, beside the KV cache; 0 otherwise (rl.gather_for_sampling false gathers a layer
     at a time, as training's forward: the buffers count it)."""
-    if not setup.generations or not setup.gathered_sampling or strategy.shards != "parameters":
+    if not setup.generations or not setup.gathered_sampling or setup.server_sampling or \
+            strategy.shards != "parameters":
         return 0.0
     return whole
 
@@ -365,10 +370,13 @@ def rl_forwards(setup: Setup) -> float:
     """Online RL's forwards without gradient per trained token and optimizer step, besides training's
     own: sampling (about one forward over each prompt and completion token, run token by token), the
     reference's log-probabilities (rl.beta > 0) and the old policy's (rl.num_iterations > 1), all
-    once per generated batch of rl.num_iterations steps; 0 without online RL."""
+    once per generated batch of rl.num_iterations steps; 0 without online RL. With a vLLM server sampling
+    there is no sampling forward here, and the old log-probabilities are taken for its correction (on by
+    default) whatever rl.num_iterations."""
     if not setup.generations:
         return 0.0
-    return (1 + setup.reference_forward + (setup.iterations > 1)) / setup.iterations
+    sampling, old = (0, True) if setup.server_sampling else (1, setup.iterations > 1)
+    return (sampling + setup.reference_forward + old) / setup.iterations
 
 
 def estimate(strategy: Strategy, setup: Setup) -> Row:
@@ -513,7 +521,7 @@ def recommend(setup: Setup) -> str:
     changed = replace(setup, precision="bf16" if setup.precision == "fp32" else setup.precision,
                       gradient_checkpointing=True)
     tries = [(setup, "")] + ([(changed, f", with {' and '.join(changes)}")] if changes else [])
-    if setup.generations and setup.gathered_sampling:  # sampling a layer at a time, before offloading
+    if setup.generations and setup.gathered_sampling and not setup.server_sampling:  # a layer at a time, first
         tries += [(replace(s, gathered_sampling=False), (text or ", with") + (" and " if text else " ")
                    + "rl.gather_for_sampling=false") for s, text in tries]
     rows = [({r.strategy.name: r for r in estimate_all(s)}, text) for s, text in tries]

@@ -207,8 +207,8 @@ class RLConfig:
     """Who samples the completions. `toolkit`: the trained model itself, seeded per completion, the same
     completions on every backend (docs/rl.md). `vllm`: a vLLM server (TRL's use_vllm with vllm_mode server)
     that the run starts from `make vllm`'s environment (rl.vllm_python) and stops at its end, or the one at
-    rl.vllm_url; the LoRA adapter is loaded into it before each generated batch, and the loss is corrected
-    for its log-probabilities (rl.vllm_importance_sampling_*). LoRA only for now."""
+    rl.vllm_url; the LoRA adapter (or, in full fine-tuning, the weights) is loaded into it before each generated
+    batch, and the loss is corrected for its log-probabilities (rl.vllm_importance_sampling_*). grpo only."""
     vllm_url: Optional[str] = None
     """A running vLLM server (http://HOST:PORT, TRL's vllm_server_base_url) serving this run's model.path with
     --enable-lora, --logprobs-mode processed_logprobs and runtime LoRA updating on; None: the run starts its

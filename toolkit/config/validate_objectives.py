@@ -235,7 +235,7 @@ VLLM_KEYS = ("vllm_url", "vllm_python", "vllm_args", "vllm_timeout", "vllm_impor
 
 
 def validate_sampler(r: Recipe, need) -> None:
-    """rl.sampler and its vLLM keys: the server's settings only with it; LoRA (the weights synced are the adapter's);
+    """rl.sampler and its vLLM keys: the server's settings only with it; an adapter vLLM serves;
     a model folder the server can load; the environment to start it from, or a URL."""
     rl, default = r.rl, RLConfig()
     if rl.sampler == "toolkit":
@@ -245,11 +245,9 @@ def validate_sampler(r: Recipe, need) -> None:
         return
     need(rl.method == "grpo", "rl.sampler", f"vllm: grpo only for now (rl.method is {rl.method}); use the "
          "toolkit's sampler")
-    need(r.lora.enabled, "rl.sampler",
-         "vllm: the server samples from the policy through its LoRA adapter, loaded into it each generated batch; "
-         "full fine-tuning's weights are not synced to a server yet: set lora.enabled=true, or rl.sampler: toolkit")
-    need(not r.lora.use_dora, "lora.use_dora", "vLLM serves no DoRA adapter: with rl.sampler: vllm use plain LoRA")
-    need(r.lora.r <= 512, "lora.r", f"vLLM serves adapters of rank up to 512, got {r.lora.r}")
+    if r.lora.enabled:
+        need(not r.lora.use_dora, "lora.use_dora", "vLLM serves no DoRA adapter: with rl.sampler: vllm use plain LoRA")
+        need(r.lora.r <= 512, "lora.r", f"vLLM serves adapters of rank up to 512, got {r.lora.r}")
     if not rl.vllm_importance_sampling_correction:
         for name in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
                      "vllm_importance_sampling_clip_max"):

@@ -106,6 +106,28 @@ def complete(url: str, model: str, prompt: list[int], seed: int, params: dict, s
     return tokens, logps
 
 
+SERVE_FULL = ("start it with VLLM_SERVER_DEV_MODE=1, PYTHONPATH=toolkit/rollout/worker and --worker-extension-cls "
+              "toolkit_vllm_worker.WeightReload (docs/rl.md), or use LoRA")
+
+
+def reload_weights(url: str, path: str, timeout: float) -> None:
+    """Full fine-tuning's weights into the server in place: vLLM's own `reload_weights` from the folder's
+    safetensors, by our worker extension (worker/toolkit_vllm_worker.py) through /collective_rpc (offered under
+    VLLM_SERVER_DEV_MODE=1), then the prefix cache emptied (its keys and values were computed with the old
+    weights)."""
+    try:
+        call(url, "/collective_rpc", {"method": "toolkit_reload_weights", "args": [path]}, timeout=timeout)
+    except ToolkitError as err:
+        if " with 404" in str(err):
+            raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} has no /collective_rpc, through which full "
+                               f"fine-tuning's weights are reloaded: {SERVE_FULL}") from None
+        if "toolkit_reload_weights" in str(err) or " with 500" in str(err):
+            raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} could not reload the weights ({err}); "
+                               f"{SERVE_FULL}") from None
+        raise
+    call(url, "/reset_prefix_cache", {}, timeout=timeout)
+
+
 def complete_all(url: str, model: str, prompts: list[list[int]], seeds: list[int], params: dict, stops: list[int],
                  timeout: float) -> tuple[list[list[int]], list[list[float]]]:
     """Every prompt's completion, the requests in flight together."""

@@ -22,6 +22,8 @@ from ..errors import ToolkitError
 from . import client
 
 GRACE_S = 20.0  # SIGTERM to SIGKILL when stopping
+WORKER_PATH = Path(__file__).resolve().parent / "worker"  # full fine-tuning's extension of vLLM's workers
+WORKER_EXTENSION = "toolkit_vllm_worker.WeightReload"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32's --max-lora-rank takes
 
 
@@ -34,6 +36,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group, from /proc."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+                found.append(int(entry.name))
+    return found
 
 
 def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the run's process ends
@@ -49,7 +65,7 @@ class Server:
     """A vLLM OpenAI-compatible server this process started."""
 
     def __init__(self, python: Path, model: str, log_path: Path, *, max_model_len: int, dtype: str, seed: int,
-                 lora_rank: int, args: list[str] | None = None):
+                 lora_rank: int | None, args: list[str] | None = None):
         if not Path(python).is_file():
             raise ToolkitError(f"rl.vllm_python: {python} not found: run `make vllm`, or give rl.vllm_url")
         self.port = free_port()
@@ -57,12 +73,18 @@ class Server:
         self.log_path = log_path
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                    "--port", str(self.port), "--max-model-len", str(max_model_len), "--dtype", dtype,
-                   "--seed", str(seed), "--logprobs-mode", "processed_logprobs", "--enable-lora",
-                   "--max-lora-rank", str(max_lora_rank(lora_rank)), "--max-loras", "1", *(args or [])]
+                   "--seed", str(seed), "--logprobs-mode", "processed_logprobs"]
+        if lora_rank is not None:  # the adapter is loaded at runtime
+            command += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank)), "--max-loras", "1"]
+        else:  # full fine-tuning: the weights are reloaded through our worker extension (worker/)
+            command += ["--worker-extension-cls", WORKER_EXTENSION]
+        command += list(args or [])
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU host (vLLM's default is 4)
         for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # our environment's paths would shadow the server's packages
             env.pop(key, None)
+        if lora_rank is None:  # /collective_rpc, and the extension's folder (nothing else of ours)
+            env.update(VLLM_SERVER_DEV_MODE="1", PYTHONPATH=str(WORKER_PATH))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "ab")
         self.log.write(f"$ {' '.join(command)}\n".encode())
@@ -114,10 +136,13 @@ class Server:
                 self.process.wait(10)
             except ProcessLookupError:
                 pass
-        try:  # the engine's processes, in the server's group, if any outlived it
+        try:  # the engine's processes, in the server's group, if any outlived it (vLLM's resource tracker does)
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + 10
+        while group_members(self.process.pid) and time.monotonic() < deadline:  # until they are gone
+            time.sleep(0.05)
         if not self.log.closed:
             self.log.close()
 

@@ -2,22 +2,30 @@
 
 The main process starts the server (`server.py`) at the first generated batch, once the run folder is
 open (its log goes there), unless rl.vllm_url names one, and the other ranks learn its address from it.
-Before each generated batch the LoRA adapter as it stands is gathered (only the adapter's tensors:
-`Backend.trainable_weights`), written to `rollout-adapter/step-N/` in the run folder by the main process
-and loaded into the server in place (`/v1/load_lora_adapter`; a new folder each time, as vLLM's prefix
-cache is keyed by the adapter's name and path, so no cached keys and values of an older adapter are
-reused), every rank waiting for it; then each rank asks for its own prompts' completions, one request
-per completion with its own seed, and gets back the sampled tokens' ids and log-probabilities (the
-server runs with --logprobs-mode processed_logprobs: after temperature and the cuts, as TRL requires
-for its correction). A failed request on any rank stops every rank in one line. The loss corrects for
-the server's probabilities differing from the trained model's (`policy_loss.sampler_correction`)."""
+Before each generated batch the policy's weights as they stand go to the server, every rank waiting:
+- LoRA: the adapter's tensors only (`Backend.trainable_weights`), written to `rollout-adapter/step-N/` in the
+  run folder by the main process and loaded in place (`/v1/load_lora_adapter`; a new folder each time, as
+  vLLM's prefix cache is keyed by the adapter's name and path, so no cached keys and values of an older
+  adapter are reused);
+- full fine-tuning: the trained weights, gathered one tensor at a time, written to
+  `rollout-weights/step-N/model.safetensors` and reloaded in place by vLLM's workers (`reload_weights` through
+  `/collective_rpc`, offered under VLLM_SERVER_DEV_MODE=1), the prefix cache then emptied. This works on a
+  CPU host (vLLM's NCCL and CUDA-IPC weight transfers need GPUs); it costs a write and a read of the weights
+  per generated batch, which the run reports after the first one.
+Then each rank asks for its own prompts' completions, one request per completion with its own seed, and gets
+back the sampled tokens' ids and log-probabilities (the server runs with --logprobs-mode processed_logprobs:
+after temperature and the cuts, as TRL requires for its correction). A failed request on any rank stops every
+rank in one line. The loss corrects for the server's probabilities differing from the trained model's
+(`policy_loss.sampler_correction`)."""
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config.objectives import default_vllm_python
 from ..errors import ToolkitError
@@ -38,6 +46,8 @@ class VLLMSampler:
         self.url = cfg.vllm_url
         self.base = str(model_path)
         self.ready = False
+        self.lora = lora_rank is not None
+        self.reported = False
         self.settings = {"max_model_len": max_model_len, "dtype": DTYPES[precision], "seed": seed,
                          "lora_rank": lora_rank, "args": list(cfg.vllm_args)}
         if self.url is None and torch.cuda.is_available() and not any(
@@ -52,7 +62,9 @@ class VLLMSampler:
                       f"bounds [{self.cfg.vllm_importance_sampling_clip_min}, "
                       f"{self.cfg.vllm_importance_sampling_clip_max}])"
                       if self.cfg.vllm_importance_sampling_correction else "no correction for its log-probabilities")
-        return f"a vLLM server {where}, the LoRA adapter loaded into it before each generated batch; {correction}"
+        synced = ("the LoRA adapter loaded into it" if self.lora else
+                  "the policy's weights reloaded into it (rollout-weights/)")
+        return f"a vLLM server {where}, {synced} before each generated batch; {correction}"
 
     def start(self) -> None:
         """Wait for the server (the main process), check it serves our tokenizer, and tell every rank its URL."""
@@ -87,24 +99,37 @@ class VLLMSampler:
         return box[0]
 
     def sync(self, model, step: int) -> None:
-        """The adapter as it stands, into the server, started first if it is not yet (a collective: every rank
-        calls it)."""
+        """The policy's weights as they stand (the adapter, or the trained weights) into the server, started first
+        if it is not yet (a collective: every rank calls it)."""
         self.start()
+        started = time.perf_counter()
         weights = self.backend.trainable_weights(model)
-        problem = None
+        problem, folder = None, self.out / ("rollout-adapter" if self.lora else "rollout-weights") / f"step-{step:06d}"
         if self.accelerator.is_main_process:
-            folder = self.out / "rollout-adapter" / f"step-{step:06d}"
             try:
-                module = self.accelerator.unwrap_model(model)
-                module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
-                client.load_adapter(self.url, ADAPTER, str(folder.resolve()), self.cfg.vllm_timeout)
+                if self.lora:
+                    module = self.accelerator.unwrap_model(model)
+                    module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
+                    client.load_adapter(self.url, ADAPTER, str(folder.resolve()), self.cfg.vllm_timeout)
+                else:
+                    from safetensors.torch import save_file
+
+                    folder.mkdir(parents=True, exist_ok=True)
+                    save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
+                    client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
                 for older in folder.parent.iterdir():  # the server holds the loaded one in memory
                     if older != folder:
                         shutil.rmtree(older, ignore_errors=True)
             except ToolkitError as err:
                 problem = self.explained(str(err))
             except OSError as err:
-                problem = f"rl.sampler: could not write the adapter for the vLLM server to {folder}: {err}"
+                problem = f"rl.sampler: could not write the policy's weights for the vLLM server to {folder}: {err}"
+            if problem is None and not self.reported:
+                size = sum(w.numel() * w.element_size() for w in weights.values()) / 2**20
+                tqdm.write(f"rl: the policy's {'adapter' if self.lora else 'weights'} ({size:,.1f} MiB) went into the "
+                      f"vLLM server in {time.perf_counter() - started:.2f} s (gathered, written, loaded); so before "
+                      "each generated batch")
+                self.reported = True
         problem = self.broadcast(problem)
         if problem:
             raise ToolkitError(problem)
@@ -117,7 +142,8 @@ class VLLMSampler:
                   "repetition_penalty": c.repetition_penalty}
         made, problem = None, None
         try:
-            made = client.complete_all(self.url, ADAPTER, prompts, seeds, params, stops, c.vllm_timeout)
+            made = client.complete_all(self.url, ADAPTER if self.lora else self.base, prompts, seeds, params, stops,
+                                       c.vllm_timeout)
         except ToolkitError as err:
             problem = self.explained(str(err))
         if self.accelerator.num_processes > 1:  # every rank stops on one rank's failure, none waits in a collective

@@ -27,7 +27,8 @@ from ..errors import ToolkitError
 from . import checkpoint, inputs
 
 RUN_FILES = {"config.yaml", "manifest.json", "metrics.jsonl", "completions.jsonl", "checkpoints", "base-model",
-             "tensorboard", "profile", "profile.json", "hang", "plot.png", "vllm.log", "rollout-adapter"}
+             "tensorboard", "profile", "profile.json", "hang", "plot.png", "vllm.log", "rollout-adapter",
+             "rollout-weights"}
 LOCK = ".toolkit.lock"  # pid, host and start time of the run writing this folder
 # What a run folder may hold besides RUN_FILES: its results and what a killed save leaves (checkpoint.tidy).
 RUN_RESULTS = {"final", "final.tmp", ".del-final", "base-model.tmp", ".del-base-model", LOCK}

@@ -299,7 +299,8 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
                 sampler = VLLMSampler(recipe.rl, model_path=recipe.model.path, tokenizer=tokenizer, backend=backend,
                                       out=Path(recipe.output_dir), seed=recipe.seed,
                                       max_model_len=recipe.data.max_seq_len + recipe.rl.max_new_tokens,
-                                      precision=recipe.train.precision, lora_rank=recipe.lora.r)
+                                      precision=recipe.train.precision,
+                                      lora_rank=recipe.lora.r if recipe.lora.enabled else None)
             objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                                        adapter=model if recipe.lora.enabled else None,
                                        router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,

@@ -116,7 +116,8 @@ def run(args) -> int:
               "strategies": [r.as_json() for r in rows], "launched": launched.name if launched else None,
               "recommendation": recommend(setup), "epoch": epoch_cost(setup, args.tokens, args.throughput, args.price),
               "rl": {"completions_sampled_per_gpu": setup.sampled, "forwards_without_gradient_per_step":
-                     rl_forwards(setup), "gather_for_sampling": setup.gathered_sampling} if setup.generations else None}
+                     rl_forwards(setup), "gather_for_sampling": setup.gathered_sampling,
+                     "server_sampling": setup.server_sampling} if setup.generations else None}
     report["setup"]["gpus"] = setup.gpus
     if args.json:
         print(json.dumps(report, indent=1))
@@ -208,18 +209,24 @@ def rl_lines(setup: Setup) -> list[str]:
     once = 1 / k  # sampling and the fixed log-probabilities: once per generated batch of k optimizer steps
     t = setup.teacher  # distillation's teacher, or full fine-tuning's frozen reference
     reference = t is not None and t.name.startswith("the reference")
-    forwards = [f"training {2 if lora else 3} (forward and backward{', LoRA' if lora else ''})", f"sampling {once:g}"]
+    forwards = [f"training {2 if lora else 3} (forward and backward{', LoRA' if lora else ''})",
+                "sampling 0 (on the vLLM server)" if setup.server_sampling else f"sampling {once:g}"]
     if setup.reference_forward:
         forwards.append(f"reference log-probabilities {once:g} (rl.beta > 0: "
                         + ("a frozen copy of this model)" if reference else
                            "this model with its LoRA adapter disabled, no second model)"))
-    if k > 1:
-        forwards.append(f"old log-probabilities {once:g} (rl.num_iterations {k})")
+    if k > 1 or setup.server_sampling:
+        forwards.append(f"old log-probabilities {once:g} (" + (f"rl.num_iterations {k}" if k > 1 else
+                                                               "the vLLM sampler's correction") + ")")
     if t is not None and not reference:
         forwards.append(f"the teacher {t.params / m.params:.3g} (one forward of its {_count(t.params)} parameters, "
                         "counted in this model's forwards)")
     kv = kv_cache_bytes(m, setup)
-    return [f"rl: each generated batch, every GPU samples {setup.sampled} completions at once "
+    sampling = [f"rl: each generated batch, a vLLM server (rl.sampler) samples the {setup.sampled} completions of "
+                "every GPU's prompts: its KV cache and weights are in its own memory (a GPU share of its own: "
+                "--gpu-memory-utilization in rl.vllm_args), not counted here; before each batch the policy's trained "
+                "weights go to it, gathered one tensor at a time"] if setup.server_sampling else [
+               f"rl: each generated batch, every GPU samples {setup.sampled} completions at once "
             f"({setup.micro_batch // g} prompts x {setup.accumulation} accumulation steps x {g} generations), token "
             f"by token up to {setup.new_tokens} new tokens; kv cache: 2 x {m.layers} layers x {kv_heads} KV heads x "
             f"{m.kv // kv_heads} head dim x {setup.sampled} sequences x {setup.seq_len} tokens x "
@@ -230,7 +237,8 @@ def rl_lines(setup: Setup) -> list[str]:
              "rl.gather_for_sampling=false gathers a layer at a time instead, slower, the same completions"
              if setup.gathered_sampling else
              "rl: rl.gather_for_sampling false: ZeRO-3 and FSDP full-shard sample gathering a layer at a time, as "
-             "training's forward (no whole copy; a gather per layer per token)"),
+             "training's forward (no whole copy; a gather per layer per token)")]
+    return sampling + [
             "rl: forward passes per trained token and optimizer step: " + ", ".join(forwards)
             + (f"; all but training once per generated batch of {k} steps" if k > 1 else "")
             + "; sampling runs a token at a time, bound by memory bandwidth more than compute"] \
