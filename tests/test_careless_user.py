@@ -190,7 +190,6 @@ RL = [
      "rl.vllm_url: a vLLM setting: set rl.sampler: vllm, or remove it"),
     ("vLLM on a preset", ["rl.sampler=vllm", "lora.enabled=true"],
      "rl.sampler: vllm: the server loads model.path; a preset has no folder"),
-    ("vLLM under rloo", ["rl.method=rloo", "rl.sampler=vllm"], "rl.sampler: vllm: grpo only for now"),
     ("vLLM in capitals", ["rl.sampler=vLLM"], "rl.sampler: must be one of toolkit, vllm"),
 ]
 PREFERENCE = [
@@ -323,6 +322,9 @@ VLLM = [  # (id, overrides on a LoRA GRPO recipe of a model folder with rl.sampl
     ("DoRA", ["rl.vllm_url=http://127.0.0.1:8000", "lora.use_dora=true"], "lora.use_dora: vLLM serves no DoRA"),
     ("a rank vLLM cannot serve", ["rl.vllm_url=http://127.0.0.1:8000", "lora.r=1024"],
      "lora.r: vLLM serves adapters of rank up to 512, got 1024"),
+    ("a token mode under rloo", ["rl.vllm_url=http://127.0.0.1:8000", "rl.method=rloo",
+                                 "rl.vllm_importance_sampling_mode=token_truncate"],
+     "rl.vllm_importance_sampling_mode: rloo's loss is per completion: a sequence mode"),
     ("a timeout of 0", ["rl.vllm_url=http://127.0.0.1:8000", "rl.vllm_timeout=0"], "rl.vllm_timeout: seconds, above 0"),
 ]
 

@@ -194,6 +194,7 @@ def recipe(tmp_path, teacher_folder, **rl):
     ({"num_iterations": 2}, "rl.num_iterations: a grpo/rloo setting"),
     ({"beta": 1.5}, "rl.beta: distill: in [0, 1]"),
     ({"teacher": None}, "rl.teacher: rl.method=distill needs a teacher"),
+    ({"sampler": "vllm"}, "rl.sampler: distill samples with the student itself; vllm: grpo"),
 ])
 def test_contradicting_distillation_keys_are_refused_at_load(tmp_path, rl, expected):
     path = recipe(tmp_path, tmp_path / "nowhere", **rl)

@@ -375,3 +375,28 @@ def test_the_sampler_correction_and_its_loss_equal_trls_vllm_importance_sampling
                               loss_type="dapo", importance_sampling="token", epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
                               beta=0.04, max_completion_length=T)
     assert not torch.allclose(plain / units, theirs)  # the correction changes the loss: the check can fail
+
+
+def test_rloo_weights_each_completion_by_the_sampler_correction():
+    """rl.method rloo with rl.sampler vllm: each completion's term of the loss is multiplied by its sequence-level
+    correction (`sampler_correction` in a sequence mode, (B, 1)); a completion masked out (weight 0) gives no
+    gradient, the others theirs times their weight; no weights is TRL's RLOO loss as before."""
+    from toolkit.training.policy_loss import rloo_loss, sampler_correction
+
+    b = batch(3)
+    logps = b["logps"].clone().requires_grad_(True)
+    old, mask, adv = b["old_logps"], b["mask"], b["advantages"]
+    sampled = old + 0.3 * torch.randn(B, T, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    weights = sampler_correction(old, sampled, mask, "sequence_mask", 0.5, 1.5)
+    assert weights.shape == (B, 1) and (weights == 0).any() and (weights > 0).any()  # some kept, some masked
+    plain, _, _ = rloo_loss(logps, old, adv, mask, epsilon=EPSILON, epsilon_high=EPSILON_HIGH)
+    weighted, _, _ = rloo_loss(logps, old, adv, mask, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
+                               sampler_weights=weights)
+    per_row = [rloo_loss(logps[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], epsilon=EPSILON,
+                         epsilon_high=EPSILON_HIGH)[0] for i in range(B)]
+    assert torch.allclose(plain, sum(per_row))
+    assert torch.allclose(weighted, sum(w * t for w, t in zip(weights.reshape(-1), per_row)))
+    (grad,) = torch.autograd.grad(weighted, logps)
+    for i in range(B):
+        (own,) = torch.autograd.grad(per_row[i], logps, retain_graph=True)
+        assert torch.allclose(grad[i], weights[i, 0] * own[i]), i

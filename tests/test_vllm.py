@@ -149,6 +149,14 @@ def synced(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+def lora_single(workdir, real_model_dir, server) -> Path:
+    """The first test's one-process LoRA run at the URL server, or trained here when a test runs alone."""
+    run = workdir / "url_single"
+    if not (run / "final").is_dir():
+        train(workdir, "url_single", real_model_dir, vllm_url=server.url)
+    return run
+
+
 def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(full_server, server, workdir,
                                                                                 real_model_dir):
     """Full fine-tuning: before each generated batch the trained weights are written (rollout-weights/step-N)
@@ -167,10 +175,9 @@ def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(f
             assert a["reward"] == b["reward"] and a["loss"] == pytest.approx(b["loss"], abs=1e-4), layout
     ddp, _ = train(workdir, "url_ddp", real_model_dir, "ddp", vllm_url=server.url)
     synced(ddp)
-    lora_single = workdir / "url_single"  # the first test's, or trained here when this one runs alone
-    if not (lora_single / "completions.jsonl").is_file():
-        train(workdir, "url_single", real_model_dir, vllm_url=server.url)
-    assert table(ddp) == table(lora_single)
+    assert table(ddp) == table(lora_single(workdir, real_model_dir, server))
+    rloo, _ = train(workdir, "url_rloo", real_model_dir, vllm_url=server.url, method="rloo")
+    synced(rloo)  # rloo: the correction per completion (sequence_mask)
     line = user_error_line(run_toolkit("train", recipe(workdir, "no_rpc", real_model_dir, lora=False,
                                                        vllm_url=server.url)))
     assert line.startswith(f"error: rl.vllm_url: the vLLM server at {server.url} has no /collective_rpc"), line
@@ -216,10 +223,12 @@ def server_pid(run: Path, timeout: float = 300) -> int:
 
 
 @pytest.mark.slow
-def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vllm_python, workdir, real_model_dir):
+def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vllm_python, workdir, real_model_dir,
+                                                                              server):
     """The run starts its own server (.venv-vllm, vllm.log in the run folder). SIGTERM after step 1 finishes the
     step, saves and exits 75 with the server stopped (no process of its group left); resume=auto starts a new
-    one and finishes; a server killed mid-run ends the run in one line naming its exit, the last checkpoint
+    one and finishes with the completions of an uninterrupted run at another server (vLLM's seeded sampling
+    repeats on this CPU); a server killed mid-run ends the run in one line naming its exit, the last checkpoint
     intact, nothing left running; a server whose KV cache cannot hold one sequence ends the run in one line
     naming that."""
     name = "own"
@@ -237,6 +246,8 @@ def test_the_server_the_run_starts_stops_with_it_on_sigterm_and_on_its_death(vll
     assert rc == 0, err[-3000:]
     assert group_members(server_pid(run)) == []
     assert max(r["step"] for r in read_metrics(run)) == STEPS
+    # resumed against a new server, the same completions as an uninterrupted run against another server
+    assert table(run) == table(lora_single(workdir, real_model_dir, server))
 
     name = "dies"
     proc = start([sys.executable, "-m", "toolkit", "train", str(recipe(workdir, name, real_model_dir,

@@ -208,11 +208,12 @@ class RLConfig:
     completions on every backend (docs/rl.md). `vllm`: a vLLM server (TRL's use_vllm with vllm_mode server)
     that the run starts from `make vllm`'s environment (rl.vllm_python) and stops at its end, or the one at
     rl.vllm_url; the LoRA adapter (or, in full fine-tuning, the weights) is loaded into it before each generated
-    batch, and the loss is corrected for its log-probabilities (rl.vllm_importance_sampling_*). grpo only."""
+    batch, and the loss is corrected for its log-probabilities (rl.vllm_importance_sampling_*). grpo and rloo."""
     vllm_url: Optional[str] = None
     """A running vLLM server (http://HOST:PORT, TRL's vllm_server_base_url) serving this run's model.path with
-    --enable-lora, --logprobs-mode processed_logprobs and runtime LoRA updating on; None: the run starts its
-    own on a loopback port, logged to vllm.log in the run folder."""
+    --logprobs-mode processed_logprobs, and with LoRA --enable-lora and runtime LoRA updating on, in full
+    fine-tuning our worker extension (docs/rl.md); None: the run starts its own on a loopback port, logged to
+    vllm.log in the run folder."""
     vllm_python: Optional[str] = None
     """The Python of the vLLM environment the run starts its server with (None: `make vllm`'s .venv-vllm)."""
     vllm_args: list[str] = field(default_factory=list)

@@ -243,8 +243,12 @@ def validate_sampler(r: Recipe, need) -> None:
             need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
                  "a vLLM setting: set rl.sampler: vllm, or remove it")
         return
-    need(rl.method == "grpo", "rl.sampler", f"vllm: grpo only for now (rl.method is {rl.method}); use the "
-         "toolkit's sampler")
+    need(rl.method in ("grpo", "rloo"), "rl.sampler", f"vllm: grpo and rloo only (rl.method is {rl.method}); use "
+         "the toolkit's sampler")
+    need(rl.method != "rloo" or not rl.vllm_importance_sampling_correction
+         or rl.vllm_importance_sampling_mode.startswith("sequence"), "rl.vllm_importance_sampling_mode",
+         f"rloo's loss is per completion: a sequence mode (sequence_mask, sequence_truncate), got "
+         f"{rl.vllm_importance_sampling_mode}")
     if r.lora.enabled:
         need(not r.lora.use_dora, "lora.use_dora", "vLLM serves no DoRA adapter: with rl.sampler: vllm use plain LoRA")
         need(r.lora.r <= 512, "lora.r", f"vLLM serves adapters of rank up to 512, got {r.lora.r}")
@@ -305,7 +309,7 @@ def validate_distill(r: Recipe, need) -> None:
     if rl.num_generations is None:
         rl.num_generations = 1
     need(rl.num_generations >= 1, "rl.num_generations", f"at least 1, got {rl.num_generations}")
-    need(rl.sampler == "toolkit", "rl.sampler", "distill samples with the student itself; vllm: grpo only")
+    need(rl.sampler == "toolkit", "rl.sampler", "distill samples with the student itself; vllm: grpo and rloo only")
     validate_sampler(r, need)
     validate_sampling(r, need)
     validate_prompt_data(r, need)

@@ -249,7 +249,8 @@ class GroupRL(Objective):
         high = high_entropy_mask(entropy, mask, batch["entropy_threshold"]) if "entropy_threshold" in batch else None
         if self.rloo:
             loss, _, sums = rloo_loss(logps, batch.get("old_logps"), batch["advantages"], mask,
-                                      epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high)
+                                      epsilon=self.cfg.epsilon, epsilon_high=self.cfg.epsilon_high,
+                                      sampler_weights=batch.get("sampler_weights"))
         else:
             loss, _, sums = policy_loss(
                 logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,

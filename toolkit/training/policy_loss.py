@@ -213,16 +213,20 @@ def leave_one_out(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, *,
-              epsilon: float, epsilon_high: float) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+              epsilon: float, epsilon_high: float, sampler_weights: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
     """TRL's RLOO `_compute_loss` of a micro-batch of B completions: one ratio per completion, of its summed
     log-probability (the product of its tokens' ratios), clipped as PPO's; the loss a sum over the B completions
     (TRL's is their mean: one micro-batch on one process gives TRL's loss). Metric sums as `policy_loss`'s, clipping
-    counted per completion."""
+    counted per completion. `sampler_weights` (B, 1), from `sampler_correction` in a sequence mode: each
+    completion's term weighted by it (rl.sampler vllm; TRL's RLOO has no such correction)."""
     sequence = (logps * mask).sum(-1)
     old = sequence.detach() if old_logps is None else (old_logps * mask).sum(-1)
     ratio = torch.exp(sequence - old)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages, clipped * advantages)
+    if sampler_weights is not None:
+        loss = loss * sampler_weights.reshape(-1)
     low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
     sums = {"clip_ratio_low": low.sum(), "clip_ratio_high": high.sum(), "clip_ratio": (low | high).sum(),
             "clip_units": torch.tensor(float(logps.size(0))), "tokens": mask.sum()}
