@@ -325,6 +325,12 @@ VLLM = [  # (id, overrides on a LoRA GRPO recipe of a model folder with rl.sampl
     ("a token mode under rloo", ["rl.vllm_url=http://127.0.0.1:8000", "rl.method=rloo",
                                  "rl.vllm_importance_sampling_mode=token_truncate"],
      "rl.vllm_importance_sampling_mode: rloo's loss is per completion: a sequence mode"),
+    ("a port for the server the run starts", ["rl.vllm_args=[--port, '8000']"],
+     "rl.vllm_args: --port is the run's to set"),
+    ("a served model name", ["rl.vllm_args=['--served_model_name=policy']"],
+     "rl.vllm_args: --served_model_name=policy is the run's to set"),
+    ("a GPU share above 1", ["rl.vllm_args=[--gpu-memory-utilization, '3']"],
+     "rl.vllm_args: --gpu-memory-utilization: the share of the GPU the server takes, between 0 and 1, got '3'"),
     ("a timeout of 0", ["rl.vllm_url=http://127.0.0.1:8000", "rl.vllm_timeout=0"], "rl.vllm_timeout: seconds, above 0"),
 ]
 

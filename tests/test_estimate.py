@@ -733,7 +733,8 @@ def test_online_rl_counts_its_sequences_kv_cache_and_forwards(tmp_path, capsys):
 
     report = estimate_json(capsys, "--recipe", rl_recipe(tmp_path), "--gpus", "2")
     assert report["rl"] == {"completions_sampled_per_gpu": 64, "forwards_without_gradient_per_step": 1.0,
-                            "gather_for_sampling": True, "server_sampling": False}
+                            "gather_for_sampling": True, "server_sampling": False,
+                            "server_gpu_share": 0.0}
     assert report["setup"]["micro_batch"] == 16 and report["setup"]["seq_len"] == 384
     assert all(r["gpu_bytes"]["kv_cache"] == kv for r in report["strategies"])
     supervised_report = estimate_json(capsys, "--model", "tiny-llama")
@@ -784,7 +785,7 @@ def test_sampling_on_a_vllm_server_counts_neither_its_cache_nor_a_gathered_copy(
     from dataclasses import replace
 
     from toolkit.backends.model_counts import count_model, read_config
-    from toolkit.backends.sizing import BY_NAME, Setup, estimate, recommend, rl_forwards
+    from toolkit.backends.sizing import BY_NAME, GIB, Setup, estimate, recommend, rl_forwards
     from toolkit.verbs.estimate import rl_lines
 
     setup = Setup(model=count_model(read_config(str(llama_7b_config)), "llama-7b"), gpus_per_node=8, precision="bf16",
@@ -801,6 +802,15 @@ def test_sampling_on_a_vllm_server_counts_neither_its_cache_nor_a_gathered_copy(
     assert "a vLLM server (rl.sampler) samples the 8 completions" in text and "kv cache:" not in text, text
     assert "sampling 0 (on the vLLM server)" in text and "old log-probabilities 1 (the vLLM sampler's correction)" \
         in text
+    assert rl_forwards(replace(served, server_correction=False)) == 0  # the correction off: no forward at all
+    # a server the run starts on the first GPU takes its share: a total that fits 90% of 80 GiB does not fit 60%
+    row = estimate(BY_NAME["ZeRO-3"], replace(served, gpu_memory_gib=None))
+    memory = row.gpu["total"] / GIB / 0.75
+    assert estimate(BY_NAME["ZeRO-3"], replace(served, gpu_memory_gib=memory)).fits
+    shared = replace(served, gpu_memory_gib=memory, server_gpu_share=0.3)
+    assert not estimate(BY_NAME["ZeRO-3"], shared).fits
+    assert "takes 30% of the first GPU (--gpu-memory-utilization): fits is judged against 60% of each GPU" in \
+        "\n".join(rl_lines(shared))
 
 
 def test_a_reward_model_counts_whole_on_every_gpu(tmp_path, capsys):

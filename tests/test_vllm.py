@@ -148,7 +148,6 @@ def synced(run: Path) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
 def lora_single(workdir, real_model_dir, server) -> Path:
     """The first test's one-process LoRA run at the URL server, or trained here when a test runs alone."""
     run = workdir / "url_single"
@@ -157,6 +156,7 @@ def lora_single(workdir, real_model_dir, server) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(full_server, server, workdir,
                                                                                 real_model_dir):
     """Full fine-tuning: before each generated batch the trained weights are written (rollout-weights/step-N)
@@ -167,7 +167,7 @@ def test_full_fine_tuning_reloads_the_weights_into_the_server_on_every_backend(f
     single, log = train(workdir, "full_single", real_model_dir, lora=False, vllm_url=full_server.url)
     assert "the policy's weights reloaded into it" in log and "rl: the policy's weights (" in log, log[-3000:]
     rows = synced(single)
-    assert [f.parent.name for f in (single / "rollout-weights").glob("*/model.safetensors")] == [f"step-{STEPS:06d}"]
+    assert not (single / "rollout-weights").exists()  # each reload's file removed once the server has read it
     for layout in ("zero3", "fsdp"):
         other, _ = train(workdir, f"full_{layout}", real_model_dir, layout, lora=False, vllm_url=full_server.url)
         assert table(other) == table(single), layout

@@ -32,6 +32,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def host_copy(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A tensor's own copy on the host, cast first (on its device) where `dtype` is given."""
+    p = p.detach() if dtype is None else p.detach().to(dtype)
+    return p.to("cpu", copy=True)
+
+
 class Backend:
     """One process (no launcher, or a launch of one process without FSDP or DeepSpeed)."""
 
@@ -287,12 +293,14 @@ class Backend:
 
     # -- saving ------------------------------------------------------------------------------------
 
-    def trainable_weights(self, model) -> dict:
-        """The trainable parameters (a LoRA adapter's, or every trained weight) by name, whole, on the host,
-        complete on the main process (a collective: every rank calls it); nothing else is gathered, and a sharded
-        backend gathers one tensor at a time."""
+    def trainable_weights(self, model, dtype: torch.dtype | None = None) -> dict:
+        """The trainable parameters (a LoRA adapter's, or every trained weight) by name, whole, on the host of the
+        main process only, in `dtype` if given (cast on the device first); empty elsewhere (a collective: every
+        rank calls it). Nothing else is gathered, and a sharded backend gathers one tensor at a time."""
+        if not self.accelerator.is_main_process:
+            return {}
         module = self.accelerator.unwrap_model(model)
-        return {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
+        return {n: host_copy(p, dtype) for n, p in module.named_parameters() if p.requires_grad}
 
     def full_state_dict(self, model) -> dict:
         """The model's whole state dict, complete on the main process (a collective: every rank

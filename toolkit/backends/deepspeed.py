@@ -17,7 +17,7 @@ import torch
 from ..errors import ToolkitError
 from ..storage.verify import read_back, tree_mismatch
 from . import deepspeed_config, launch_config, sequence
-from .base import MOMENTS, Backend, adam_step, launched_world_size, trained_only
+from .base import MOMENTS, Backend, adam_step, host_copy, launched_world_size, trained_only
 
 MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
 
@@ -325,9 +325,9 @@ class DeepSpeed(Backend):
 
     # -- saving ------------------------------------------------------------------------------------
 
-    def trainable_weights(self, model) -> dict:
+    def trainable_weights(self, model, dtype: torch.dtype | None = None) -> dict:
         if self.stage != 3:
-            return super().trainable_weights(model)
+            return super().trainable_weights(model, dtype)
         import deepspeed
 
         module = self.accelerator.unwrap_model(model)
@@ -336,7 +336,7 @@ class DeepSpeed(Backend):
             if p.requires_grad:
                 with deepspeed.zero.GatheredParameters([p]):
                     if self.accelerator.is_main_process:
-                        out[n] = p.detach().cpu().clone()
+                        out[n] = host_copy(p, dtype)
         return out
 
     def full_state_dict(self, model) -> dict:

@@ -7,9 +7,11 @@ import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import torch
+
 from ..errors import ToolkitError
 from ..storage.verify import blank_like, read_back, tree_mismatch
-from .base import Backend
+from .base import Backend, host_copy
 
 
 def _fsdp_classes():
@@ -126,17 +128,19 @@ class FSDP(Backend):
     def call_is_collective(self, module) -> bool:
         return any(isinstance(m, _fsdp_classes()) for m in module.modules())
 
-    def trainable_weights(self, model) -> dict:
+    def trainable_weights(self, model, dtype: torch.dtype | None = None) -> dict:
         if self.plugin.fsdp_version != 2:  # FSDP1 keeps flat parameters under wrapped names
-            raise ToolkitError("rl.sampler: vllm needs FSDP2 (fsdp_version: 2) or DeepSpeed to gather the adapter; "
+            raise ToolkitError("rl.sampler: vllm needs FSDP2 (fsdp_version: 2) or DeepSpeed to gather the weights; "
                                "FSDP1 is not supported")
         module = self.accelerator.unwrap_model(model)
-        out = {}
+        out, main = {}, self.accelerator.is_main_process
         for n, p in module.named_parameters():  # every rank gathers each shard, in the same order
             if p.requires_grad:
                 whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-                out[n] = whole.detach().cpu().clone()
-        return out if self.accelerator.is_main_process else {}
+                if main:  # the host copy on the main process only
+                    out[n] = host_copy(whole, dtype)
+                del whole
+        return out
 
     def full_state_dict(self, model) -> dict:
         state_dict = super().full_state_dict(model)

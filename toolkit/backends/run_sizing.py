@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from ..config.objectives import server_arg
 from ..errors import ToolkitError, command
 from . import sequence
 from .launch_config import launch_kind, sequence_parallel_size
@@ -77,8 +78,18 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
                      "reference_forward": rl.beta > 0 and not distill, "iterations": rl.num_iterations,
                      "reward_model_bytes": rewards, "reward_models_uncounted": uncounted, "teacher": teacher,
-                     "gathered_sampling": rl.gather_for_sampling, "server_sampling": rl.sampler == "vllm"}
+                     "gathered_sampling": rl.gather_for_sampling, **server_setup(rl)}
                     if rl else {}), **kwargs)
+
+
+def server_setup(rl) -> dict:
+    """rl.sampler vllm: the server samples (its memory is its own), the correction's forward, and the GPU share
+    of a server the run starts (--gpu-memory-utilization in rl.vllm_args)."""
+    if rl.sampler != "vllm":
+        return {}
+    share = server_arg(rl.vllm_args, "--gpu-memory-utilization") if rl.vllm_url is None else None
+    return {"server_sampling": True, "server_correction": rl.vllm_importance_sampling_correction,
+            "server_gpu_share": float(share) if share else 0.0}
 
 
 def reward_model_sizes(rl) -> tuple[float, tuple]:
@@ -171,6 +182,7 @@ def estimate_for_run(recipe, accelerator, ds_config: dict | None) -> tuple[str, 
     line += f" of {memory:.1f} GiB on {device.type}"
     if row.fits:
         return line, None
-    return line, (f"the estimate ({size_text(g['total'])} per process) exceeds {USABLE_FRACTION:.0%} of this GPU's "
+    usable = USABLE_FRACTION - setup.server_gpu_share
+    return line, (f"the estimate ({size_text(g['total'])} per process) exceeds {usable:.0%} of this GPU's "
                   f"{memory:.1f} GiB: this run will likely run out of memory; "
                   f"`{command('toolkit estimate --recipe ...')}` lists what fits: {recommend(setup)}")

@@ -200,6 +200,8 @@ class Setup:
     teacher: ModelCounts | None = None  # rl.teacher (rl.method=distill): a frozen model beside this one
     gathered_sampling: bool = True  # rl.gather_for_sampling: ZeRO-3 / FSDP full-shard sample from whole weights
     server_sampling: bool = False  # rl.sampler vllm: a server samples, its cache and weights in its own memory
+    server_correction: bool = True  # rl.vllm_importance_sampling_correction: the old log-probabilities' forward
+    server_gpu_share: float = 0.0  # a server the run starts: --gpu-memory-utilization of the (first) GPU it shares
 
     def batch_text(self) -> str:
         pairs = f" sequences ({self.micro_batch // 2} preference pairs)" if self.pairs else ""
@@ -371,11 +373,12 @@ def rl_forwards(setup: Setup) -> float:
     own: sampling (about one forward over each prompt and completion token, run token by token), the
     reference's log-probabilities (rl.beta > 0) and the old policy's (rl.num_iterations > 1), all
     once per generated batch of rl.num_iterations steps; 0 without online RL. With a vLLM server sampling
-    there is no sampling forward here, and the old log-probabilities are taken for its correction (on by
-    default) whatever rl.num_iterations."""
+    there is no sampling forward here, and the old log-probabilities are taken for its correction (when on)
+    whatever rl.num_iterations."""
     if not setup.generations:
         return 0.0
-    sampling, old = (0, True) if setup.server_sampling else (1, setup.iterations > 1)
+    sampling, old = (0, setup.server_correction or setup.iterations > 1) if setup.server_sampling else \
+        (1, setup.iterations > 1)
     return (sampling + setup.reference_forward + old) / setup.iterations
 
 
@@ -444,7 +447,8 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     # larger of the two is held.
     gpu["total"] = (params + grads + optimizer + buffers + rewards + teacher
                     + max(activations + logits, kv_cache + sampling))
-    fits = None if setup.gpu_memory_gib is None else gpu["total"] <= USABLE_FRACTION * setup.gpu_memory_gib * GIB
+    fits = None if setup.gpu_memory_gib is None else \
+        gpu["total"] <= (USABLE_FRACTION - setup.server_gpu_share) * setup.gpu_memory_gib * GIB
     per_node = n / setup.nodes
     host += offloaded_activation_bytes(m, setup, regime)
     return Row(strategy, gpu, host * per_node, nvme * per_node, communication(strategy, setup), fits)

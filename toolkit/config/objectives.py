@@ -82,6 +82,20 @@ class RewardConfig:
 BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
 
 
+def server_flag(arg: str) -> str:
+    """A server argument's flag as vLLM's parser reads it: `--served_model_name=x` is `--served-model-name`."""
+    return "--" + str(arg).split("=")[0].lstrip("-").replace("_", "-") if str(arg).startswith("--") else str(arg)
+
+
+def server_arg(args: list, flag: str) -> str | None:
+    """The value given to a server flag in rl.vllm_args (`--flag value` or `--flag=value`), None if not given."""
+    args = [str(a) for a in args]
+    for i, a in enumerate(args):
+        if server_flag(a) == flag:
+            return a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
+    return None
+
+
 def default_vllm_python() -> Path:
     """The Python of `make vllm`'s environment (.venv-vllm beside this package's source)."""
     return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"

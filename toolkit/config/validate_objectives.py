@@ -9,7 +9,15 @@ import re
 from pathlib import Path
 
 from .data import DataSource
-from .objectives import BUILT_IN_REWARDS, PreferenceConfig, RewardConfig, RLConfig, default_vllm_python
+from .objectives import (
+    BUILT_IN_REWARDS,
+    PreferenceConfig,
+    RewardConfig,
+    RLConfig,
+    default_vllm_python,
+    server_arg,
+    server_flag,
+)
 from .recipe import Recipe
 
 
@@ -234,6 +242,12 @@ VLLM_KEYS = ("vllm_url", "vllm_python", "vllm_args", "vllm_timeout", "vllm_impor
              "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 
 
+# Server arguments the run sets itself for the server it starts (rollout/server.py): given again, they would
+# move it away from where the run looks for it or change what its answers mean.
+RUN_SET_ARGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode", "--worker-extension-cls",
+                "--uds")
+
+
 def validate_sampler(r: Recipe, need) -> None:
     """rl.sampler and its vLLM keys: the server's settings only with it; an adapter vLLM serves;
     a model folder the server can load; the environment to start it from, or a URL."""
@@ -273,6 +287,17 @@ def validate_sampler(r: Recipe, need) -> None:
         need(not rl.vllm_args and rl.vllm_python is None, "rl.vllm_args" if rl.vllm_args else "rl.vllm_python",
              "for the server the run starts; with rl.vllm_url the server is yours: remove it")
         return
+    share = server_arg(rl.vllm_args, "--gpu-memory-utilization")
+    if share is not None:
+        try:
+            ok = 0 < float(share) < 1
+        except ValueError:
+            ok = False
+        need(ok, "rl.vllm_args", f"--gpu-memory-utilization: the share of the GPU the server takes, between 0 and 1, "
+             f"got {share!r}")
+    owned = next((a for a in rl.vllm_args if server_flag(a) in RUN_SET_ARGS), None)
+    need(owned is None, "rl.vllm_args", f"{owned} is the run's to set (it reaches the server there and asks for "
+         "completions by that model and port); leave it out")
     python = Path(rl.vllm_python).expanduser() if rl.vllm_python else default_vllm_python()
     need(python.is_file(), "rl.vllm_python", f"{python} not found: run `make vllm` (a virtual environment with "
          "vLLM), or give rl.vllm_url of a running server")

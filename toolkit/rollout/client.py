@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -121,11 +122,21 @@ def reload_weights(url: str, path: str, timeout: float) -> None:
         if " with 404" in str(err):
             raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} has no /collective_rpc, through which full "
                                f"fine-tuning's weights are reloaded: {SERVE_FULL}") from None
-        if "toolkit_reload_weights" in str(err) or " with 500" in str(err):
-            raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} could not reload the weights ({err}); "
+        if "toolkit_reload_weights" in str(err) or "AttributeError" in str(err):
+            raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} lacks the toolkit's worker extension: "
                                f"{SERVE_FULL}") from None
-        raise
-    call(url, "/reset_prefix_cache", {}, timeout=timeout)
+        raise ToolkitError(f"{err} while reloading the weights (a failed reload leaves the server's weights "
+                           "unusable: restart it)") from None
+    deadline = time.monotonic() + timeout
+    while True:  # vLLM empties no cache while a request holds blocks of it ({"success": false})
+        answer = call(url, "/reset_prefix_cache", {}, timeout=timeout)
+        if not isinstance(answer, dict) or answer.get("success", True) is not False:
+            return
+        if time.monotonic() > deadline:
+            raise ToolkitError(f"rl.vllm_timeout: the vLLM server at {url} kept its prefix cache for {timeout:g} s "
+                               "after the weights were reloaded (requests of someone else in flight?): its cached keys "
+                               "and values are of the old weights")
+        time.sleep(0.5)
 
 
 def complete_all(url: str, model: str, prompts: list[list[int]], seeds: list[int], params: dict, stops: list[int],

@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..config.objectives import server_flag
 from ..errors import ToolkitError
 from . import client
 
@@ -26,6 +27,9 @@ GRACE_S = 20.0  # SIGTERM to SIGKILL when stopping
 WORKER_PATH = Path(__file__).resolve().parent / "worker"  # full fine-tuning's extension of vLLM's workers
 WORKER_EXTENSION = "toolkit_vllm_worker.WeightReload"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32's --max-lora-rank takes
+
+
+EXCEPTION_LINE = re.compile(r"(?:[\w.]+\.)?\w*(Error|Exception|Interrupt)\b(:|$)")
 
 
 def max_lora_rank(r: int) -> int:
@@ -81,7 +85,7 @@ class Server:
             command += ["--worker-extension-cls", WORKER_EXTENSION]
         command += list(args or [])
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        if not any(a.startswith("--kv-cache-memory-bytes") for a in args or []):  # which the variable overrides
+        if "--kv-cache-memory-bytes" not in {server_flag(a) for a in args or []}:  # which the variable overrides
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU host (vLLM's default is 4)
         for key in ("PYTHONPATH", "VIRTUAL_ENV"):  # our environment's paths would shadow the server's packages
             env.pop(key, None)
@@ -123,11 +127,11 @@ class Server:
             lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "(no log)"
-        for line in reversed(lines):  # an exception's line: "ValueError: ...", not a warning that names one
-            if re.match(r"\w+(Error|Exception): ", line) and "root cause above" not in line \
-                    and "stack trace (above)" not in line:
+        said = [line for line in lines if "root cause above" not in line and "stack trace (above)" not in line]
+        for line in reversed(said):  # an exception's line ("ValueError: ...", "torch.OutOfMemoryError: ..."),
+            if EXCEPTION_LINE.match(line):  # not a warning that names one
                 return line[:300]
-        return lines[-1][:300] if lines else "(empty log)"
+        return said[-1][:300] if said else lines[-1][:300] if lines else "(empty log)"
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after GRACE_S; waits for the server itself."""

@@ -7,9 +7,10 @@ Before each generated batch the policy's weights as they stand go to the server,
   run folder by the main process and loaded in place (`/v1/load_lora_adapter`; a new folder each time, as
   vLLM's prefix cache is keyed by the adapter's name and path, so no cached keys and values of an older
   adapter are reused);
-- full fine-tuning: the trained weights, gathered one tensor at a time, written to
-  `rollout-weights/step-N/model.safetensors` and reloaded in place by vLLM's workers (`reload_weights` through
-  `/collective_rpc`, offered under VLLM_SERVER_DEV_MODE=1), the prefix cache then emptied. This works on a
+- full fine-tuning: the trained weights, gathered one tensor at a time (a host copy on the main process
+  only, in the server's dtype), written to `rollout-weights/step-N/model.safetensors` under the checkpoint's
+  names and reloaded in place by vLLM's workers (`reload_weights` through `/collective_rpc`, offered under
+  VLLM_SERVER_DEV_MODE=1, by our worker extension), the prefix cache then emptied and the file removed. This works on a
   CPU host (vLLM's NCCL and CUDA-IPC weight transfers need GPUs); it costs a write and a read of the weights
   per generated batch, which the run reports after the first one.
 Then each rank asks for its own prompts' completions, one request per completion with its own seed, and gets
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config.objectives import default_vllm_python
+from ..config.objectives import default_vllm_python, server_flag
 from ..errors import ToolkitError
 from . import client
 from .server import Server
@@ -50,8 +51,8 @@ class VLLMSampler:
         self.reported = False
         self.settings = {"max_model_len": max_model_len, "dtype": DTYPES[precision], "seed": seed,
                          "lora_rank": lora_rank, "args": list(cfg.vllm_args)}
-        if self.url is None and torch.cuda.is_available() and not any(
-                a.startswith("--gpu-memory-utilization") for a in cfg.vllm_args):
+        if self.url is None and torch.cuda.is_available() and \
+                "--gpu-memory-utilization" not in {server_flag(a) for a in cfg.vllm_args}:
             raise ToolkitError("rl.vllm_args: the server the run starts shares the first GPU of this node with "
                                "training (vLLM takes 90% of a GPU by default): give its share, e.g. "
                                "[--gpu-memory-utilization, '0.3'], or run a server on other GPUs and give rl.vllm_url")
@@ -103,32 +104,42 @@ class VLLMSampler:
         if it is not yet (a collective: every rank calls it)."""
         self.start()
         started = time.perf_counter()
-        weights = self.backend.trainable_weights(model)
+        # full fine-tuning: in the server's dtype (what autocast computes with), half the bytes under bf16
+        weights = self.backend.trainable_weights(model, None if self.lora else getattr(torch, self.settings["dtype"]))
         problem, folder = None, self.out / ("rollout-adapter" if self.lora else "rollout-weights") / f"step-{step:06d}"
         if self.accelerator.is_main_process:
             try:
+                module = self.accelerator.unwrap_model(model)
                 if self.lora:
-                    module = self.accelerator.unwrap_model(model)
                     module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
                     client.load_adapter(self.url, ADAPTER, str(folder.resolve()), self.cfg.vllm_timeout)
+                    for older in folder.parent.iterdir():  # the server holds the loaded one in memory
+                        if older != folder:
+                            shutil.rmtree(older, ignore_errors=True)
                 else:
                     from safetensors.torch import save_file
+                    from transformers.core_model_loading import revert_weight_conversion
 
-                    folder.mkdir(parents=True, exist_ok=True)
+                    # the checkpoint's names (transformers renames or fuses some on loading, MoE experts among them)
+                    weights = revert_weight_conversion(module, weights)
+                    shutil.rmtree(folder.parent, ignore_errors=True)
+                    folder.mkdir(parents=True)
                     save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
-                    client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
-                for older in folder.parent.iterdir():  # the server holds the loaded one in memory
-                    if older != folder:
-                        shutil.rmtree(older, ignore_errors=True)
+                    try:
+                        client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
+                    finally:  # read by then: no copy of the whole model is left in the run folder
+                        shutil.rmtree(folder.parent, ignore_errors=True)
             except ToolkitError as err:
-                problem = self.explained(str(err))
+                problem = self.explained(str(err), reloading=not self.lora)
             except OSError as err:
                 problem = f"rl.sampler: could not write the policy's weights for the vLLM server to {folder}: {err}"
+            except Exception as err:  # noqa: BLE001 - every rank waits below: a failure here must reach them
+                problem = f"rl.sampler: the policy's weights could not go into the vLLM server: {err!r}"
             if problem is None and not self.reported:
                 size = sum(w.numel() * w.element_size() for w in weights.values()) / 2**20
-                tqdm.write(f"rl: the policy's {'adapter' if self.lora else 'weights'} ({size:,.1f} MiB) went into the "
-                      f"vLLM server in {time.perf_counter() - started:.2f} s (gathered, written, loaded); so before "
-                      "each generated batch")
+                tqdm.write(f"rl: the policy's {'adapter' if self.lora else 'weights'} ({size:,.1f} MiB) went into "
+                           f"the vLLM server in {time.perf_counter() - started:.2f} s (gathered, written, loaded); "
+                           "so before each generated batch")
                 self.reported = True
         problem = self.broadcast(problem)
         if problem:
@@ -154,11 +165,14 @@ class VLLMSampler:
             raise ToolkitError(problem)
         return made
 
-    def explained(self, line: str) -> str:
+    def explained(self, line: str, reloading: bool = False) -> str:
         """A request's failure, with the server's own exit where it died."""
         if self.server is not None and not self.server.alive():
             return (f"rl.sampler: the vLLM server the run started exited (code {self.server.process.returncode}): "
                     f"{self.server.last_line()} (log: {self.server.log_path}); the last checkpoint is intact")
+        if self.server is not None and reloading:  # its own words on why, from its log
+            line = line.replace("rl.vllm_url: ", "rl.sampler: ", 1)
+            line += f"; its log says: {self.server.last_line()} ({self.server.log_path})"
         return line + "; the last checkpoint is intact"
 
     def close(self) -> None:

@@ -117,7 +117,8 @@ def run(args) -> int:
               "recommendation": recommend(setup), "epoch": epoch_cost(setup, args.tokens, args.throughput, args.price),
               "rl": {"completions_sampled_per_gpu": setup.sampled, "forwards_without_gradient_per_step":
                      rl_forwards(setup), "gather_for_sampling": setup.gathered_sampling,
-                     "server_sampling": setup.server_sampling} if setup.generations else None}
+                     "server_sampling": setup.server_sampling, "server_gpu_share": setup.server_gpu_share}
+              if setup.generations else None}
     report["setup"]["gpus"] = setup.gpus
     if args.json:
         print(json.dumps(report, indent=1))
@@ -215,7 +216,7 @@ def rl_lines(setup: Setup) -> list[str]:
         forwards.append(f"reference log-probabilities {once:g} (rl.beta > 0: "
                         + ("a frozen copy of this model)" if reference else
                            "this model with its LoRA adapter disabled, no second model)"))
-    if k > 1 or setup.server_sampling:
+    if k > 1 or (setup.server_sampling and setup.server_correction):
         forwards.append(f"old log-probabilities {once:g} (" + (f"rl.num_iterations {k}" if k > 1 else
                                                                "the vLLM sampler's correction") + ")")
     if t is not None and not reference:
@@ -225,7 +226,11 @@ def rl_lines(setup: Setup) -> list[str]:
     sampling = [f"rl: each generated batch, a vLLM server (rl.sampler) samples the {setup.sampled} completions of "
                 "every GPU's prompts: its KV cache and weights are in its own memory (a GPU share of its own: "
                 "--gpu-memory-utilization in rl.vllm_args), not counted here; before each batch the policy's trained "
-                "weights go to it, gathered one tensor at a time"] if setup.server_sampling else [
+                "weights go to it, gathered one tensor at a time"
+                + (f"; the server the run starts takes {setup.server_gpu_share:.0%} of the first GPU "
+                   f"(--gpu-memory-utilization): fits is judged against "
+                   f"{USABLE_FRACTION - setup.server_gpu_share:.0%} of each GPU" if setup.server_gpu_share else "")
+                ] if setup.server_sampling else [
                f"rl: each generated batch, every GPU samples {setup.sampled} completions at once "
             f"({setup.micro_batch // g} prompts x {setup.accumulation} accumulation steps x {g} generations), token "
             f"by token up to {setup.new_tokens} new tokens; kv cache: 2 x {m.layers} layers x {kv_heads} KV heads x "
@@ -241,7 +246,8 @@ def rl_lines(setup: Setup) -> list[str]:
     return sampling + [
             "rl: forward passes per trained token and optimizer step: " + ", ".join(forwards)
             + (f"; all but training once per generated batch of {k} steps" if k > 1 else "")
-            + "; sampling runs a token at a time, bound by memory bandwidth more than compute"] \
+            + ("" if setup.server_sampling else
+               "; sampling runs a token at a time, bound by memory bandwidth more than compute")] \
         + ([f"rl: reward models (rl.rewards): {size_text(setup.reward_model_bytes)} of weights, whole on every GPU "
             "(no strategy shards them; their scoring forward is not counted)"] if setup.reward_model_bytes else []) \
         + ([f"rl: reward models not counted (not a local folder): {', '.join(setup.reward_models_uncounted)}"]
