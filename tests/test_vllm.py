@@ -60,10 +60,14 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(vllm_python, real_model_dir, workdir):
     """A server of our own (toolkit.rollout.server, as a run starts it) for the runs given rl.vllm_url."""
+    yield from serving(vllm_python, real_model_dir, workdir / "server.log", lora_rank=4)
+
+
+def serving(vllm_python, model, log, lora_rank):
+    """A server for a module's tests, stopped after them with nothing of its process group left."""
     from toolkit.rollout.server import Server
 
-    s = Server(vllm_python, str(real_model_dir), workdir / "server.log", max_model_len=256, dtype="float32", seed=0,
-               lora_rank=4)
+    s = Server(vllm_python, str(model), log, max_model_len=256, dtype="float32", seed=0, lora_rank=lora_rank)
     try:
         s.wait_ready(600)
         yield s
@@ -126,16 +130,7 @@ def test_a_server_at_a_url_samples_for_one_process_and_zero3_alike(server, workd
 @pytest.fixture(scope="module")
 def full_server(vllm_python, real_model_dir, workdir):
     """A server for full fine-tuning (no LoRA; VLLM_SERVER_DEV_MODE=1 for /collective_rpc), as a run starts it."""
-    from toolkit.rollout.server import Server
-
-    s = Server(vllm_python, str(real_model_dir), workdir / "full-server.log", max_model_len=256, dtype="float32",
-               seed=0, lora_rank=None)
-    try:
-        s.wait_ready(600)
-        yield s
-    finally:
-        s.stop()
-    assert group_members(s.process.pid) == []
+    yield from serving(vllm_python, real_model_dir, workdir / "full-server.log", lora_rank=None)
 
 
 def synced(run: Path) -> list[dict]:

@@ -21,6 +21,7 @@ rank in one line. The loss corrects for the server's probabilities differing fro
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from ..errors import ToolkitError
 from . import client
 from .server import Server
 
-ADAPTER = "policy"  # the name the server knows the adapter by
+ADAPTER = "policy"  # the name the server knows the adapter by, with the run's own suffix (`VLLMSampler.adapter`)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -48,6 +49,8 @@ class VLLMSampler:
         self.base = str(model_path)
         self.ready = False
         self.lora = lora_rank is not None
+        # two runs at one server each sample through their own adapter (the main process's pid and the time)
+        self.adapter = f"{ADAPTER}-{os.getpid()}-{time.time_ns() % 10**9}"
         self.reported = False
         self.settings = {"max_model_len": max_model_len, "dtype": DTYPES[precision], "seed": seed,
                          "lora_rank": lora_rank, "args": list(cfg.vllm_args)}
@@ -85,7 +88,7 @@ class VLLMSampler:
                 client.check_tokenizer(self.url, self.base, self.tokenizer, self.cfg.vllm_timeout)
             except ToolkitError as err:
                 problem = str(err)
-        self.url, problem = self.broadcast((self.url, problem))
+        self.url, self.adapter, problem = self.broadcast((self.url, self.adapter, problem))
         if problem:
             raise ToolkitError(problem)
         self.ready = True
@@ -112,7 +115,7 @@ class VLLMSampler:
                 module = self.accelerator.unwrap_model(model)
                 if self.lora:
                     module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
-                    client.load_adapter(self.url, ADAPTER, str(folder.resolve()), self.cfg.vllm_timeout)
+                    client.load_adapter(self.url, self.adapter, str(folder.resolve()), self.cfg.vllm_timeout)
                     for older in folder.parent.iterdir():  # the server holds the loaded one in memory
                         if older != folder:
                             shutil.rmtree(older, ignore_errors=True)
@@ -153,8 +156,8 @@ class VLLMSampler:
                   "repetition_penalty": c.repetition_penalty}
         made, problem = None, None
         try:
-            made = client.complete_all(self.url, ADAPTER if self.lora else self.base, prompts, seeds, params, stops,
-                                       c.vllm_timeout)
+            model = self.adapter if self.lora else self.base
+            made = client.complete_all(self.url, model, prompts, seeds, params, stops, c.vllm_timeout)
         except ToolkitError as err:
             problem = self.explained(str(err))
         if self.accelerator.num_processes > 1:  # every rank stops on one rank's failure, none waits in a collective
