@@ -93,7 +93,8 @@ def recipe(workdir, name, model, layout="single", lora=True, **rl):
             "rewards": [f"{workdir / 'grader.py'}:shorter"], "log_completions": True, "sampler": "vllm", **rl},
         train={"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 1,
                "max_steps": STEPS, "learning_rate": 1e-3 if lora else 1e-4, "log_every_steps": 1},
-        checkpoint={"every_steps": 1, "keep_last": 10})
+        # full fine-tuning's checkpoints are 2 GB each (weights and Adam's moments in fp32): the last one only
+        checkpoint={"every_steps": 1, "keep_last": 10} if lora else {"every_steps": STEPS, "keep_last": 1})
 
 
 def train(workdir, name, model, layout="single", timeout=1200, lora=True, **rl):

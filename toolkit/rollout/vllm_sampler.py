@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..config.objectives import default_vllm_python, server_flag
 from ..errors import ToolkitError
+from ..storage import disk
 from . import client
 from .server import Server
 
@@ -114,7 +115,8 @@ class VLLMSampler:
             try:
                 module = self.accelerator.unwrap_model(model)
                 if self.lora:
-                    module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
+                    with disk.writing("rl.sampler: the adapter for the vLLM server", folder, error=ToolkitError):
+                        module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
                     client.load_adapter(self.url, self.adapter, str(folder.resolve()), self.cfg.vllm_timeout)
                     for older in folder.parent.iterdir():  # the server holds the loaded one in memory
                         if older != folder:
@@ -127,7 +129,9 @@ class VLLMSampler:
                     weights = revert_weight_conversion(module, weights)
                     shutil.rmtree(folder.parent, ignore_errors=True)
                     folder.mkdir(parents=True)
-                    save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
+                    needed = sum(w.numel() * w.element_size() for w in weights.values())
+                    with disk.writing("rl.sampler: the weights for the vLLM server", folder, needed, ToolkitError):
+                        save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
                     try:
                         client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
                     finally:  # read by then: no copy of the whole model is left in the run folder
