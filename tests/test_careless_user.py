@@ -331,6 +331,10 @@ VLLM = [  # (id, overrides on a LoRA GRPO recipe of a model folder with rl.sampl
      "rl.vllm_args: --served_model_name=policy is the run's to set"),
     ("a GPU share above 1", ["rl.vllm_args=[--gpu-memory-utilization, '3']"],
      "rl.vllm_args: --gpu-memory-utilization: the share of the GPU the server takes, between 0 and 1, got '3'"),
+    ("a GPU share by vLLM's other name", ["rl.vllm_args=['--device-memory-utilization=2']"],
+     "rl.vllm_args: --gpu-memory-utilization: the share of the GPU the server takes, between 0 and 1, got '2'"),
+    ("an API key for the server the run starts", ["rl.vllm_args=[--api-key, secret]"],
+     "rl.vllm_args: --api-key is the run's to set"),
     ("a timeout of 0", ["rl.vllm_url=http://127.0.0.1:8000", "rl.vllm_timeout=0"], "rl.vllm_timeout: seconds, above 0"),
 ]
 

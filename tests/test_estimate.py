@@ -803,6 +803,7 @@ def test_sampling_on_a_vllm_server_counts_neither_its_cache_nor_a_gathered_copy(
     assert "sampling 0 (on the vLLM server)" in text and "old log-probabilities 1 (the vLLM sampler's correction)" \
         in text
     assert rl_forwards(replace(served, server_correction=False)) == 0  # the correction off: no forward at all
+    assert rl_forwards(replace(served, server_correction=False, rloo=True)) == 1  # rloo's own old log-probabilities
     # a server the run starts on the first GPU takes its share: a total that fits 90% of 80 GiB does not fit 60%
     row = estimate(BY_NAME["ZeRO-3"], replace(served, gpu_memory_gib=None))
     memory = row.gpu["total"] / GIB / 0.75

@@ -38,6 +38,27 @@ def host_copy(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return p.to("cpu", copy=True)
 
 
+class HostCopies(dict):
+    """Host copies taken between gathers: the first failure is kept and raised by `done` once every gather (a
+    collective) has run."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        super().__init__()
+        self.dtype, self.failure = dtype, None
+
+    def take(self, name: str, p: torch.Tensor) -> None:
+        if self.failure is None:
+            try:
+                self[name] = host_copy(p, self.dtype)
+            except Exception as err:  # noqa: BLE001 - out of host memory, mostly: raised after the gathers
+                self.failure = err
+
+    def done(self) -> dict:
+        if self.failure is not None:
+            raise self.failure
+        return dict(self)
+
+
 class Backend:
     """One process (no launcher, or a launch of one process without FSDP or DeepSpeed)."""
 
@@ -296,7 +317,9 @@ class Backend:
     def trainable_weights(self, model, dtype: torch.dtype | None = None) -> dict:
         """The trainable parameters (a LoRA adapter's, or every trained weight) by name, whole, on the host of the
         main process only, in `dtype` if given (cast on the device first); empty elsewhere (a collective: every
-        rank calls it). Nothing else is gathered, and a sharded backend gathers one tensor at a time."""
+        rank calls it). Nothing else is gathered, and a sharded backend gathers one tensor at a time; a host copy
+        that fails on the main process is raised there after the last gather (`HostCopies`), so no rank is left
+        waiting in one."""
         if not self.accelerator.is_main_process:
             return {}
         module = self.accelerator.unwrap_model(model)

@@ -17,7 +17,7 @@ import torch
 from ..errors import ToolkitError
 from ..storage.verify import read_back, tree_mismatch
 from . import deepspeed_config, launch_config, sequence
-from .base import MOMENTS, Backend, adam_step, host_copy, launched_world_size, trained_only
+from .base import MOMENTS, Backend, HostCopies, adam_step, launched_world_size, trained_only
 
 MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
 
@@ -331,13 +331,13 @@ class DeepSpeed(Backend):
         import deepspeed
 
         module = self.accelerator.unwrap_model(model)
-        out = {}
+        out = HostCopies(dtype)
         for n, p in module.named_parameters():  # one tensor whole at a time, on every rank, in the same order
             if p.requires_grad:
                 with deepspeed.zero.GatheredParameters([p]):
                     if self.accelerator.is_main_process:
-                        out[n] = host_copy(p, dtype)
-        return out
+                        out.take(n, p)
+        return out.done()
 
     def full_state_dict(self, model) -> dict:
         """The module's state (ZeRO-3: gathered; None off the main rank), with the fp32 masters in

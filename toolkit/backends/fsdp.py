@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ToolkitError
 from ..storage.verify import blank_like, read_back, tree_mismatch
-from .base import Backend, host_copy
+from .base import Backend, HostCopies
 
 
 def _fsdp_classes():
@@ -133,14 +133,14 @@ class FSDP(Backend):
             raise ToolkitError("rl.sampler: vllm needs FSDP2 (fsdp_version: 2) or DeepSpeed to gather the weights; "
                                "FSDP1 is not supported")
         module = self.accelerator.unwrap_model(model)
-        out, main = {}, self.accelerator.is_main_process
+        out, main = HostCopies(dtype), self.accelerator.is_main_process
         for n, p in module.named_parameters():  # every rank gathers each shard, in the same order
             if p.requires_grad:
                 whole = p.full_tensor() if hasattr(p, "full_tensor") else p
                 if main:  # the host copy on the main process only
-                    out[n] = host_copy(whole, dtype)
+                    out.take(n, whole)
                 del whole
-        return out
+        return out.done()
 
     def full_state_dict(self, model) -> dict:
         state_dict = super().full_state_dict(model)

@@ -78,7 +78,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
                      "reference_forward": rl.beta > 0 and not distill, "iterations": rl.num_iterations,
                      "reward_model_bytes": rewards, "reward_models_uncounted": uncounted, "teacher": teacher,
-                     "gathered_sampling": rl.gather_for_sampling, **server_setup(rl)}
+                     "gathered_sampling": rl.gather_for_sampling, "rloo": rl.method == "rloo", **server_setup(rl)}
                     if rl else {}), **kwargs)
 
 

@@ -199,6 +199,7 @@ class Setup:
     reward_models_uncounted: tuple = ()  # rl.rewards models not in a local folder: their size is not known here
     teacher: ModelCounts | None = None  # rl.teacher (rl.method=distill): a frozen model beside this one
     gathered_sampling: bool = True  # rl.gather_for_sampling: ZeRO-3 / FSDP full-shard sample from whole weights
+    rloo: bool = False  # rl.method rloo: the old log-probabilities are taken (its KL in the reward is the sampler's)
     server_sampling: bool = False  # rl.sampler vllm: a server samples, its cache and weights in its own memory
     server_correction: bool = True  # rl.vllm_importance_sampling_correction: the old log-probabilities' forward
     server_gpu_share: float = 0.0  # a server the run starts: --gpu-memory-utilization of the (first) GPU it shares
@@ -371,14 +372,14 @@ def gathered_sampling_bytes(strategy: Strategy, setup: Setup, whole: float) -> f
 def rl_forwards(setup: Setup) -> float:
     """Online RL's forwards without gradient per trained token and optimizer step, besides training's
     own: sampling (about one forward over each prompt and completion token, run token by token), the
-    reference's log-probabilities (rl.beta > 0) and the old policy's (rl.num_iterations > 1), all
-    once per generated batch of rl.num_iterations steps; 0 without online RL. With a vLLM server sampling
-    there is no sampling forward here, and the old log-probabilities are taken for its correction (when on)
-    whatever rl.num_iterations."""
+    reference's log-probabilities (rl.beta > 0) and the old policy's (rl.num_iterations > 1, and always
+    under rloo), all once per generated batch of rl.num_iterations steps; 0 without online RL. With a vLLM
+    server sampling there is no sampling forward here, and the old log-probabilities are taken for its
+    correction (when on) whatever rl.num_iterations."""
     if not setup.generations:
         return 0.0
-    sampling, old = (0, setup.server_correction or setup.iterations > 1) if setup.server_sampling else \
-        (1, setup.iterations > 1)
+    sampling = 0 if setup.server_sampling else 1
+    old = setup.iterations > 1 or setup.rloo or (setup.server_sampling and setup.server_correction)
     return (sampling + setup.reference_forward + old) / setup.iterations
 
 

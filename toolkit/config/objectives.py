@@ -83,8 +83,12 @@ BUILT_IN_REWARDS = ("exact_match", "numeric_match", "regex")
 
 
 def server_flag(arg: str) -> str:
-    """A server argument's flag as vLLM's parser reads it: `--served_model_name=x` is `--served-model-name`."""
-    return "--" + str(arg).split("=")[0].lstrip("-").replace("_", "-") if str(arg).startswith("--") else str(arg)
+    """A server argument's flag as vLLM's parser reads it: `--served_model_name=x` is `--served-model-name`, and
+    `--device-memory-utilization` (its alias) `--gpu-memory-utilization`."""
+    if not str(arg).startswith("--"):
+        return str(arg)
+    flag = "--" + str(arg).split("=")[0].lstrip("-").replace("_", "-")
+    return {"--device-memory-utilization": "--gpu-memory-utilization"}.get(flag, flag)
 
 
 def server_arg(args: list, flag: str) -> str | None:

@@ -245,7 +245,7 @@ VLLM_KEYS = ("vllm_url", "vllm_python", "vllm_args", "vllm_timeout", "vllm_impor
 # Server arguments the run sets itself for the server it starts (rollout/server.py): given again, they would
 # move it away from where the run looks for it or change what its answers mean.
 RUN_SET_ARGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode", "--worker-extension-cls",
-                "--uds")
+                "--uds", "--ssl-keyfile", "--ssl-certfile", "--api-key")
 
 
 def validate_sampler(r: Recipe, need) -> None:
@@ -296,8 +296,8 @@ def validate_sampler(r: Recipe, need) -> None:
         need(ok, "rl.vllm_args", f"--gpu-memory-utilization: the share of the GPU the server takes, between 0 and 1, "
              f"got {share!r}")
     owned = next((a for a in rl.vllm_args if server_flag(a) in RUN_SET_ARGS), None)
-    need(owned is None, "rl.vllm_args", f"{owned} is the run's to set (it reaches the server there and asks for "
-         "completions by that model and port); leave it out")
+    need(owned is None, "rl.vllm_args", f"{owned} is the run's to set (it reaches the server at 127.0.0.1 over plain "
+         "HTTP without a key, asking for completions by model.path); leave it out")
     python = Path(rl.vllm_python).expanduser() if rl.vllm_python else default_vllm_python()
     need(python.is_file(), "rl.vllm_python", f"{python} not found: run `make vllm` (a virtual environment with "
          "vLLM), or give rl.vllm_url of a running server")

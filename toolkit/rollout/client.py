@@ -111,6 +111,14 @@ SERVE_FULL = ("start it with VLLM_SERVER_DEV_MODE=1, PYTHONPATH=toolkit/rollout/
               "toolkit_vllm_worker.WeightReload (docs/rl.md), or use LoRA")
 
 
+def unload_adapter(url: str, name: str, timeout: float) -> None:
+    """The run's adapter out of a server it did not start, at the end (best effort: the run is over)."""
+    try:
+        call(url, "/v1/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
+    except ToolkitError:
+        pass
+
+
 def reload_weights(url: str, path: str, timeout: float) -> None:
     """Full fine-tuning's weights into the server in place: vLLM's own `reload_weights` from the folder's
     safetensors, by our worker extension (worker/toolkit_vllm_worker.py) through /collective_rpc (offered under
@@ -122,11 +130,11 @@ def reload_weights(url: str, path: str, timeout: float) -> None:
         if " with 404" in str(err):
             raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} has no /collective_rpc, through which full "
                                f"fine-tuning's weights are reloaded: {SERVE_FULL}") from None
-        if "toolkit_reload_weights" in str(err) or "AttributeError" in str(err):
+        if "toolkit_reload_weights" in str(err):  # vLLM: "Method 'toolkit_reload_weights' is not implemented"
             raise ToolkitError(f"rl.vllm_url: the vLLM server at {url} lacks the toolkit's worker extension: "
                                f"{SERVE_FULL}") from None
         raise ToolkitError(f"{err} while reloading the weights (a failed reload leaves the server's weights "
-                           "unusable: restart it)") from None
+                           "unusable)") from None
     deadline = time.monotonic() + timeout
     while True:  # vLLM empties no cache while a request holds blocks of it ({"success": false})
         answer = call(url, "/reset_prefix_cache", {}, timeout=timeout)

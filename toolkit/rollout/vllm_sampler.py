@@ -8,7 +8,7 @@ Before each generated batch the policy's weights as they stand go to the server,
   vLLM's prefix cache is keyed by the adapter's name and path, so no cached keys and values of an older
   adapter are reused);
 - full fine-tuning: the trained weights, gathered one tensor at a time (a host copy on the main process
-  only, in the server's dtype), written to `rollout-weights/step-N/model.safetensors` under the checkpoint's
+  only, in train.precision's dtype), written to `rollout-weights/step-N/model.safetensors` under the checkpoint's
   names and reloaded in place by vLLM's workers (`reload_weights` through `/collective_rpc`, offered under
   VLLM_SERVER_DEV_MODE=1, by our worker extension), the prefix cache then emptied and the file removed. This works on a
   CPU host (vLLM's NCCL and CUDA-IPC weight transfers need GPUs); it costs a write and a read of the weights
@@ -58,7 +58,7 @@ class VLLMSampler:
         if self.url is None and torch.cuda.is_available() and \
                 "--gpu-memory-utilization" not in {server_flag(a) for a in cfg.vllm_args}:
             raise ToolkitError("rl.vllm_args: the server the run starts shares the first GPU of this node with "
-                               "training (vLLM takes 90% of a GPU by default): give its share, e.g. "
+                               "training (vLLM takes 92% of a GPU by default): give its share, e.g. "
                                "[--gpu-memory-utilization, '0.3'], or run a server on other GPUs and give rl.vllm_url")
 
     def describe(self) -> str:
@@ -108,10 +108,13 @@ class VLLMSampler:
         if it is not yet (a collective: every rank calls it)."""
         self.start()
         started = time.perf_counter()
-        # full fine-tuning: in the server's dtype (what autocast computes with), half the bytes under bf16
-        weights = self.backend.trainable_weights(model, None if self.lora else getattr(torch, self.settings["dtype"]))
         problem, folder = None, self.out / ("rollout-adapter" if self.lora else "rollout-weights") / f"step-{step:06d}"
-        if self.accelerator.is_main_process:
+        dtype = None if self.lora else getattr(torch, self.settings["dtype"])  # train.precision's: what autocast
+        try:  # computes with; half the bytes in bf16
+            weights = self.backend.trainable_weights(model, dtype)
+        except Exception as err:  # noqa: BLE001 - the main process's host copy failed; the gathers went on
+            weights, problem = {}, f"rl.sampler: the policy's weights could not be gathered for the server: {err!r}"
+        if self.accelerator.is_main_process and problem is None:
             try:
                 module = self.accelerator.unwrap_model(model)
                 if self.lora:
@@ -134,10 +137,12 @@ class VLLMSampler:
                         save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
                     try:
                         client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
+                    except ToolkitError as err:
+                        problem = self.explained(str(err), reloading=True)
                     finally:  # read by then: no copy of the whole model is left in the run folder
                         shutil.rmtree(folder.parent, ignore_errors=True)
             except ToolkitError as err:
-                problem = self.explained(str(err), reloading=not self.lora)
+                problem = self.explained(str(err))
             except OSError as err:
                 problem = f"rl.sampler: could not write the policy's weights for the vLLM server to {folder}: {err}"
             except Exception as err:  # noqa: BLE001 - every rank waits below: a failure here must reach them
@@ -185,4 +190,6 @@ class VLLMSampler:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+        elif self.ready and self.lora and self.accelerator.is_main_process:  # a server of yours keeps no adapter
+            client.unload_adapter(self.url, self.adapter, min(self.cfg.vllm_timeout, 30.0))
 

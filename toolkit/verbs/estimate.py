@@ -216,9 +216,10 @@ def rl_lines(setup: Setup) -> list[str]:
         forwards.append(f"reference log-probabilities {once:g} (rl.beta > 0: "
                         + ("a frozen copy of this model)" if reference else
                            "this model with its LoRA adapter disabled, no second model)"))
-    if k > 1 or (setup.server_sampling and setup.server_correction):
-        forwards.append(f"old log-probabilities {once:g} (" + (f"rl.num_iterations {k}" if k > 1 else
-                                                               "the vLLM sampler's correction") + ")")
+    why_old = [f"rl.num_iterations {k}"] * (k > 1) + ["rloo's KL"] * setup.rloo \
+        + ["the vLLM sampler's correction"] * (setup.server_sampling and setup.server_correction)
+    if why_old:
+        forwards.append(f"old log-probabilities {once:g} ({', '.join(why_old)})")
     if t is not None and not reference:
         forwards.append(f"the teacher {t.params / m.params:.3g} (one forward of its {_count(t.params)} parameters, "
                         "counted in this model's forwards)")
@@ -302,7 +303,8 @@ def render(setup: Setup, rows: list[Row], report: dict, launched: Strategy | Non
     lines.append("host/node: host RAM per node for offload (NVMe: RAM + 'n' NVMe space); comm/step: what each GPU "
                  "sends per optimizer step")
     formulas = command("python -c 'import toolkit.backends.sizing as s; help(s)'")
-    lines.append(f"fits: total <= {USABLE_FRACTION:.0%} of the GPU's memory; totals are upper bounds (see "
+    share = f", less the vLLM server's {setup.server_gpu_share:.0%}" if setup.server_gpu_share else ""
+    lines.append(f"fits: total <= {USABLE_FRACTION:.0%} of the GPU's memory{share}; totals are upper bounds (see "
                  f"`{formulas}` for the formulas)")
     lines.append(f"recommendation: {report['recommendation']}")
     epoch = report["epoch"]
