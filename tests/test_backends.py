@@ -223,3 +223,22 @@ def test_slurm_launch_script_on_two_loopback_nodes(workdir, reference):
         rc, _, err = finish(proc, timeout=600)
         assert rc == 0, err[-4000:]
     assert_same_as_reference(reference["full"], out, "multi_node_zero2", workdir)
+
+
+def test_a_host_copy_that_fails_is_raised_only_after_every_gather():
+    """`trainable_weights` under ZeRO-3 and FSDP2 takes a host copy between gathers (collectives every rank runs):
+    a copy that fails on the main process (out of host memory) must not stop its loop early, or the other ranks
+    would wait in the next gather; `HostCopies` keeps the first failure and raises it at `done`, taking no more
+    copies after it."""
+    from toolkit.backends.base import HostCopies
+
+    copies = HostCopies(torch.float16)
+    copies.take("a", torch.ones(2))
+    copies.take("b", torch.ones(2, device="meta"))  # a tensor whose host copy fails
+    copies.take("c", torch.ones(3))  # the loop goes on, copying nothing more
+    assert list(copies) == ["a"] and copies["a"].dtype == torch.float16
+    with pytest.raises(NotImplementedError):
+        copies.done()
+    fine = HostCopies(None)
+    fine.take("a", torch.ones(2, dtype=torch.float64))
+    assert fine.done()["a"].dtype == torch.float64
