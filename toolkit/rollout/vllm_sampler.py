@@ -117,30 +117,8 @@ class VLLMSampler:
         if self.accelerator.is_main_process and problem is None:
             try:
                 module = self.accelerator.unwrap_model(model)
-                if self.lora:
-                    with disk.writing("rl.sampler: the adapter for the vLLM server", folder, error=ToolkitError):
-                        module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
-                    client.load_adapter(self.url, self.adapter, str(folder.resolve()), self.cfg.vllm_timeout)
-                    for older in folder.parent.iterdir():  # the server holds the loaded one in memory
-                        if older != folder:
-                            shutil.rmtree(older, ignore_errors=True)
-                else:
-                    from safetensors.torch import save_file
-                    from transformers.core_model_loading import revert_weight_conversion
-
-                    # the checkpoint's names (transformers renames or fuses some on loading, MoE experts among them)
-                    weights = revert_weight_conversion(module, weights)
-                    shutil.rmtree(folder.parent, ignore_errors=True)
-                    folder.mkdir(parents=True)
-                    needed = sum(w.numel() * w.element_size() for w in weights.values())
-                    with disk.writing("rl.sampler: the weights for the vLLM server", folder, needed, ToolkitError):
-                        save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
-                    try:
-                        client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
-                    except ToolkitError as err:
-                        problem = self.explained(str(err), reloading=True)
-                    finally:  # read by then: no copy of the whole model is left in the run folder
-                        shutil.rmtree(folder.parent, ignore_errors=True)
+                problem = self.send_adapter(module, weights, folder) if self.lora else \
+                    self.send_weights(module, weights, folder)
             except ToolkitError as err:
                 problem = self.explained(str(err))
             except OSError as err:
@@ -156,6 +134,37 @@ class VLLMSampler:
         problem = self.broadcast(problem)
         if problem:
             raise ToolkitError(problem)
+
+    def send_adapter(self, module, weights: dict, folder: Path) -> None:
+        """The main process's part of a LoRA sync: the adapter written to `folder` and loaded in place; the older
+        folders removed (the server holds the loaded adapter in memory)."""
+        with disk.writing("rl.sampler: the adapter for the vLLM server", folder, error=ToolkitError):
+            module.save_pretrained(str(folder), state_dict=weights, safe_serialization=True)
+        client.load_adapter(self.url, self.adapter, str(folder.resolve()), self.cfg.vllm_timeout)
+        for older in folder.parent.iterdir():
+            if older != folder:
+                shutil.rmtree(older, ignore_errors=True)
+
+    def send_weights(self, module, weights: dict, folder: Path) -> str | None:
+        """The main process's part of a full fine-tuning sync: the weights under the checkpoint's names
+        (transformers renames or fuses some on loading, MoE experts among them) written to `folder`, reloaded by
+        the server, and removed once read; a failed reload's line, with the server's own last error."""
+        from safetensors.torch import save_file
+        from transformers.core_model_loading import revert_weight_conversion
+
+        weights = revert_weight_conversion(module, weights)
+        shutil.rmtree(folder.parent, ignore_errors=True)
+        folder.mkdir(parents=True)
+        needed = sum(w.numel() * w.element_size() for w in weights.values())
+        with disk.writing("rl.sampler: the weights for the vLLM server", folder, needed, ToolkitError):
+            save_file({n: w.contiguous() for n, w in weights.items()}, str(folder / "model.safetensors"))
+        try:
+            client.reload_weights(self.url, str(folder.resolve()), self.cfg.vllm_timeout)
+        except ToolkitError as err:
+            return self.explained(str(err), reloading=True)
+        finally:  # read by then: no copy of the whole model is left in the run folder
+            shutil.rmtree(folder.parent, ignore_errors=True)
+        return None
 
     def sample(self, prompts: list[list[int]], seeds: list[int], stops: list[int]) -> tuple[list, list]:
         """Each prompt's completion and its tokens' log-probabilities under the server's sampling."""
@@ -183,7 +192,6 @@ class VLLMSampler:
             return (f"rl.sampler: the vLLM server the run started exited (code {self.server.process.returncode}): "
                     f"{self.server.last_line()} (log: {self.server.log_path}); the last checkpoint is intact")
         if self.server is not None and reloading:  # its own words on why, from its log
-            line = line.replace("rl.vllm_url: ", "rl.sampler: ", 1)
             line += f"; its log says: {self.server.last_line()} ({self.server.log_path})"
         return line + "; the last checkpoint is intact"
 
