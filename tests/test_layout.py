@@ -159,7 +159,9 @@ def test_test_modules_take_helpers_from_helpers_not_conftest():
 # the entry (the CLI) sits on top. docs/architecture.md draws the same order.
 LAYERS = ["ground", "storage", "observe", "model", "data", "backends", "rollout", "training", "verbs", "entry"]
 GROUND = {"errors", "faults", "stops", "config"}
-GROUND_PACKAGES = {"config"}  # ground that is a folder of modules (the recipe's schema, loading, validation)
+# ground that is a folder of modules: the recipe's schema, loading and validation; the optimizers and schedules
+# the recipe names (what a name means is checked when the recipe loads)
+GROUND_PACKAGES = {"config", "optim"}
 ENTRY = {"", "cli", "__main__"}
 
 

@@ -19,6 +19,7 @@ import torch
 from .. import faults
 from ..config import Recipe
 from ..errors import EXIT_SAVE_MISMATCH, ToolkitError
+from ..optim import optimizers, schedules
 from ..stops import TrainingStopped
 from ..storage import disk
 from ..storage.verify import first_mismatch, inject_corruption, read_back, tree_mismatch
@@ -271,20 +272,18 @@ class Backend:
 
     # -- optimizer and schedule --------------------------------------------------------------------
 
-    def make_optimizer(self, params: list[dict], recipe: Recipe):
-        """AdamW from the recipe. On CUDA the fused kernel: one launch for all parameters instead of
-        several per tensor."""
+    def make_optimizer(self, params: list[dict], recipe: Recipe, model: torch.nn.Module | None = None):
+        """train.optim over the parameter groups `params` (optim/optimizers.py): adamw_torch is the fused
+        kernel on CUDA, one launch for all parameters instead of several per tensor."""
         t = recipe.train
-        return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                 eps=t.adam_epsilon, weight_decay=t.weight_decay,
-                                 fused=True if self.accelerator.device.type == "cuda" else None)
+        return optimizers.make(t.optim, params, t, self.accelerator.device, model, t.optim_args)
 
     def check_compile(self, recipe: Recipe) -> None:
         """Refuse train.compile where it is known not to work."""
 
-    def make_scheduler(self, optimizer, lr_lambda, total_steps: int, warmup_steps: int):
-        """The recipe's LambdaLR."""
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    def make_scheduler(self, optimizer, recipe: Recipe, total_steps: int):
+        """train.lr_scheduler_type over `total_steps` (optim/schedules.py)."""
+        return schedules.make(optimizer, recipe.train, total_steps)
 
     def finalize_config(self, model, recipe: Recipe, total_steps: int) -> dict | None:
         """Fill what depends on the model and the data; returns the resolved backend config, if any
@@ -437,31 +436,37 @@ class Backend:
         """The model as built, inside what prepare wrapped it in."""
         return self.accelerator.unwrap_model(model)
 
-    def portable_state(self, model, optimizer) -> tuple[dict, dict, int, list[dict]]:
-        """(weights, moments, AdamW step, groups) of the trainable parameters, tensors complete on
-        the main process, fp32, on the CPU; `moments` keyed `exp_avg/NAME`; each group its
-        hyperparameters and `names`. A collective: every rank calls it."""
+    def portable_state(self, model, optimizer) -> tuple[dict, dict, int, list[dict], dict]:
+        """(weights, moments, step, groups, scalars) of the trainable parameters, tensors complete on the
+        main process, on the CPU (floating ones in fp32): `moments` every per-parameter state tensor of
+        the optimizer keyed `KEY/NAME` (AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer, Adafactor's
+        factored rows and columns, bitsandbytes' 8-bit states with their absmax and qmap), `scalars` the
+        rest of each parameter's state by name (`[is a tensor, value]`: the step), `step` the optimizer's
+        step count, each group its hyperparameters and `names`. A collective: every rank calls it."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         names = dict(self.trainable(model))
         full = get_model_state_dict(model, options=_full_options())
         weights = {k: v.detach().float().cpu().contiguous() for k, v in full.items() if k in names}
         osd = get_optimizer_state_dict(model, optimizer, options=_full_options())
-        moments = {}
+        moments, scalars = {}, {}
         for name in names if self.accelerator.is_main_process else ():  # cpu_offload: the full state on rank 0 only
-            st = osd.get("state", {}).get(name, {})
-            for key in MOMENTS:
-                m = st.get(key)
-                moments[f"{key}/{name}"] = (torch.zeros_like(weights[name]) if m is None
-                                            else m.detach().float().cpu().contiguous())
+            for key, value in osd.get("state", {}).get(name, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    moments[f"{key}/{name}"] = host_state(value)
+                elif value is not None:
+                    scalars.setdefault(name, {})[key] = [torch.is_tensor(value),
+                                                         value.item() if torch.is_tensor(value) else value]
         step = adam_step(osd.get("state", {}).values(), osd.get("param_groups", []))
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "names": list(g["params"])}
                   for g in osd.get("param_groups", [])]
-        return weights, moments, step, groups
+        return weights, moments, step, groups, scalars
 
-    def set_portable_state(self, model, optimizer, weights: dict, moments: dict, step: int, by_name: dict) -> None:
+    def set_portable_state(self, model, optimizer, weights: dict, moments: dict, step: int, by_name: dict,
+                           scalars: dict | None) -> None:
         """Set the prepared model and optimizer from a portable state (`by_name`: each parameter's
-        saved group)."""
+        saved group; `scalars` None: a checkpoint of before per-optimizer states, AdamW's moments and
+        one step count)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
@@ -475,9 +480,29 @@ class Backend:
         for group in current["param_groups"]:
             saved = by_name[group["params"][0]]
             group.update({k: v for k, v in saved.items() if k not in ("names", "params")})
-        current["state"] = {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in MOMENTS}}
-                            for name in weights} if step else {}
+        current["state"] = state_by_name(weights, moments, step, scalars)
         set_optimizer_state_dict(model, optimizer, dict(current), options=StateDictOptions(full_state_dict=True))
+
+
+def host_state(value: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor's own host copy, fp32 where it is floating (8-bit states stay 8-bit)."""
+    value = value.detach()
+    return (value.float() if value.is_floating_point() else value).cpu().contiguous()
+
+
+def state_by_name(weights: dict, moments: dict, step: int, scalars: dict | None) -> dict:
+    """Each parameter's optimizer state, by name, from a portable state's files."""
+    if scalars is None:  # written before per-optimizer states: AdamW's, its step shared
+        return {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in MOMENTS}}
+                for name in weights} if step else {}
+    state: dict[str, dict] = {}
+    for full, tensor in moments.items():
+        key, name = full.split("/", 1)
+        state.setdefault(name, {})[key] = tensor
+    for name, entries in scalars.items():
+        for key, (is_tensor, value) in entries.items():
+            state.setdefault(name, {})[key] = torch.tensor(value) if is_tensor else value
+    return state
 
 
 def trained_only(module: torch.nn.Module, state_dict: dict, prefix: str = "") -> dict:

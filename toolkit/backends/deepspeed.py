@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ToolkitError
+from ..optim import schedules
 from ..storage.verify import read_back, tree_mismatch
 from . import deepspeed_config, launch_config, sequence
 from .base import MOMENTS, Backend, HostCopies, adam_step, launched_world_size, trained_only
@@ -263,32 +264,33 @@ class DeepSpeed(Backend):
 
     # -- optimizer and schedule --------------------------------------------------------------------
 
-    def make_optimizer(self, params, recipe):
+    def make_optimizer(self, params, recipe, model=None):
         """A placeholder when the DeepSpeed JSON brings its own optimizer. (Under optimizer offload
         accelerate swaps in DeepSpeed's CPU Adam for the recipe's AdamW.)"""
         if "optimizer" in self.config:
             from accelerate.utils import DummyOptim
 
             return DummyOptim(params, lr=recipe.train.learning_rate)
-        return super().make_optimizer(params, recipe)
+        return super().make_optimizer(params, recipe, model)
 
     def check_compile(self, recipe) -> None:
         if recipe.train.compile and self.stage == 3:
             raise ToolkitError("train.compile: not supported with DeepSpeed ZeRO-3 (its parameter gathering runs "
                                "inside every compiled layer); set train.compile=false or use ZeRO-1/2 or FSDP")
 
-    def make_scheduler(self, optimizer, lr_lambda, total_steps, warmup_steps):
+    def make_scheduler(self, optimizer, recipe, total_steps):
         """A placeholder when the JSON brings its own scheduler; when it brings only an optimizer,
         the recipe's schedule attached to the optimizer DeepSpeed builds (accelerate's
         `lr_scheduler_callable`)."""
         from accelerate.utils import DummyOptim, DummyScheduler
 
         if "scheduler" in self.config:
-            return DummyScheduler(optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps)
+            return DummyScheduler(optimizer, total_num_steps=total_steps,
+                                  warmup_num_steps=schedules.warmup_steps(recipe.train, total_steps))
         if isinstance(optimizer, DummyOptim):
             return DummyScheduler(optimizer,
-                                  lr_scheduler_callable=lambda real: torch.optim.lr_scheduler.LambdaLR(real, lr_lambda))
-        return super().make_scheduler(optimizer, lr_lambda, total_steps, warmup_steps)
+                                  lr_scheduler_callable=lambda real: schedules.make(real, recipe.train, total_steps))
+        return super().make_scheduler(optimizer, recipe, total_steps)
 
     def finalize_config(self, model, recipe, total_steps) -> dict:
         """DeepSpeed's "auto" values: bucket sizes from the model, the scheduler's length."""
@@ -390,42 +392,54 @@ class DeepSpeed(Backend):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         link_zero12_states(model.optimizer)
+        base = model.optimizer.optimizer  # the torch optimizer over ZeRO's fp32 partitions
+        keys = elementwise_keys(base)
         weights, moments = {}, {}
         for name, p in self.trainable(model):  # same order on every rank
             full = safe_get_full_fp32_param(p)
-            states = [safe_get_full_optimizer_state(p, key) for key in MOMENTS]
+            states = [safe_get_full_optimizer_state(p, key) for key in keys]
             if not self.accelerator.is_main_process:
                 continue
             weights[name] = full.detach().float().cpu()
-            for key, m in zip(MOMENTS, states):
-                moments[f"{key}/{name}"] = torch.zeros_like(weights[name]) if m is None else m.detach().float().cpu()
-        base = model.optimizer.optimizer  # the torch optimizer over ZeRO's fp32 partitions
-        return weights, moments, adam_step(base.state.values(), base.param_groups), \
-            self.named_groups(model.module, base.param_groups)
+            for key, m in zip(keys, states):
+                if m is not None:
+                    moments[f"{key}/{name}"] = m.detach().float().cpu()
+        step = adam_step(base.state.values(), base.param_groups)
+        # the step of each parameter as torch's AdamW keeps it (a tensor), so any backend's AdamW takes it
+        scalars = {name: {"step": [True, float(step)]} for name in weights} if step and "exp_avg" in keys else {}
+        return weights, moments, step, self.named_groups(model.module, base.param_groups), scalars
 
-    def set_portable_state(self, model, optimizer, weights, moments, step, by_name) -> None:
+    def set_portable_state(self, model, optimizer, weights, moments, step, by_name, scalars) -> None:
         """`safe_set_full_fp32_param` and `safe_set_full_optimizer_state`, then the 16-bit working
         copies refreshed from the fp32 masters the way DeepSpeed's universal-checkpoint loader does."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero = model.optimizer
+        keys = elementwise_keys(zero.optimizer)
+        saved = {k.split("/", 1)[0] for k in moments}
+        if saved - set(keys):
+            raise ToolkitError(f"resume: the checkpoint holds optimizer states {sorted(saved)} that this launch's "
+                               f"optimizer under DeepSpeed ({type(zero.optimizer).__name__}: {list(keys)}) cannot "
+                               "take; resume under the launch that wrote it")
         # Before its first step ZeRO holds no optimizer state: make it, zeros, for the load to fill.
         flats = (getattr(zero, "single_partition_of_fp32_groups", None)
                  or getattr(zero, "fp32_partitioned_groups_flat", ()))
         for i, flat in enumerate(flats):
             state = zero.optimizer.state[flat]
-            if "exp_avg" not in state:
+            if keys and keys[0] not in state and saved:
                 if getattr(zero, "_swappable_optimizer_subgroup", lambda i: False)(i):
                     raise ToolkitError("resume: this launch offloads the optimizer state to NVMe, which a checkpoint "
                                        "of another layout cannot be loaded into; resume under CPU offload or none")
-                adam = isinstance(zero.optimizer, (torch.optim.Adam, torch.optim.AdamW))  # torch's: a tensor step
-                state.update(step=torch.tensor(float(step)) if adam else step,
-                             **{key: torch.zeros_like(flat) for key in MOMENTS})
+                if "exp_avg" in keys:
+                    adam = isinstance(zero.optimizer, (torch.optim.Adam, torch.optim.AdamW))  # torch's: a tensor step
+                    state["step"] = torch.tensor(float(step)) if adam else step
+                state.update({key: torch.zeros_like(flat) for key in keys})
         link_zero12_states(zero)
         for name, p in self.trainable(model):
             safe_set_full_fp32_param(p, weights[name])
-            for key in MOMENTS:
-                safe_set_full_optimizer_state(p, moments[f"{key}/{name}"], key)
+            for key in keys:
+                if f"{key}/{name}" in moments:
+                    safe_set_full_optimizer_state(p, moments[f"{key}/{name}"], key)
         base = zero.optimizer
         for st in base.state.values():
             if "step" in st:
@@ -498,6 +512,14 @@ def fp32_masters(model) -> dict:
             for name in names[id(p)]:
                 masters[name] = full.detach().to("cpu", copy=True)
     return masters
+
+
+def elementwise_keys(base) -> tuple[str, ...]:
+    """The per-parameter state tensors the optimizer under ZeRO keeps: AdamW's moments (torch's or
+    DeepSpeed's own Adam), SGD's momentum buffer where it has momentum."""
+    if isinstance(base, torch.optim.SGD):
+        return ("momentum_buffer",) if any(g.get("momentum") for g in base.param_groups) else ()
+    return MOMENTS
 
 
 def link_zero12_states(zero) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config import Recipe
 from ..errors import ToolkitError
+from ..optim import optimizers
 
 # zero_optimization spellings: deprecated or alternative name -> the one this module writes.
 # DeepSpeed's schema accepts a field under its name or its alias but fails when both appear.
@@ -224,6 +225,7 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
 
     if "optimizer" in cfg:
         _resolve_optimizer(cfg["optimizer"], t, source, settle, notes)
+    _check_recipe_optimizer(cfg, t, source)
     if "scheduler" in cfg:
         _resolve_scheduler(cfg["scheduler"], t, source, notes, total_steps)
 
@@ -306,6 +308,23 @@ def _resolve_optimizer(opt: dict, t, source: str, settle, notes: list[str]) -> N
                  "eps and weight_decay")
 
 
+def _check_recipe_optimizer(cfg: dict, t, source: str) -> None:
+    """train.optim under DeepSpeed: an elementwise torch optimizer only (ZeRO steps it over flat partitions); none
+    beside the JSON's own optimizer block unless an AdamW (the JSON's then decides, as before); only AdamW under
+    optimizer offload (DeepSpeed's CPU Adam steps it on the host)."""
+    adamw = t.optim in ("adamw_torch", "adamw_torch_fused")
+    if "optimizer" in cfg and not adamw:
+        raise ToolkitError(f"train.optim is {t.optim} but {source} brings its own optimizer "
+                           f"({cfg['optimizer'].get('type')}); remove one of the two")
+    problem = optimizers.sharding_problem(t.optim, "DeepSpeed steps the optimizer over flat partitions of them")
+    if problem:
+        raise ToolkitError(f"train.optim: {problem}")
+    device = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    if device in ("cpu", "nvme") and not adamw and "optimizer" not in cfg:
+        raise ToolkitError(f"train.optim is {t.optim} but {source} offloads the optimizer to {device}, where "
+                           "DeepSpeed steps its own CPU Adam; use adamw_torch, or turn the offload off")
+
+
 def scheduler_class(kind: str):
     """DeepSpeed looks a scheduler type up in its own lr_schedules, then in torch.optim.lr_scheduler."""
     import torch
@@ -336,7 +355,7 @@ def _resolve_scheduler(sched: dict, t, source: str, notes: list[str], total_step
             else:
                 raise ToolkitError(f"{source}: scheduler.params.{key}: {kind} takes no such parameter "
                                    f"(it takes {', '.join(accepted)})")
-    warmup = t.warmup_steps
+    warmup = t.warmup_steps or (math.ceil(t.warmup_ratio * total_steps) if total_steps else 0)
     if "warmup_num_steps" in accepted and warmup < 1 and params.get("warmup_num_steps", "auto") == "auto":
         warmup = 1  # DeepSpeed requires a positive count (and warms up over at least 2 steps)
         notes.append(f"{source}: scheduler.params.warmup_num_steps \"auto\" -> 1: the recipe has no warmup "
@@ -361,7 +380,7 @@ def _resolve_scheduler(sched: dict, t, source: str, notes: list[str], total_step
         elif not (key == "total_num_steps" and total_steps is None):
             raise ToolkitError(f"{source}: scheduler.params.{key} is \"auto\" but the recipe has no value for it; "
                                "set a number")
-    notes.append(f"{source}: learning-rate schedule {kind} from this file (the recipe's warmup-cosine schedule "
+    notes.append(f"{source}: learning-rate schedule {kind} from this file (the recipe's train.lr_scheduler_type "
                  "and min_lr_ratio are not used)")
 
 

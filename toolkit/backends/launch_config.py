@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import Recipe
 from ..errors import ToolkitError, command
+from ..optim import optimizers
 
 ENV_SOURCE = "accelerate config"
 # With a deepspeed_config_file, accelerate refuses these YAML fields outright (a ValueError on
@@ -47,6 +48,8 @@ def check(recipe: Recipe, env=os.environ, cuda: bool = False, source: str = ENV_
         raise ToolkitError(f"{source}: dynamo_config.dynamo_backend is {env['ACCELERATE_DYNAMO_BACKEND']!r}: "
                            "compile in the recipe instead (train.compile: true compiles each decoder layer, dynamic "
                            "shapes); set dynamo_backend: 'NO'")
+    if kind == "fsdp" and (problem := optimizers.sharding_problem(recipe.train.optim, "FSDP shards them")):
+        raise ToolkitError(f"train.optim: {problem}")
     if kind == "fsdp" and not cuda and env.get("FSDP_VERSION", "1") != "2":
         raise ToolkitError(f"{source}: fsdp_config.fsdp_version is {env.get('FSDP_VERSION', '1')} (FSDP1, also when "
                            "the key is absent): it trains on GPUs as it is, but accelerate's FSDP1 cannot run on a "

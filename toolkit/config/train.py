@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 
 @dataclass
@@ -16,20 +16,52 @@ class TrainConfig:
     """Optimizer steps; when unset, `epochs` passes over the data decide."""
     epochs: int = 1
     """Passes over the training data when max_steps is unset."""
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "muon", "adamw_8bit", "paged_adamw_8bit",
+                   "paged_adamw_32bit", "lion_8bit", "lion_32bit"] = "adamw_torch"
+    """The optimizer, by transformers' `optim` names and with the arguments its Trainer gives each:
+    `adamw_torch` (fused on CUDA), `adamw_torch_fused` (fused wherever torch has the kernel, the CPU
+    included), `sgd`, `adafactor` (transformers', factored second moment, fixed lr), `muon` (torch's Muon
+    on the hidden 2-D matrices, AdamW on embeddings, output layer, norms and biases, as Moonlight), and
+    bitsandbytes' `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`, `lion_8bit`, `lion_32bit`
+    (8-bit states: about 2 bytes a parameter for AdamW instead of 8; embeddings keep 32-bit states, as
+    transformers does). Every one trains on one process and DDP; under FSDP and DeepSpeed ZeRO only
+    those whose state is elementwise (`adamw_torch`, `adamw_torch_fused`, `sgd`): the others need each
+    parameter whole and are refused there before the model loads. A DeepSpeed JSON's own `optimizer`
+    block is used as before; beside it only the default (or an AdamW of the same type) is accepted."""
+    optim_args: dict[str, Union[bool, int, float, str]] = field(default_factory=dict)
+    """Extra keyword arguments of the optimizer's constructor (e.g. `{momentum: 0.9}` for sgd,
+    `{momentum: 0.95, ns_steps: 5}` for muon), checked against it when the recipe loads."""
     learning_rate: float = 2e-4
-    """AdamW's peak learning rate, after linear warmup, before cosine decay."""
+    """The peak learning rate (after warmup, before decay)."""
     weight_decay: float = 0.0
-    """AdamW weight decay, on matrices only (never norms or biases)."""
+    """Weight decay, on matrices only (never norms or biases)."""
     adam_beta1: float = 0.9
-    """AdamW's first-moment decay."""
+    """AdamW's (and Lion's) first-moment decay."""
     adam_beta2: float = 0.999
-    """AdamW's second-moment decay."""
+    """AdamW's second-moment decay (Lion's second beta)."""
     adam_epsilon: float = 1e-8
     """AdamW's epsilon."""
+    lr_scheduler_type: Literal["warmup_cosine", "linear", "cosine", "cosine_with_restarts", "cosine_with_min_lr",
+                               "constant", "constant_with_warmup", "polynomial", "inverse_sqrt",
+                               "warmup_stable_decay"] = "warmup_cosine"
+    """The learning-rate schedule. `warmup_cosine` (the default): linear warmup whose first step already
+    trains at learning_rate / warmup_steps, then cosine decay to learning_rate x min_lr_ratio. The
+    others are transformers' schedules by their `lr_scheduler_type` names, built by
+    `transformers.get_scheduler` itself: the learning rate of every step is a Trainer's or TRL's for the
+    same settings (their warmups start at 0)."""
+    lr_scheduler_kwargs: dict[str, Union[bool, int, float, str]] = field(default_factory=dict)
+    """Extra arguments of a transformers schedule (e.g. `{min_lr_rate: 0.1}` for cosine_with_min_lr,
+    `{power: 2.0, lr_end: 1e-7}` for polynomial, `{num_decay_steps: 100}` for warmup_stable_decay),
+    checked against its signature when the recipe loads."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 to learning_rate; then cosine decay to the end."""
+    """Optimizer steps of linear warmup from 0 to learning_rate. Longer than the run: cut to the run,
+    with a note."""
+    warmup_ratio: float = 0.0
+    """Warmup as a share of the run's optimizer steps, ceil(ratio x steps) as transformers counts it; used
+    when warmup_steps is 0."""
     min_lr_ratio: float = 0.0
-    """Cosine decay ends at learning_rate * min_lr_ratio."""
+    """warmup_cosine (and cosine_with_min_lr without min_lr in its kwargs): the decay ends at
+    learning_rate x this."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: `fp32`, `bf16` or `fp16` (fp16 only where a backend scales the loss: CUDA).
     Sets accelerate's autocast and DeepSpeed's bf16/fp16 sections alike."""

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError, command
+from ..optim import optimizers, schedules
 from .data import DataSource
 from .recipe import CHANGEABLE_INPUTS, Recipe
 from .validate_model import validate_model
@@ -76,9 +77,25 @@ def validate_train(r: Recipe, need) -> None:
     need(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")
     need(t.adam_epsilon > 0, "train.adam_epsilon", f"must be positive, got {t.adam_epsilon}")
     need(t.warmup_steps >= 0, "train.warmup_steps", f"must be non-negative, got {t.warmup_steps}")
-    need(t.max_steps is None or t.warmup_steps <= t.max_steps, "train.warmup_steps",
-         f"{t.warmup_steps} warmup steps exceed train.max_steps={t.max_steps}")
+    need(0.0 <= t.warmup_ratio < 1.0, "train.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
+    need(not (t.warmup_steps and t.warmup_ratio), "train.warmup_ratio",
+         f"give either train.warmup_steps ({t.warmup_steps}) or train.warmup_ratio ({t.warmup_ratio:g}), not both")
     need(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    need(not t.min_lr_ratio or t.lr_scheduler_type in ("warmup_cosine", "cosine_with_min_lr"), "train.min_lr_ratio",
+         f"is read by the warmup_cosine and cosine_with_min_lr schedules only, and train.lr_scheduler_type is "
+         f"{t.lr_scheduler_type}; remove it (or give the schedule's own floor in train.lr_scheduler_kwargs)")
+    accepted = schedules.kwargs_accepted(t.lr_scheduler_type)
+    for key in t.lr_scheduler_kwargs:
+        need(key in accepted, f"train.lr_scheduler_kwargs.{key}",
+             f"not an argument of the {t.lr_scheduler_type} schedule"
+             + (f" (it takes {', '.join(accepted)})" if accepted else " (it takes none)"))
+    opt = optimizers.OPTIMIZERS[t.optim]
+    need(opt.package is None or importlib.util.find_spec(opt.package) is not None, "train.optim",
+         f"{t.optim} needs {opt.package}, which is not installed: " + command(f"python -m pip install {opt.package}"))
+    accepted = optimizers.args_accepted(t.optim)
+    for key in t.optim_args:
+        need(key in accepted, f"train.optim_args.{key}", f"not an argument of {t.optim} ({opt.what})"
+             + (f"; it takes {', '.join(accepted)}" if accepted else "; it takes none"))
     need(t.initial_loss_scale >= 1 and math.log2(t.initial_loss_scale).is_integer(), "train.initial_loss_scale",
          f"must be a power of two >= 1 (e.g. 65536), got {t.initial_loss_scale}")
     need(t.loss_chunk_tokens > 0, "train.loss_chunk_tokens", f"must be positive, got {t.loss_chunk_tokens}")

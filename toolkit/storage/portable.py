@@ -2,9 +2,11 @@
 
 Every checkpoint holds, beside the backend's own sharded state (the fast path for a resume with
 the same launch), `portable/`: the full fp32 weights of the trainable parameters
-(`weights.safetensors`), their AdamW moments (`moments.safetensors`: `exp_avg/NAME`,
-`exp_avg_sq/NAME`) and `state.json` (the AdamW step, the learning rate and hyperparameters of each
-parameter group by parameter name, the scheduler's state, the loss scale). Names are the model's
+(`weights.safetensors`), their optimizer's state tensors (`moments.safetensors`: `KEY/NAME`, e.g.
+AdamW's `exp_avg/NAME` and `exp_avg_sq/NAME`, SGD's `momentum_buffer/NAME`, bitsandbytes' 8-bit
+`state1/NAME` with `absmax1/NAME` and `qmap1/NAME`) and `state.json` (the optimizer's step, the rest of
+each parameter's state by name (`scalars`), the learning rate and hyperparameters of each parameter
+group by parameter name, the scheduler's state, the loss scale). Names are the model's
 own parameter names (peft's for an adapter), the same under every backend.
 
 Gathered and set by the run's backend (`portable_state`, `set_portable_state` in `backends/`) with
@@ -32,8 +34,8 @@ FOLDER = "portable"
 def gather(backend, model, optimizer) -> tuple[dict, dict, dict]:
     """(weights, moments, state) of the trainable parameters, complete on the main process (a
     collective: every rank calls it); the backend gathers the tensors its own way."""
-    weights, moments, step, groups = backend.portable_state(model, optimizer)
-    return weights, moments, {"adam_step": step, "param_groups": _jsonable(groups)}
+    weights, moments, step, groups, scalars = backend.portable_state(model, optimizer)
+    return weights, moments, {"adam_step": step, "param_groups": _jsonable(groups), "scalars": _jsonable(scalars)}
 
 
 def save(backend, model, optimizer, scheduler, folder: Path) -> dict | None:
@@ -93,7 +95,7 @@ def load(backend, model, optimizer, scheduler, folder: Path) -> None:
         raise ToolkitError(f"resume: {folder} was scheduled by {saved_class} and this launch by {now_class} (a "
                            "DeepSpeed JSON's scheduler block decides it); resume with the same scheduler")
     by_name = {n: g for g in state["param_groups"] for n in g["names"]}
-    backend.set_portable_state(model, optimizer, weights, moments, state["adam_step"], by_name)
+    backend.set_portable_state(model, optimizer, weights, moments, state["adam_step"], by_name, state.get("scalars"))
     scheduler.load_state_dict(state["scheduler"]["state"])
     scaler = backend.accelerator.scaler
     if state.get("loss_scale") is not None and scaler is not None:
@@ -119,7 +121,9 @@ def read_back(backend, model, optimizer, scheduler, folder: Path) -> str | None:
         if problem:
             return problem
     if state["adam_step"] != saved["adam_step"]:
-        return f"AdamW step {state['adam_step']} where {saved['adam_step']} was saved"
+        return f"optimizer step {state['adam_step']} where {saved['adam_step']} was saved"
+    if "scalars" in saved and state["scalars"] != saved["scalars"]:
+        return f"optimizer state {str(state['scalars'])[:200]} where {str(saved['scalars'])[:200]} was saved"
     lrs = {n: g.get("lr") for g in state["param_groups"] for n in g["names"]}
     for group in saved["param_groups"]:
         for n in group["names"]:

@@ -384,10 +384,6 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
                              sampler=EvalShardSampler(len(data.eval), eval_batch, accelerator.process_index, world),
                              generator=torch.Generator().manual_seed(recipe.seed))
     total_steps = t.max_steps or t.epochs * sampler.steps_per_epoch * recipe.rl.num_iterations
-    if t.warmup_steps > total_steps:  # max_steps was checked at load; epochs give their steps only now
-        raise ToolkitError(f"train.warmup_steps: {t.warmup_steps} warmup steps exceed the {total_steps} optimizer "
-                           f"steps that train.epochs={t.epochs} gives ({len(data.train)} rows / global batch "
-                           f"{global_batch})")
     return Loaders(train_loader, eval_loader, sampler, collate, eval_batch, global_batch, total_steps)
 
 
@@ -407,23 +403,9 @@ def setup_state(backend: backends.Backend, recipe: Recipe, data: Datasets, loade
 
 def setup_optimizer(backend: backends.Backend, model, recipe: Recipe, total_steps: int):
     """(optimizer, scheduler, the resolved DeepSpeed config or None): the backend's, or a DeepSpeed JSON's own."""
-    t = recipe.train
-    optimizer = backend.make_optimizer(backend.param_groups(model, t.weight_decay), recipe)
-    scheduler = backend.make_scheduler(optimizer, warmup_cosine(t.warmup_steps, total_steps, t.min_lr_ratio),
-                                       total_steps, t.warmup_steps)
+    optimizer = backend.make_optimizer(backend.param_groups(model, recipe.train.weight_decay), recipe, model)
+    scheduler = backend.make_scheduler(optimizer, recipe, total_steps)
     return optimizer, scheduler, backend.finalize_config(model, recipe, total_steps)
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """LR multiplier for the i-th optimizer step (i from 0): linear warmup, then cosine decay."""
-
-    def factor(i: int) -> float:
-        if i < warmup_steps:
-            return (i + 1) / warmup_steps
-        progress = min(1.0, (i - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def open_run_folder(backend: backends.Backend, recipe: Recipe, ds_config, state: checkpoint.TrainerState,

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..backends import deepspeed_config
 from ..backends.run_sizing import estimate_for_run
 from ..config import Recipe
+from ..optim import optimizers, schedules
 
 
 def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, eval_rows: int,
@@ -49,16 +50,18 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
         lines.append(f"optimizer {ds['optimizer'].get('type')} from {json_name}: {_params(ds['optimizer'])}")
     else:
         default_lr = recipe.rl.method and t.learning_rate == type(t)().learning_rate
-        lines.append(f"optimizer AdamW lr {t.learning_rate:g}, betas ({t.adam_beta1:g}, {t.adam_beta2:g}), "
-                     f"eps {t.adam_epsilon:g}, weight_decay {t.weight_decay:g} on matrices only (recipe)"
+        adam = t.optim.startswith(("adamw", "paged_adamw"))
+        lines.append(f"optimizer {t.optim} ({optimizers.OPTIMIZERS[t.optim].what}) lr {t.learning_rate:g}"
+                     + (f", betas ({t.adam_beta1:g}, {t.adam_beta2:g}), eps {t.adam_epsilon:g}" if adam else "")
+                     + f", weight_decay {t.weight_decay:g} on matrices only"
+                     + "".join(f", {k} {v}" for k, v in t.optim_args.items()) + " (recipe)"
                      + ("; that lr is the default, made for SFT: TRL's GRPO and RLOO default is 1e-6 (full "
                         "fine-tuning); set train.learning_rate" if default_lr else ""))
     if "scheduler" in ds:
         lines.append(f"schedule {ds['scheduler'].get('type')} from {json_name}: {_params(ds['scheduler'])}; "
-                     "the recipe's warmup-cosine and min_lr_ratio are not used")
+                     "the recipe's train.lr_scheduler_type and min_lr_ratio are not used")
     else:
-        lines.append(f"schedule linear warmup over {t.warmup_steps} step{'s' if t.warmup_steps != 1 else ''}, "
-                     f"then cosine decay to {t.min_lr_ratio:g} x learning_rate at step {total_steps} (recipe)")
+        lines.append(schedules.describe(t, total_steps))
     lines.append(f"gradient clipping at global norm {t.max_grad_norm:g} (train.max_grad_norm)" if t.max_grad_norm > 0
                  else "gradient clipping off (train.max_grad_norm 0); the norm is still logged")
     memory = [what for on, what in ((recipe.model.gradient_checkpointing, "gradient checkpointing"),

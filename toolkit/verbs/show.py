@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from ..config import DataSource, Recipe, dump_recipe
+from ..optim import schedules
 
 
 def run(args, recipe: Recipe) -> None:
@@ -109,22 +110,23 @@ def data_line(recipe: Recipe) -> str:
 def steps_line(recipe: Recipe, per_step: int) -> str:
     t, d = recipe.train, recipe.data
     iterations = recipe.rl.num_iterations
+    warmup = f"{t.warmup_ratio:g} of the steps" if t.warmup_ratio else t.warmup_steps
     if t.max_steps:
-        return f"{t.max_steps} (train.max_steps), warmup {t.warmup_steps}"
+        return f"{t.max_steps} (train.max_steps), warmup {schedules.warmup_steps(t, t.max_steps)}"
     rows = local_rows(d.train_files)
     times = f" x {iterations} iterations" if iterations > 1 else ""
     if rows is None:
-        return (f"{t.epochs} epoch(s) x (training rows // {per_step}){times}, warmup {t.warmup_steps}: a Hub "
+        return (f"{t.epochs} epoch(s) x (training rows // {per_step}){times}, warmup {warmup}: a Hub "
                 "dataset's rows are counted when the run reads it (its first lines say)")
     if not d.eval_files and d.eval_fraction:
         rows -= math.ceil(d.eval_fraction * rows)
     per_epoch = rows // per_step
     if d.packing:
         return (f"at most {per_epoch * t.epochs * iterations:,} = {t.epochs} epoch(s) x {per_epoch:,} ({rows:,} "
-                f"examples in the files // {per_step}){times}, warmup {t.warmup_steps}; packed rows are fewer: the "
+                f"examples in the files // {per_step}){times}, warmup {warmup}; packed rows are fewer: the "
                 "run counts them when it tokenizes")
     return (f"{per_epoch * t.epochs * iterations:,} = {t.epochs} epoch(s) x {per_epoch:,} ({rows:,} training rows in "
-            f"the files // {per_step}){times}, warmup {t.warmup_steps}")
+            f"the files // {per_step}){times}, warmup {warmup}")
 
 
 def local_rows(entries: list) -> int | None:
