@@ -449,11 +449,15 @@ class Backend:
         full = get_model_state_dict(model, options=_full_options())
         weights = {k: v.detach().float().cpu().contiguous() for k, v in full.items() if k in names}
         osd = get_optimizer_state_dict(model, optimizer, options=_full_options())
-        moments, scalars = {}, {}
+        moments, scalars, held = {}, {}, set()
         for name in names if self.accelerator.is_main_process else ():  # cpu_offload: the full state on rank 0 only
-            for key, value in osd.get("state", {}).get(name, {}).items():
+            for key, value in flat_state(osd.get("state", {}).get(name, {})).items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    moments[f"{key}/{name}"] = host_state(value)
+                    copy = host_state(value)
+                    if copy.data_ptr() in held:  # one tensor in several states (bitsandbytes' qmap): a file holds each
+                        copy = copy.clone()
+                    held.add(copy.data_ptr())
+                    moments[f"{key}/{name}"] = copy
                 elif value is not None:
                     scalars.setdefault(name, {})[key] = [torch.is_tensor(value),
                                                          value.item() if torch.is_tensor(value) else value]
@@ -496,13 +500,33 @@ def state_by_name(weights: dict, moments: dict, step: int, scalars: dict | None)
         return {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in MOMENTS}}
                 for name in weights} if step else {}
     state: dict[str, dict] = {}
+
+    def put(name: str, key: str, value) -> None:  # `a.b`: a nested state (bitsandbytes' quantization state)
+        node = state.setdefault(name, {})
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+
     for full, tensor in moments.items():
         key, name = full.split("/", 1)
-        state.setdefault(name, {})[key] = tensor
+        put(name, key, tensor)
     for name, entries in scalars.items():
         for key, (is_tensor, value) in entries.items():
-            state.setdefault(name, {})[key] = torch.tensor(value) if is_tensor else value
+            put(name, key, torch.tensor(value) if is_tensor else value)
     return state
+
+
+def flat_state(state: dict, prefix: str = "") -> dict:
+    """A parameter's optimizer state with nested dicts flattened to dotted keys (bitsandbytes wraps its 8-bit
+    states in `__bnb_optimizer_quant_state__`)."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(flat_state(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def trained_only(module: torch.nn.Module, state_dict: dict, prefix: str = "") -> dict:

@@ -8,6 +8,7 @@ import os
 
 from ..config.objectives import server_arg
 from ..errors import ToolkitError, command
+from ..optim import optimizers
 from . import sequence
 from .launch_config import launch_kind, sequence_parallel_size
 from .model_counts import count_model, read_config
@@ -71,6 +72,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  micro_batch=recipe.train.micro_batch_size * per_row,
                  seq_len=recipe.data.max_seq_len + (rl.max_new_tokens if rl else 0),
                  gradient_checkpointing=recipe.model.gradient_checkpointing, tiled_mlp=recipe.model.tiled_mlp,
+                 optimizer_bytes=optimizers.OPTIMIZERS[recipe.train.optim].state_bytes,
                  activation_offload=recipe.model.activation_offload,
                  attention=recipe.model.attn_implementation, loss=recipe.train.loss,
                  loss_chunk_tokens=recipe.train.loss_chunk_tokens, pairs=pairs,

@@ -181,6 +181,7 @@ class Setup:
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = False
+    optimizer_bytes: float = 8.0  # optimizer state per trained parameter (train.optim; AdamW's two fp32 moments: 8)
     tiled_mlp: bool = False  # model.tiled_mlp: the MLP's intermediates for one tile of hidden positions
     activation_offload: bool = False  # model.activation_offload: the checkpointed inputs in host RAM
     attention: str = "sdpa"
@@ -398,7 +399,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
     if strategy.deepspeed:
         params = (e * (T + F - Q) + NF4_BYTES * Q) * per["parameters"]
         grads = e * T * per["gradients"]
-        optimizer = 4 * T / n + 8 * T / n  # fp32 master partition, AdamW moments
+        optimizer = 4 * T / n + setup.optimizer_bytes * T / n  # fp32 master partition, the optimizer's states
         buffers = 4 * T / n if half else 0  # the fp32 gradient partition of the step
         if strategy.shards == "parameters":
             buffers += 2 * layer
@@ -408,7 +409,7 @@ def estimate(strategy: Strategy, setup: Setup) -> Row:
         frozen = 4 if setup.four_bit else BYTES[setup.base_dtype]  # QLoRA: peft casts the rest of the base to fp32
         params = (4 * T + frozen * (F - Q) + NF4_BYTES * Q) / div
         grads = 4 * T / div
-        optimizer = 8 * T / div
+        optimizer = setup.optimizer_bytes * T / div
         if not strategy.shards:
             buffers = 4 * T if n > 1 else 0  # DDP's gradient buckets
             if setup.four_bit:  # the fp32 output layer and the adapters; 4-bit weights are dequantized instead

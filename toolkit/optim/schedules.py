@@ -69,12 +69,13 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
 def describe(t, total_steps: int) -> str:
     """The schedule in one line of the start-of-run summary."""
     warmup = warmup_steps(t, total_steps)
-    how = (f"train.warmup_ratio {t.warmup_ratio:g}" if not t.warmup_steps and t.warmup_ratio else "")
-    cut = (f"; train.warmup_steps {t.warmup_steps} cut to the run's {total_steps} steps"
+    how = f" (train.warmup_ratio {t.warmup_ratio:g})" if not t.warmup_steps and t.warmup_ratio else ""
+    cut = (f" (train.warmup_steps {t.warmup_steps} cut to the run's {total_steps} steps)"
            if t.warmup_steps > total_steps else "")
-    warm = f"{warmup} warmup step{'s' if warmup != 1 else ''}" + (f" ({how})" if how else "") + cut
+    steps = f"{warmup} step{'s' if warmup != 1 else ''}{how}{cut}"
     if t.lr_scheduler_type == DEFAULT:
-        return (f"schedule linear warmup over {warm}, then cosine decay to {t.min_lr_ratio:g} x learning_rate "
+        return (f"schedule linear warmup over {steps}, then cosine decay to {t.min_lr_ratio:g} x learning_rate "
                 f"at step {total_steps} (recipe)")
     kwargs = "".join(f", {k} {v}" for k, v in t.lr_scheduler_kwargs.items())
-    return f"schedule {t.lr_scheduler_type} (transformers') with {warm} of {total_steps}{kwargs} (recipe)"
+    return f"schedule {t.lr_scheduler_type} (transformers') with {warmup} warmup {steps[len(str(warmup)) + 1:]} of " \
+           f"{total_steps}{kwargs} (recipe)"

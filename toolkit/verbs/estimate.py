@@ -26,6 +26,7 @@ from ..backends.sizing import (
     rl_forwards,
 )
 from ..errors import ToolkitError, command
+from ..optim import optimizers
 
 
 def add_arguments(p) -> None:
@@ -64,6 +65,8 @@ def add_arguments(p) -> None:
     p.add_argument("--loss", choices=["chunked", "full"], default=None,
                    help="train.loss: chunked keeps one chunk's logits, full the micro-batch's (default chunked)")
     p.add_argument("--loss-chunk-tokens", type=int, default=None, help="train.loss_chunk_tokens (default 1024)")
+    p.add_argument("--optim", choices=optimizers.NAMES, default=None,
+                   help="train.optim: its state per trained parameter (default adamw_torch, 8 bytes; adamw_8bit 2)")
     p.add_argument("--throughput", type=float, default=None, metavar="TOKENS_PER_S_PER_GPU")
     p.add_argument("--price", type=float, default=None, metavar="PER_GPU_HOUR")
     p.add_argument("--tokens", type=float, default=None, help="dataset tokens per epoch (for time and cost)")
@@ -104,7 +107,8 @@ def run(args) -> int:
     overrides = {"precision": args.precision, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                  "gradient_checkpointing": args.gradient_checkpointing, "tiled_mlp": args.tiled_mlp,
                  "activation_offload": args.activation_offload, "loss": args.loss,
-                 "loss_chunk_tokens": args.loss_chunk_tokens, "sequence_parallel": args.sp_size}
+                 "loss_chunk_tokens": args.loss_chunk_tokens, "sequence_parallel": args.sp_size,
+                 "optimizer_bytes": optimizers.OPTIMIZERS[args.optim].state_bytes if args.optim else None}
     setup = replace(setup, gpu_memory_gib=args.gpu_memory, **{k: v for k, v in overrides.items() if v is not None})
     if args.lora and not args.recipe:  # model.dtype = train.precision, as every shipped LoRA recipe has it
         setup = replace(setup, base_dtype=setup.precision)
