@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from toolkit.backends.base import flat_state
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
-from toolkit.backends.base import flat_state
 from toolkit.optim import optimizers, schedules
 
 from helpers import (
