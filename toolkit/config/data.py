@@ -11,7 +11,7 @@ class DataSource:
     """An entry of data.train_files / data.eval_files written as a mapping."""
     path: str = ""
     """A .json, .jsonl, .parquet or .csv file, a folder or glob of such shards, or a Hub dataset id."""
-    format: Optional[Literal["alpaca", "messages", "text", "preference", "unpaired", "prompt"]] = None
+    format: Optional[Literal["alpaca", "messages", "text", "prompt_completion", "preference", "unpaired", "prompt"]] = None
     """This entry's format (default: data.format); every format renders through the same tokenizer.
     `preference` entries mix only with `preference` entries, `unpaired` with `unpaired`, `prompt` with
     `prompt`."""
@@ -39,7 +39,7 @@ class DataConfig:
     """Held-out data, the same kinds of entries as train_files; its loss is the eval loss."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
-    format: Literal["alpaca", "messages", "text", "preference", "unpaired", "prompt"] = "alpaca"
+    format: Literal["alpaca", "messages", "text", "prompt_completion", "preference", "unpaired", "prompt"] = "alpaca"
     """`alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
     template; ShareGPT `conversations` too), `text` (a `text` field, every token of it trained on, eos
     appended), or `preference` (`prompt`, `chosen`, `rejected`, each text or a list of chat messages,
@@ -52,7 +52,10 @@ class DataConfig:
     puts a micro-batch's sequences in one row). Or `unpaired` (preference.method=kto, TRL's unpaired
     preference format): `prompt`, `completion` (each text or a list of chat messages, as `preference`)
     and `label` (true: desirable, false: undesirable), one sequence per row with targets on the
-    completion. Or `prompt` (online RL, rl.method): a `prompt` column,
+    completion. Or `prompt_completion` (supervised, TRL's prompt-completion format): `prompt` and
+    `completion`, each text or a list of chat messages, rendered as `unpaired` renders them; the loss
+    covers the completion only (TRL's completion_only_loss), all of the row with train_on_prompt.
+    Or `prompt` (online RL, rl.method): a `prompt` column,
     text or a list of chat messages (TRL's prompt-only formats), rendered up to where the answer
     starts; every other column of the row (an `answer`, say) goes to the reward functions. A prompt
     longer than max_seq_len is dropped (a cut prompt would lose where the answer starts)."""

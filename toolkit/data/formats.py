@@ -6,6 +6,7 @@ IGNORE = -100
 COLUMNS = {"alpaca": ("instruction", "output"), "messages": ("messages",), "text": ("text",),
            "preference": ("chosen", "rejected"),  # `prompt` too, unless the conversations carry it (implicit)
            "unpaired": ("prompt", "completion", "label"),  # KTO: one completion, desirable (true) or not
+           "prompt_completion": ("prompt", "completion"),  # SFT on TRL's prompt-completion rows
            "prompt": ("prompt",)}  # online RL: the other columns go to the reward functions
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"

@@ -234,6 +234,8 @@ def render(row: dict, fmt: str, tokenizer) -> list[tuple[str, list[tuple[int, in
     if fmt == "unpaired":
         desirable(row)  # a label that is neither true nor false is refused with the row's number
         return preference_examples(row, tokenizer, ("completion",))
+    if fmt == "prompt_completion":  # TRL's prompt-completion rows: the loss on the completion (unless train_on_prompt)
+        return preference_examples(row, tokenizer, ("completion",))
     if fmt == "prompt":
         return [prompt_example(row, tokenizer)]
     return chat_examples(chat_messages(row), row.get("tools") or None, tokenizer)
@@ -622,7 +624,10 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
     """Labels: a token is a target when its first character lies inside a span that carries loss."""
     ids = np.asarray(enc_ids, dtype=np.int64)
     starts = np.asarray([a for a, _ in offsets], dtype=np.int64)
-    if fmt in ("text", "preference", "unpaired", "prompt") and tokenizer.bos_token_id is not None and not has_specials:
+    # prompt_completion: BOS where the tokenizer's own encoding adds one, as TRL's SFTTrainer tokenizes these rows
+    bos = tokenizer.bos_token_id is not None and not has_specials and (
+        fmt in ("text", "preference", "unpaired", "prompt") or fmt == "prompt_completion" and adds_bos(tokenizer))
+    if bos:
         ids, starts = np.concatenate([[tokenizer.bos_token_id], ids]), np.concatenate([[0], starts])
     if fmt == "text" or train_on_prompt:
         target = np.ones(len(ids), dtype=bool)
@@ -636,6 +641,12 @@ def _example(text, spans, has_specials, enc_ids, offsets, fmt, tokenizer, max_se
     labels = np.where(target, ids, IGNORE)  # numpy, not lists: datasets writes a list of arrays in one copy
     return {"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int32), "n_targets": int(target.sum()),
             "full_targets": full_targets, "length": len(ids), "full_length": full_length}
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer's own encoding (special tokens on) starts a text with its BOS."""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def pair(chosen: dict, rejected: dict) -> dict:

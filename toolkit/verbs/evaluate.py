@@ -32,7 +32,7 @@ from ..errors import ToolkitError
 from ..storage.disk import check_writable, write_file
 from . import harness
 
-FORMATS = ("alpaca", "messages", "text", "preference", "prompt")
+FORMATS = ("alpaca", "messages", "text", "prompt_completion", "preference", "prompt")
 DEFAULT_MAX_SEQ_LEN = 512  # DataConfig's default
 DEFAULT_MAX_NEW_TOKENS = 128  # --max-new-tokens
 EXAMPLES = 3  # right and wrong answers each, shown in the summary and kept in the JSON
@@ -283,11 +283,13 @@ def infer_format(source) -> str:
         raise ToolkitError(f"{source.name}: unpaired rows (prompt, completion, label: KTO's format) are not measured "
                            "by toolkit eval; a KTO run's metrics.jsonl has them (eval_loss, eval_kl, "
                            "eval_reward_margin), or give --format text or messages rows")
+    if {"prompt", "completion"} <= keys:
+        return "prompt_completion"
     if "prompt" in keys:
         return "prompt"
     raise ToolkitError(f"{source.name}: cannot tell the format from the first row's keys "
                        f"({', '.join(map(str, columns)) or 'none'}); give --format alpaca, messages, text, "
-                       "preference or prompt")
+                       "prompt_completion, preference or prompt")
 
 
 def read_rows(source, cache: Path, limit: int | None):
@@ -370,6 +372,19 @@ def reference_question(row: dict, fmt: str, tokenizer, render) -> dict | None:
         text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         prompt = next((m["content"] for m in reversed(messages[:-1]) if m["role"] == "user"), "")
         return {"text": text, "prompt": prompt, "reference": messages[-1]["content"]}
+    if fmt == "prompt_completion":
+        from ..data.tokenize import adds_bos
+
+        [(text, spans, chat)] = render(row, fmt, tokenizer)
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(completion, list):
+            completion = next((m.get("content") for m in completion if m.get("role") == "assistant"), None)
+        if not isinstance(completion, str) or not completion.strip() or not spans:
+            return None
+        if isinstance(prompt, list):
+            prompt = next((m.get("content") for m in reversed(prompt) if m.get("role") == "user"), "")
+        bos = tokenizer.bos_token if not chat and adds_bos(tokenizer) else ""  # as training adds it
+        return {"text": (bos or "") + text[:spans[0][0]], "prompt": prompt, "reference": completion.strip()}
     return None
 
 
