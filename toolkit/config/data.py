@@ -11,7 +11,8 @@ class DataSource:
     """An entry of data.train_files / data.eval_files written as a mapping."""
     path: str = ""
     """A .json, .jsonl, .parquet or .csv file, a folder or glob of such shards, or a Hub dataset id."""
-    format: Optional[Literal["alpaca", "messages", "text", "prompt_completion", "preference", "unpaired", "prompt"]] = None
+    format: Optional[Literal["alpaca", "messages", "text", "prompt_completion", "preference", "unpaired",
+                             "prompt"]] = None
     """This entry's format (default: data.format); every format renders through the same tokenizer.
     `preference` entries mix only with `preference` entries, `unpaired` with `unpaired`, `prompt` with
     `prompt`."""

@@ -225,8 +225,9 @@ def check_columns(name: str, fmt: str, columns: list[str]) -> None:
     naming the format its columns do fit, if one does (`alpaca`, the default, left on a chat file)."""
     missing = missing_columns(fmt, columns)
     if missing:
-        # the format that reads the most of these columns: prompt + completion rows are prompt_completion's, not prompt's
-        fits = sorted((f for f in COLUMNS if f != fmt and not missing_columns(f, columns)), key=lambda f: -len(COLUMNS[f]))
+        # the format that reads the most of these columns: prompt + completion are prompt_completion's, not prompt's
+        fits = sorted((f for f in COLUMNS if f != fmt and not missing_columns(f, columns)),
+                      key=lambda f: -len(COLUMNS[f]))
         raise ToolkitError(f"{name}: data.format={fmt} needs column(s) {', '.join(missing)}; found "
                            f"{', '.join(columns) or 'none'}" + (f", which data.format={fits[0]} reads" if fits else ""))
 
