@@ -364,7 +364,7 @@ def test_zero2_run_says_its_schedule_came_from_the_json_and_resumes_under_zero3(
     schedule = [line for line in run_lines if line.startswith("schedule ")]
     assert schedule and schedule[0].startswith(f"schedule WarmupDecayLR from {tmp_path / 'zero2.json'}: "), run_lines
     assert ("total_num_steps 2" in schedule[0]
-            and "the recipe's warmup-cosine and min_lr_ratio are not used" in schedule[0])
+            and "the recipe's train.lr_scheduler_type and min_lr_ratio are not used" in schedule[0])
     assert any(line.startswith("optimizer AdamW from ") for line in run_lines), run_lines
     assert any(line.startswith("backend DeepSpeed ZeRO-2, 2 processes") for line in run_lines), run_lines
     assert any("batch 8 sequences per optimizer step = micro_batch_size 2 x gradient_accumulation_steps 2 x 2 "

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from objective_runs import assert_sigkill_resumes_bitwise
 from safetensors.torch import load_file
 
 from toolkit.backends.base import flat_state
@@ -26,7 +27,6 @@ from toolkit.optim import optimizers, schedules
 
 from helpers import (
     finish,
-    kill_after_step,
     layout_command,
     layout_recipe,
     load_weights,
@@ -74,10 +74,10 @@ def losses(run):
     return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
 
-BACKENDS = [("sgd", "fsdp"), ("sgd", "zero3"), ("adamw_torch_fused", "zero3"), ("adafactor", "ddp"),
-            ("adamw_8bit", "ddp"), ("muon", "ddp"), ("paged_adamw_8bit", "ddp"), ("lion_8bit", "ddp"),
-            ("sgd", "ddp"), ("adamw_torch_fused", "fsdp"), ("paged_adamw_32bit", "ddp"), ("lion_32bit", "ddp")]
-IN_CI = BACKENDS[:6]
+BACKENDS = [("sgd", "fsdp"), ("sgd", "zero3"), ("adafactor", "ddp"), ("adamw_8bit", "ddp"), ("muon", "ddp"),
+            ("adamw_torch_fused", "zero3"), ("paged_adamw_8bit", "ddp"), ("lion_8bit", "ddp"), ("sgd", "ddp"),
+            ("adamw_torch_fused", "fsdp"), ("paged_adamw_32bit", "ddp"), ("lion_32bit", "ddp")]
+IN_CI = BACKENDS[:5]  # the rest by hand: -m slow
 
 
 @pytest.mark.launch
@@ -124,20 +124,14 @@ def test_the_optimizers_differ():
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("optim", ["adamw_8bit", "adafactor", "muon", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw_8bit", "sgd", pytest.param("adafactor", marks=pytest.mark.slow),
+                                   pytest.param("muon", marks=pytest.mark.slow)])
 def test_a_killed_run_resumes_bitwise(optim, work, optim_run):
-    """SIGKILL after step 3: resume=auto continues from the step-2 checkpoint to the uninterrupted weights,
+    """SIGKILL in step 2's forward (the toolkit's fault seam: these runs are too fast to catch from outside), a
+    checkpoint after every step: resume=auto continues from step 1 to the uninterrupted run's metrics and weights,
     bit for bit."""
-    name = f"{optim}_killed"
-    path = recipe(work, name, "single", optim)
-    kill_after_step(start(layout_command(work, "single", path)), work / name, 3)
-    rc, out, err = finish(start(layout_command(work, "single", path, "resume=auto")))
-    assert rc == 0, err[-3000:]
-    assert "resumed from" in out + err and "step-000002 at step 2" in out + err, (out + err)[-2000:]
-    a, b = load_weights(work / name / "final"), load_weights(optim_run(optim, "single") / "final")
-    assert a.keys() == b.keys() and a
-    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
-    assert losses(work / name) == losses(optim_run(optim, "single"))
+    path = recipe(work, f"{optim}_killed", "single", optim, checkpoint__every_steps=1)
+    assert_sigkill_resumes_bitwise(work, path, optim_run(optim, "single"), fault="step:KILL")
 
 
 MOVES = [("adamw_8bit", "ddp", "single"), ("sgd", "zero3", "fsdp"), ("adafactor", "single", "ddp")]
