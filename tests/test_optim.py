@@ -309,3 +309,66 @@ def test_the_estimates_state_bytes_are_what_each_optimizer_allocates():
             assert sum(held.values()) <= spec.state_bytes * params, name
         else:
             assert sum(held.values()) == pytest.approx(spec.state_bytes * params, rel=0.02), name
+
+
+# ----------------------------------------------------------------------------- parameter groups
+
+def test_loraplus_gives_each_parameter_peft_s_rate_and_embeddings_their_own():
+    """lora.loraplus_lr_ratio: each trained parameter's learning rate is the one peft's create_loraplus_optimizer
+    gives it; train.embedding_learning_rate: the embeddings' trained weights at theirs; one group per rate and
+    decay, the groups' order fixed."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+    from peft.optimizers import create_loraplus_optimizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.backends import Backend
+    from toolkit.config import LoraConfig
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+    model = get_peft_model(base, PeftLora(r=4, lora_alpha=8, target_modules="all-linear", bias="lora_only"))
+    t = Recipe().train
+    t.learning_rate = 1e-4
+    lrs = optimizers.learning_rates(model, LoraConfig(enabled=True, loraplus_lr_ratio=16.0), t)
+    theirs = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1e-4, loraplus_lr_ratio=16.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in theirs.param_groups:
+        for p in group["params"]:
+            assert lrs.get(names[id(p)], t.learning_rate) == pytest.approx(group["lr"]), names[id(p)]
+    assert {lr for lr in lrs.values()} == {1.6e-3}
+    groups = Backend().param_groups(model, 0.1, lrs)
+    assert [(g.get("lr"), g["weight_decay"]) for g in groups] == [(None, 0.1), (1.6e-3, 0.1)]  # A; B
+
+    full = LlamaForCausalLM(base.config)
+    t.embedding_learning_rate = 5e-5
+    lrs = optimizers.learning_rates(full, LoraConfig(), t)
+    assert set(lrs) == {"model.embed_tokens.weight", "lm_head.weight"} and set(lrs.values()) == {5e-5}
+
+
+LORAPLUS = ["zero3", pytest.param("fsdp", marks=pytest.mark.slow), pytest.param("ddp", marks=pytest.mark.slow)]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", LORAPLUS)
+def test_loraplus_learns_the_same_under_each_backend(layout, work):
+    """LoRA+ (B matrices at 16x) on one process and on 2 processes: the same losses within 1e-4, each group at its
+    own rate in the checkpoint's portable state."""
+    runs = {}
+    for where in ("single", layout):
+        name = f"loraplus_{where}"
+        if not (work / name / "final").exists():
+            path = layout_recipe(work, name, where, lora=True, train__max_steps=STEPS, train__eval_every_steps=0,
+                                 lora__loraplus_lr_ratio=16.0, checkpoint__every_steps=2)
+            rc, out, err = finish(start(layout_command(work, where, path)))
+            assert rc == 0, err[-3000:]
+            assert "LoRA+: B matrices and 1-D parameters at lr x 16" in err, err[-2000:]
+        runs[where] = losses(work / name)
+    for step, loss in runs["single"].items():
+        assert runs[layout][step] == pytest.approx(loss, rel=1e-4), (step, runs)
+    state = json.loads((work / f"loraplus_{layout}" / "checkpoints" / "step-000002" / "portable" / "state.json")
+                       .read_text())
+    rates = {n: g["initial_lr"] for g in state["param_groups"] for n in g["names"]}
+    assert {r for n, r in rates.items() if "lora_B" in n} == {3e-3 * 16} and \
+        {r for n, r in rates.items() if "lora_A" in n} == {3e-3}

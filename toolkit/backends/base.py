@@ -69,6 +69,7 @@ class Backend:
         self.kind = kind  # as launch_config.launch_kind says: single, ddp, fsdp, deepspeed
         self.cuda = torch.cuda.is_available()
         self.accelerator = None
+        self.group_lrs: dict | None = None  # parameters at another learning rate than the recipe's (param_groups)
 
     # -- the Accelerator -------------------------------------------------------------------------
 
@@ -239,13 +240,20 @@ class Backend:
         """A parameter's shape in the model (a partitioned one is a flat part of it on each rank)."""
         return p.shape
 
-    def param_groups(self, model: torch.nn.Module, weight_decay: float) -> list[dict]:
-        """Decay matrices only, never norms or biases (by the full shape)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        matrix = [len(self.full_shape(p)) >= 2 for p in params]
-        groups = [{"params": [p for p, m in zip(params, matrix) if m], "weight_decay": weight_decay},
-                  {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
-        return [g for g in groups if g["params"]]  # DeepSpeed fails on an empty group (LoRA has no 1-D params)
+    def param_groups(self, model: torch.nn.Module, weight_decay: float, lrs: dict | None = None) -> list[dict]:
+        """Decay matrices only, never norms or biases (by the full shape). `lrs`: the learning rate of each
+        parameter, by name, that trains at another rate than the recipe's (LoRA+'s B matrices, embeddings;
+        optim.optimizers.learning_rates), a group for each rate; kept for `named_groups` to rebuild the same."""
+        self.group_lrs = lrs = self.group_lrs if lrs is None else lrs
+        keyed: dict[tuple, list] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                keyed.setdefault((len(self.full_shape(p)) < 2, (lrs or {}).get(name, -1.0)), []).append(p)
+        groups = []
+        for (vector, lr), params in sorted(keyed.items()):  # matrices first, the recipe's rate first
+            groups.append({"params": params, "weight_decay": 0.0 if vector else weight_decay,
+                           **({"lr": lr} if lr >= 0 else {})})
+        return groups  # never an empty one: DeepSpeed fails on it (LoRA has no 1-D params)
 
     def partitioned_before_prepare(self, model: torch.nn.Module) -> bool:
         """Whether the freshly built model holds placeholders instead of its weights (ZeRO-3's zero.Init)."""

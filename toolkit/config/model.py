@@ -154,3 +154,8 @@ class LoraConfig:
     slower per step; `toolkit merge` folds it into the weights like plain LoRA)."""
     use_rslora: bool = False
     """rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r, so that large ranks still learn."""
+    loraplus_lr_ratio: Optional[float] = None
+    """LoRA+ (peft's create_loraplus_optimizer): the B matrices (and 1-D parameters) train at
+    train.learning_rate x this (the paper suggests 16); the A matrices at train.learning_rate."""
+    loraplus_lr_embedding: float = 1e-6
+    """LoRA+: the learning rate of adapters on an embedding layer (peft's default 1e-6)."""

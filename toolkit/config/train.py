@@ -33,6 +33,9 @@ class TrainConfig:
     `{momentum: 0.95, ns_steps: 5}` for muon), checked against it when the recipe loads."""
     learning_rate: float = 2e-4
     """The peak learning rate (after warmup, before decay)."""
+    embedding_learning_rate: Optional[float] = None
+    """The peak learning rate of the input and output embeddings' trained weights (full fine-tuning, or
+    new tokens' rows), where it should differ from learning_rate; the same schedule."""
     weight_decay: float = 0.0
     """Weight decay, on matrices only (never norms or biases)."""
     adam_beta1: float = 0.9

@@ -72,6 +72,8 @@ def validate_train(r: Recipe, need) -> None:
     need(t.max_steps is None or t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
     need(t.epochs > 0, "train.epochs", f"must be positive, got {t.epochs}")
     need(t.learning_rate > 0, "train.learning_rate", f"must be positive, got {t.learning_rate}")
+    need(t.embedding_learning_rate is None or t.embedding_learning_rate > 0, "train.embedding_learning_rate",
+         f"must be positive, got {t.embedding_learning_rate}")
     need(t.weight_decay >= 0, "train.weight_decay", f"must be non-negative, got {t.weight_decay}")
     need(0 <= t.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {t.adam_beta1}")
     need(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")

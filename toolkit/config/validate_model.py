@@ -73,6 +73,12 @@ def validate_model(r: Recipe, need) -> None:
     need(r.lora.alpha > 0, "lora.alpha", f"must be positive, got {r.lora.alpha}")
     need(0.0 <= r.lora.dropout < 1.0, "lora.dropout", f"must be in [0, 1), got {r.lora.dropout}")
     need(bool(r.lora.target_modules), "lora.target_modules", "must name at least one module")
+    need(r.lora.loraplus_lr_ratio is None or r.lora.loraplus_lr_ratio > 0, "lora.loraplus_lr_ratio",
+         f"must be positive (LoRA+ suggests 16), got {r.lora.loraplus_lr_ratio}")
+    need(r.lora.loraplus_lr_ratio is None or r.lora.enabled, "lora.loraplus_lr_ratio",
+         "LoRA+ sets the adapters' learning rates: it needs lora.enabled=true")
+    need(r.lora.loraplus_lr_embedding > 0, "lora.loraplus_lr_embedding",
+         f"must be positive, got {r.lora.loraplus_lr_embedding}")
     if r.model.dtype != "fp32":
         need(r.lora.enabled, "model.dtype",
              f"{r.model.dtype} weights are for a frozen LoRA base; full fine-tuning keeps fp32 master weights "

@@ -76,6 +76,32 @@ def make(name: str, groups: list[dict], t, device: torch.device, model: torch.nn
     return BUILDERS[name](groups, t, device, model, dict(args or {}))
 
 
+def learning_rates(model: torch.nn.Module, lora, t) -> dict[str, float]:
+    """The parameters, by name, that train at another peak rate than train.learning_rate: LoRA+ (peft's
+    `create_loraplus_optimizer`: the B matrices and the 1-D parameters at learning_rate x lora.loraplus_lr_ratio,
+    adapters of an embedding at lora.loraplus_lr_embedding) and train.embedding_learning_rate (the trained
+    weights of the input and output embeddings, new tokens' rows among them). Each follows the schedule."""
+    lrs: dict[str, float] = {}
+    modules = dict(model.named_modules())
+    embeddings = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None:
+            embeddings |= {id(p) for p in module.parameters()}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner = modules.get(".".join(name.split(".")[:-2]))
+        if lora.enabled and lora.loraplus_lr_ratio is not None:
+            if isinstance(owner, torch.nn.Embedding) or "lora_embedding_" in name:
+                lrs[name] = lora.loraplus_lr_embedding
+            elif "lora_B" in name or p.ndim == 1:
+                lrs[name] = t.learning_rate * lora.loraplus_lr_ratio
+        if t.embedding_learning_rate is not None and id(p) in embeddings and "lora_" not in name:
+            lrs[name] = t.embedding_learning_rate
+    return lrs
+
+
 def _adam_kwargs(t) -> dict:
     return {"lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon}
 

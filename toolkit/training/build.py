@@ -48,6 +48,7 @@ from ..model.load import (
     token_rows,
 )
 from ..observe import measure
+from ..optim import optimizers
 from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..stops import Preemption
@@ -403,7 +404,8 @@ def setup_state(backend: backends.Backend, recipe: Recipe, data: Datasets, loade
 
 def setup_optimizer(backend: backends.Backend, model, recipe: Recipe, total_steps: int):
     """(optimizer, scheduler, the resolved DeepSpeed config or None): the backend's, or a DeepSpeed JSON's own."""
-    optimizer = backend.make_optimizer(backend.param_groups(model, recipe.train.weight_decay), recipe, model)
+    lrs = optimizers.learning_rates(model, recipe.lora, recipe.train)  # LoRA+, embeddings: their own rates
+    optimizer = backend.make_optimizer(backend.param_groups(model, recipe.train.weight_decay, lrs), recipe, model)
     scheduler = backend.make_scheduler(optimizer, recipe, total_steps)
     return optimizer, scheduler, backend.finalize_config(model, recipe, total_steps)
 

@@ -55,6 +55,9 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
                      + (f", betas ({t.adam_beta1:g}, {t.adam_beta2:g}), eps {t.adam_epsilon:g}" if adam else "")
                      + f", weight_decay {t.weight_decay:g} on matrices only"
                      + "".join(f", {k} {v}" for k, v in t.optim_args.items()) + " (recipe)"
+                     + (f"; LoRA+: B matrices and 1-D parameters at lr x {recipe.lora.loraplus_lr_ratio:g}"
+                        if recipe.lora.enabled and recipe.lora.loraplus_lr_ratio else "")
+                     + (f"; embeddings at lr {t.embedding_learning_rate:g}" if t.embedding_learning_rate else "")
                      + ("; that lr is the default, made for SFT: TRL's GRPO and RLOO default is 1e-6 (full "
                         "fine-tuning); set train.learning_rate" if default_lr else ""))
     if "scheduler" in ds:
