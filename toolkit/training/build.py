@@ -48,9 +48,9 @@ from ..model.load import (
     token_rows,
 )
 from ..observe import measure
-from ..optim import optimizers
 from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
+from ..optim import optimizers
 from ..stops import Preemption
 from ..storage import checkpoint, disk, inputs, run_folder
 from . import distill, kto, objectives, online, reference, reward_training
