@@ -148,15 +148,13 @@ def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path, data_files):
     assert hparams and "train.learning_rate: 0.001" in hparams[0].read_text()
 
 
-def wandb_history(run_file) -> list[dict]:
-    """The history rows of an offline W&B run file (`run-*.wandb`): LevelDB's log format (32 KiB blocks
-    of records, each with a 7-byte header: crc, length, type 1 full / 2 first / 3 middle / 4 last), each
-    record one of wandb's own protobuf `Record`s."""
+def wandb_records(run_file):
+    """The records of a W&B offline run file (LevelDB-style log: 32 KiB blocks of 7-byte-headed chunks)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    data, pos, parts, rows = run_file.read_bytes(), 7, b"", []  # the file's own 7-byte header first
+    data, pos, parts = run_file.read_bytes(), 7, b""  # the file's own 7-byte header first
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
         if left < 7:
@@ -171,9 +169,19 @@ def wandb_history(run_file) -> list[dict]:
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(parts)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+            yield record
+
+
+def wandb_history(run_file) -> list[dict]:
+    """The logged rows of a W&B offline run file."""
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in wandb_records(run_file) if r.WhichOneof("record_type") == "history"]
+
+
+def wandb_run(run_file) -> tuple[str, str]:
+    """(project, run name) of a W&B offline run file."""
+    run = next(r.run for r in wandb_records(run_file) if r.WhichOneof("record_type") == "run")
+    return run.project, run.display_name
 
 
 @pytest.mark.launch
@@ -187,27 +195,32 @@ def test_wandb_mlflow_and_trackio_get_the_rows_of_metrics_jsonl(tmp_path, data_f
 
     from helpers import user_error_line
 
-    env = {"WANDB_MODE": "offline", "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true"}
-    run, _ = train(tmp_path, data_files, "train.report_to=[wandb,mlflow,trackio]", "train.eval_every_steps=4",
-                   env=env)
+    env = {"WANDB_MODE": "offline", "TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_SILENT": "true",
+           "WANDB_PROJECT": "my-team"}  # the team's project wins over the run folder's name; the run is named
+    run, proc = train(tmp_path, data_files, "train.report_to=[wandb,mlflow,trackio]", "train.eval_every_steps=4",
+                      "train.run_name=trial-1", env=env)
+    assert "trackers: wandb, mlflow, trackio, project my-team, run trial-1" in proc.stdout + proc.stderr
     rows = read_metrics(run)
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     evals = {r["step"]: r["eval_loss"] for r in rows if r.get("eval_loss") is not None}
     assert len(losses) == 8 and sorted(evals) == [0, 4, 8], rows
 
-    history = wandb_history(next(run.glob("wandb/offline-run-*/run-*.wandb")))
+    wandb_file = next(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert wandb_run(wandb_file) == ("my-team", "trial-1")
+    history = wandb_history(wandb_file)
     assert {h["_step"]: h["loss"] for h in history if "loss" in h} == pytest.approx(losses, rel=1e-6)
     assert {h["_step"]: h["eval_loss"] for h in history if "eval_loss" in h} == pytest.approx(evals, rel=1e-6)
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for its own file store
     client = MlflowClient((run / "mlruns").as_uri())
     (mlflow_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert mlflow_run.info.run_name == "trial-1"
     for name, expected in (("loss", losses), ("eval_loss", evals)):
         got = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, name)}
         assert got == pytest.approx(expected, rel=1e-6), name
     assert float(mlflow_run.data.params["train.learning_rate"]) == 0.001
 
-    db = sqlite3.connect(tmp_path / "trackio" / f"{run.name}.db")
+    db = sqlite3.connect(tmp_path / "trackio" / "my-team.db")
     logged = [(step, json.loads(m)) for step, m in db.execute("select step, metrics from metrics order by id")]
     assert {step: m["loss"] for step, m in logged if "loss" in m} == pytest.approx(losses, rel=1e-6)
     assert {step: m["eval_loss"] for step, m in logged if "eval_loss" in m} == pytest.approx(evals, rel=1e-6)

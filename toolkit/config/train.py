@@ -104,6 +104,13 @@ class TrainConfig:
     else a file store in output_dir/mlruns/), `trackio` (`pip install trackio`; its local store, TRACKIO_DIR,
     or TRACKIO_SPACE_ID). A tracker that is not installed is refused when the recipe loads, one that does
     not start (no login, a server out of reach) before step 1, each in one line."""
+    project: Optional[str] = None
+    """The trackers' project (W&B and trackio project, MLflow experiment, TensorBoard folder). Unset: the
+    team's WANDB_PROJECT when reporting to W&B, else the run folder's name. MLFLOW_EXPERIMENT_NAME, where
+    set, names MLflow's experiment whatever this says; WANDB_ENTITY the W&B team."""
+    run_name: Optional[str] = None
+    """The run's name in the trackers (TRL's run_name; W&B's and trackio's run name, MLflow's run_name).
+    Unset: the run folder's name."""
     peak_tflops: Optional[float] = None
     """The device's dense peak TFLOP/s for MFU, when the GPU is not one the toolkit knows (H100, H200,
     A100, L40S, L4, B200); on a CPU host there is no MFU unless this is set."""

@@ -39,7 +39,7 @@ RESUMABLE_CHANGES = {"output_dir", "resume", "resume_new_global_batch", "resume_
                      "checkpoint", "train.log_every_steps", "train.sample_prompts",
                      "train.sample_max_new_tokens", "train.loss", "train.loss_chunk_tokens",
                      "train.micro_batch_size", "train.gradient_accumulation_steps", "train.eval_batch_size",
-                     "train.report_to", "train.peak_tflops", "train.profile_steps", "train.watchdog",
+                     "train.report_to", "train.project", "train.run_name", "train.peak_tflops", "train.profile_steps", "train.watchdog",
                      "train.watchdog_seconds", "data.padding_free", "model.attn_implementation", "train.compile",
                      "data.num_proc", "data.eval_files", "train.eval_every_steps", "train.max_nonfinite_steps",
                      "rl.log_completions", "rl.num_generations_eval", "rl.num_completions_to_print",

@@ -447,8 +447,12 @@ def start_trackers(accelerator, recipe: Recipe) -> None:
         os.environ.update(MLFLOW_TRACKING_URI=(out / "mlruns").as_uri(), MLFLOW_ALLOW_FILE_STORE="true")
     flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
             for k, v in run_folder.flat_recipe(recipe).items()}
+    project, name = tracker_names(recipe)
+    accelerator.print(f"trackers: {', '.join(trackers)}, project {project}, run {name}")
     try:
-        accelerator.init_trackers(out.name, config=flat, init_kwargs={"wandb": {"dir": str(out)}})
+        accelerator.init_trackers(project, config=flat, init_kwargs={"wandb": {"dir": str(out), "name": name},
+                                                                     "mlflow": {"run_name": name},
+                                                                     "trackio": {"name": name}})
     except Exception as e:  # noqa: BLE001 - each tracker raises its own types (no login, no server, ...)
         failed, tb = "a tracker", e.__traceback__
         while tb is not None:  # the tracker whose start raised: accelerate's tracker object in the traceback
@@ -457,6 +461,15 @@ def start_trackers(accelerator, recipe: Recipe) -> None:
             tb = tb.tb_next
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ToolkitError(f"train.report_to: {failed} did not start: {first}") from None
+
+
+def tracker_names(recipe: Recipe) -> tuple[str, str]:
+    """(project, run name) for the trackers: train.project, else the team's W&B project (WANDB_PROJECT, when
+    reporting to W&B), else the run folder's name; train.run_name, else the run folder's name. MLflow's
+    experiment is MLFLOW_EXPERIMENT_NAME where set (accelerate reads it), W&B's entity WANDB_ENTITY (wandb does)."""
+    t, folder = recipe.train, Path(recipe.output_dir).resolve().name
+    team = os.environ.get("WANDB_PROJECT") if "wandb" in t.report_to else None
+    return t.project or team or folder, t.run_name or folder
 
 
 def setup_monitor(accelerator, recipe: Recipe, state: checkpoint.TrainerState, flops: measure.Flops,
