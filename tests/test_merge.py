@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from toolkit.cli import main
 from toolkit.config import load_recipe
@@ -162,8 +163,13 @@ def test_preset_run_dora_rslora(preset_run, tmp_path, capsys):
     assert_merged(out, preset_run / "base-model", adapter)
     card = (out / "README.md").read_text()  # the run's model card, now of a plain model
     assert card.startswith("---\nlibrary_name: transformers\n") and "Merged into its base by `toolkit merge`." in card
-    assert card.replace("library_name: transformers", "library_name: peft", 1).replace(
-        "\nMerged into its base by `toolkit merge`.\n", "", 1) == (adapter / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert "lora" not in meta["tags"] and "merged" in meta["tags"], meta
+    assert "AutoPeftModelForCausalLM" not in card and "AutoModelForCausalLM.from_pretrained(FOLDER)" in card
+    adapter_card = (adapter / "README.md").read_text()
+    assert "AutoPeftModelForCausalLM" in adapter_card
+    for part in ("## Data", "## Results", "## Recipe"):  # the rest of the run's card as it was
+        assert card[card.index(part):].split("\n## ")[0] == adapter_card[adapter_card.index(part):].split("\n## ")[0]
 
 
 def test_sharded_local_base_lora_with_patterns_and_modules_to_save(local_base, tmp_path, capsys):

@@ -113,6 +113,27 @@ def results(rows: list[dict]) -> str:
     return "\n".join(table)
 
 
+PLAIN_USE = ("A plain Hugging Face folder with its tokenizer and chat template:\n\n```python\n"
+             "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+             "model = AutoModelForCausalLM.from_pretrained(FOLDER)\n"
+             "tokenizer = AutoTokenizer.from_pretrained(FOLDER)\n```")
+
+
+def merged_card(text: str) -> str | None:
+    """A LoRA run's card (`model_card`) for its adapter merged into the base (`toolkit merge`): a plain model's
+    metadata (library transformers, no `lora` tag, `merged` added) and use; None for a card of another kind."""
+    if not text.startswith("---\nlibrary_name: peft\n") or "\n## Use\n" not in text or "\n## Recipe\n" not in text:
+        return None
+    head, _, body = text[4:].partition("\n---\n")
+    meta = yaml.safe_load(head)
+    meta["library_name"] = "transformers"
+    meta["tags"] = [t for t in meta.get("tags", []) if t != "lora"] + ["merged"]
+    before, rest = body.split("\n## Use\n", 1)
+    after = rest[rest.index("\n## Recipe\n"):]
+    return ("---\n" + yaml.safe_dump(meta, sort_keys=False).strip() + "\n---\n" + before
+            + "\n## Use\n\nMerged into its base by `toolkit merge`. " + PLAIN_USE + "\n" + after)
+
+
 def usage(recipe: Recipe, base: str | None) -> str:
     if recipe.preference.method == "reward":
         return ("A reward model: a Hugging Face sequence-classification folder of one score, with its tokenizer. "
@@ -126,10 +147,7 @@ def usage(recipe: Recipe, base: str | None) -> str:
                 "`toolkit merge FOLDER --out MERGED` makes a plain model; in Python:\n\n```python\n"
                 "from peft import AutoPeftModelForCausalLM\n"
                 "model = AutoPeftModelForCausalLM.from_pretrained(FOLDER)\n```")
-    return ("A plain Hugging Face folder with its tokenizer and chat template:\n\n```python\n"
-            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "model = AutoModelForCausalLM.from_pretrained(FOLDER)\n"
-            "tokenizer = AutoTokenizer.from_pretrained(FOLDER)\n```")
+    return PLAIN_USE
 
 
 def version(package: str) -> str:

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from ...errors import ToolkitError
+from ...training.card import merged_card
 from .plan import TOKENIZER_FILES, Module, Plan, base_dtype, has_tokenizer, loaded_base, read_json, vocab_size
 
 
@@ -175,9 +176,8 @@ def write_configs(plan: Plan, tmp: Path, dtype: str | None, tokenizer) -> None:
         generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     card = plan.adapter / "README.md"
-    if card.is_file() and card.read_text(errors="replace").startswith("---\nlibrary_name: peft\n"):  # a run's card
-        text = card.read_text().replace("library_name: peft\n", "library_name: transformers\n", 1)
-        (tmp / "README.md").write_text(text.replace("\n## Use\n", "\nMerged into its base by `toolkit merge`.\n\n"
-                                                    "## Use\n", 1))
+    text = merged_card(card.read_text(errors="replace")) if card.is_file() else None  # a run's card, of a plain model
+    if text is not None:
+        (tmp / "README.md").write_text(text)
 
 
