@@ -360,6 +360,24 @@ def test_a_key_added_since_a_checkpoint_resumes_at_its_default_and_is_refused_ot
         check_resumable(saved, TrainerState(recipe={**now, "train.learning_rate": 1.0}, global_batch=8), tmp_path)
 
 
+def test_a_resume_with_another_length_says_what_to_do_instead(tmp_path):
+    """Issue 68: a resume that changes train.max_steps is refused, and the line says how to finish the run and how to
+    train further; another optimizer is refused as a changed recipe."""
+    from toolkit.config import Recipe
+    from toolkit.errors import ToolkitError
+    from toolkit.storage.checkpoint import TrainerState
+    from toolkit.storage.run_folder import check_resumable, learning_relevant
+
+    now = {**learning_relevant(Recipe()), "train.max_steps": 100}
+    saved = TrainerState(recipe=now, global_batch=8)
+    with pytest.raises(ToolkitError, match=r"train.max_steps was 100 when .* now 200; a resumed run must keep its "
+                                           r"recipe \(its learning-rate schedule runs over that length\): resume with "
+                                           r"train.max_steps=100 to finish it, then train further in a new run"):
+        check_resumable(saved, TrainerState(recipe={**now, "train.max_steps": 200}, global_batch=8), tmp_path)
+    with pytest.raises(ToolkitError, match=r"resume: train.optim was 'adamw_torch' when .* now 'adamw_8bit'"):
+        check_resumable(saved, TrainerState(recipe={**now, "train.optim": "adamw_8bit"}, global_batch=8), tmp_path)
+
+
 def test_the_reward_code_is_an_input_by_content_and_a_moved_base_is_not_a_change(tmp_path, monkeypatch):
     """storage/inputs.py (issue 52): an edited reward file changes the run's `rewards` identity and a resume is
     refused naming it, unless resume_accept_changed lists it; the same file elsewhere is the same identity. A

@@ -56,3 +56,27 @@ def test_every_shipped_launch_config_plans(path, cuda, tmp_path, monkeypatch):
             return
     notes, ds = plan(small_recipe(), env, cuda=cuda, source=str(path))
     assert (ds is not None) == ("zero" in path.name or "multi_node" in path.name)
+
+
+def commented_commands(path: Path) -> list[list[str]]:
+    """The `toolkit train THIS.yaml key=value ...` commands a recipe's comments tell a user to run: their overrides."""
+    comments = " ".join(line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    return [found.split() for found in re.findall(r"`toolkit train THIS\.yaml ([^`]*)`", comments)]
+
+
+COMMENTED = [(p, c) for p in RECIPES for c in commented_commands(p)]
+
+
+@pytest.mark.parametrize("path,overrides", COMMENTED,
+                         ids=[f"{p.name}:{' '.join(c)}" for p, c in COMMENTED])
+def test_every_command_a_recipe_comment_gives_loads_as_written(path, overrides, capsys):
+    """Issue 68: a comment's command alone (model.path=... on a recipe with a preset) loads; the path replaces the
+    recipe's preset with a note."""
+    recipe = load_recipe(path, overrides)
+    if any(o.startswith("model.path=") for o in overrides):
+        assert recipe.model.preset is None and recipe.model.path == overrides[0].partition("=")[2]
+        assert "note: model.path from the command line replaces" in capsys.readouterr().err
+
+
+def test_the_quickstart_comments_are_found():
+    assert {p.name for p, _ in COMMENTED} >= {"quickstart_dpo.yaml", "quickstart_kto.yaml", "quickstart_reward.yaml"}

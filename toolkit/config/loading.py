@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -44,6 +46,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     for item in overrides:
         _apply_override(data, item)
         given[item.partition("=")[0]] = item
+    _one_model_source(data, given, source)
     try:
         recipe = _build(Recipe, data, "", source)
         validate(recipe, source)
@@ -52,6 +55,21 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
             raise
         raise ConfigError(f"command line ({given[e.key]})", e.key, e.message) from None
     return recipe
+
+
+def _one_model_source(data: dict, given: dict, source: str) -> None:
+    """`model.path=...` on the command line replaces the file's model.preset (and `model.preset=...` its
+    model.path), with a note: the recipes' comments say "point model.path at your model"."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return
+    for chosen, other in (("path", "preset"), ("preset", "path")):
+        if f"model.{chosen}" in given and model.get(chosen) is not None and f"model.{other}" not in given \
+                and model.get(other) is not None:
+            dropped = model.pop(other)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"note: model.{chosen} from the command line replaces {source}'s model.{other} ({dropped})",
+                      file=sys.stderr)
 
 
 def _apply_override(data: dict, item: str) -> None:

@@ -289,8 +289,13 @@ def check_resumable(saved: checkpoint.TrainerState, now: checkpoint.TrainerState
                 or key == "data.train_files" and moved_data:
             continue  # where the input is checked by content, its path may change (models kept elsewhere)
         if before != after:
+            longer = key in ("train.max_steps", "train.epochs")  # the schedule was laid out over the run's length
             raise ToolkitError(f"resume: {key} was {before!r} when {path} was written, now {after!r}; "
-                               "a resumed run must keep its recipe")
+                               "a resumed run must keep its recipe" + (
+                                   f" (its learning-rate schedule runs over that length): resume with {key}="
+                                   f"{'null' if before is None else before} to finish it, then train further in a "
+                                   "new run from its weights (model.path=OUTPUT_DIR/final for full fine-tuning)"
+                                   if longer else ""))
     return moved
 
 
