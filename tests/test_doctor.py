@@ -117,6 +117,10 @@ def test_op_status_built_unbuilt_and_stale_lock(tmp_path, monkeypatch):
     assert needed_ops({"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}) == \
         ["cpu_adam", "async_io"]
     assert needed_ops({"stage": 2}) == []
+    # a DeepSpeed JSON's Adam is DeepSpeed's FusedAdam on CUDA (built at the first launch), torch's AdamW elsewhere
+    assert needed_ops({"stage": 2}, {"type": "AdamW"}, cuda=True) == ["fused_adam"]
+    assert needed_ops({"stage": 2}, {"type": "AdamW"}, cuda=False) == []
+    assert needed_ops({"offload_optimizer": {"device": "cpu"}}, {"type": "AdamW"}, cuda=True) == ["cpu_adam"]
     ok, text, _ = op_status("cpu_adam")
     assert ok and text.startswith("compatible, not built"), text
     (tmp_path / "cpu_adam").mkdir()

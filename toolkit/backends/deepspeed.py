@@ -17,7 +17,7 @@ import torch
 from ..errors import ToolkitError
 from ..optim import schedules
 from ..storage.verify import read_back, tree_mismatch
-from . import deepspeed_config, launch_config, sequence
+from . import deepspeed_config, deepspeed_ops, launch_config, sequence
 from .base import MOMENTS, Backend, HostCopies, adam_step, launched_world_size, trained_only
 
 MIN_LOSS_SCALE_ERROR = "Current loss scale already at minimum"
@@ -293,10 +293,17 @@ class DeepSpeed(Backend):
         return super().make_scheduler(optimizer, recipe, total_steps)
 
     def finalize_config(self, model, recipe, total_steps) -> dict:
-        """DeepSpeed's "auto" values: bucket sizes from the model, the scheduler's length."""
+        """DeepSpeed's "auto" values: bucket sizes from the model, the scheduler's length. An op DeepSpeed is about
+        to compile (minutes, the first launch only) is said now, not left as minutes without a line."""
         config = getattr(model, "config", None)
         deepspeed_config.finalize(self.config, recipe, self.data_parallel()[1], total_steps,
                                   getattr(config, "hidden_size", None))
+        for op in deepspeed_ops.needed_ops(self.config.get("zero_optimization") or {}, self.config.get("optimizer"),
+                                           self.cuda):
+            ok, text, _ = deepspeed_ops.op_status(op)
+            if ok and "not built" in text:
+                self.accelerator.print(f"launch: DeepSpeed compiles its {op} op now, before step 1 (a few minutes, "
+                                       "the first launch only: later launches load it)")
         if self.sequence_parallel > 1:  # Ulysses wraps the attention the model runs (varlen for packed rows)
             self.accelerator.parallelism_config.sp_handler.sp_attn_implementation = config._attn_implementation
             zero = self.config.get("zero_optimization", {})

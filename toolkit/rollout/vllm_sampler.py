@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +82,12 @@ class VLLMSampler:
                 if self.url is None:
                     python = Path(self.cfg.vllm_python).expanduser() if self.cfg.vllm_python else default_vllm_python()
                     self.server = Server(python, self.base, self.out / "vllm.log", **self.settings)
+                    # the bar stays at 0 meanwhile: say why (a CPU host: about a minute; a GPU: its CUDA graphs too)
+                    print(f"rl.sampler: starting the vLLM server (once per run; the first batch waits for it, "
+                          f"about a minute, at most rl.vllm_timeout {self.cfg.vllm_timeout:g} s); its log: "
+                          f"{self.out / 'vllm.log'}", file=sys.stderr, flush=True)
                     self.server.wait_ready(self.cfg.vllm_timeout)
+                    print(f"rl.sampler: the vLLM server answers at {self.server.url}", file=sys.stderr, flush=True)
                     self.url = self.server.url
                 else:
                     models = client.served_models(self.url, self.cfg.vllm_timeout)

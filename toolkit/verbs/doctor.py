@@ -19,16 +19,15 @@ import sys
 import threading
 import time
 from importlib import metadata
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..backends import deepspeed_config, end_process_group, launch_config
+from ..backends.deepspeed_ops import OP_HINTS, needed_ops, op_status
 from ..errors import EXIT_CHECK_FAILED, EXIT_OK, ToolkitError
 
 PACKAGES = ("torch", "accelerate", "deepspeed", "transformers", "peft", "datasets")
-OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
 # Test seams: this rank contributes wrong values to the all-reduce and all-gather / never reaches them.
 FAULT_WRONG_RANK, FAULT_HANG_RANK = "TOOLKIT_FAULT_DOCTOR_WRONG_RANK", "TOOLKIT_FAULT_DOCTOR_HANG_RANK"
 HINTS = {
@@ -39,9 +38,7 @@ HINTS = {
     "wrong": "ranks exchange wrong data: compare versions across nodes; on GPUs retry with NCCL_P2P_DISABLE=1, "
              "then NCCL_IB_DISABLE=1, to find the faulty link",
     "versions": "install the same versions of these packages on every node",
-    "cpu_adam": "DeepSpeed's CPU Adam (optimizer offload) needs a C++ compiler (g++) and ninja",
-    "async_io": "DeepSpeed's async_io (NVMe offload) needs libaio: apt install libaio-dev",
-    "lock": "a build was killed midway; remove the lock file, or every launch waits on it forever",
+    **OP_HINTS,
 }
 
 
@@ -130,38 +127,6 @@ def launch() -> tuple[str, dict]:
     return (f"DeepSpeed ZeRO-{zero.get('stage', 0)}" + (f" (offload {', '.join(offload)})" if offload else "")
             + f" from {where}"
             + (f", each sequence split across {sp} ranks (all-to-all below)" if sp > 1 else "")), zero
-
-
-def needed_ops(zero: dict) -> list[str]:
-    """DeepSpeed ops the config compiles at first use: CPU Adam for an optimizer offload, async_io for NVMe."""
-    device = {part: (zero.get(f"offload_{part}") or {}).get("device", "none") for part in ("optimizer", "param")}
-    return ["cpu_adam"] * (device["optimizer"] in ("cpu", "nvme")) + ["async_io"] * ("nvme" in device.values())
-
-
-def op_status(op: str) -> tuple[bool, str, str | None]:
-    """Whether DeepSpeed can load `op` now: (ok, text, hint), found without compiling it (minutes)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops
-    from torch.utils.cpp_extension import get_default_build_root
-
-    builder = get_accelerator().create_op_builder(OP_BUILDERS[op])
-    if builder is None or not builder.is_compatible():
-        return False, "cannot be built on this host", HINTS[op]
-    if installed_ops.get(builder.name):
-        return True, "compatible, prebuilt in the deepspeed install", None
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # where torch's JIT build puts it (cpp_extension)
-    if root is None:
-        flavour = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}")
-    folder = Path(root) / builder.name
-    if any(folder.glob(f"{builder.name}*.so")):
-        return True, f"compatible, built ({folder})", None
-    if (folder / "lock").exists():
-        return False, f"{folder / 'lock'} is left from an unfinished build", HINTS["lock"]
-    return True, (f"compatible, not built: the first launch compiles it (minutes); to build it beforehand: python -c "
-                  f"\"from deepspeed.ops.op_builder import {OP_BUILDERS[op]} as B; B().load()\""), None
 
 
 def init_group(timeout: float) -> tuple[str, torch.device]:
