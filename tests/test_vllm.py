@@ -120,8 +120,8 @@ def test_a_server_at_a_url_samples_for_one_process_and_zero3_alike(server, workd
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert 0 <= r["sampler_logp_difference"] < 1e-3 and r["sampler_weight"] == pytest.approx(1, abs=1e-2), r
-    # one adapter folder per generated batch, the older ones removed once the next is loaded
-    assert [f.parent.name for f in (single / "rollout-adapter").glob("*/adapter_config.json")] == [f"step-{STEPS:06d}"]
+    # one adapter folder per generated batch, the older ones removed once the next is loaded, the last at the end
+    assert not (single / "rollout-adapter").exists(), list((single / "rollout-adapter").iterdir())
     zero3, _ = train(workdir, "url_zero3", real_model_dir, "zero3", vllm_url=server.url)
     assert table(zero3) == table(single)
     for a, b in zip(rows, [r for r in read_metrics(zero3) if "loss" in r]):

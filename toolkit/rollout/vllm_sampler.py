@@ -206,4 +206,6 @@ class VLLMSampler:
             self.server.stop()
         elif self.ready and self.lora and self.accelerator.is_main_process:  # a server of yours keeps no adapter
             client.unload_adapter(self.url, self.adapter, min(self.cfg.vllm_timeout, 30.0))
+        if self.accelerator.is_main_process:  # the last adapter sent: the server no longer reads it
+            shutil.rmtree(self.out / "rollout-adapter", ignore_errors=True)
 
