@@ -380,7 +380,7 @@ def write_result(work: Path, who: str, stamps: list[float], per_micro: list, acc
 
 def run_toolkit(work: Path, a) -> None:
     cmd = [sys.executable, "-m", "toolkit", "train", str(work / "recipe.yaml"), f"train.max_steps={a.steps}",
-           *a.toolkit]
+           f"train.optim={a.optim}", *a.toolkit]
     from grpo_speed import launch  # polls the process's CPU time as each metrics row appears
 
     (work / "toolkit_run" / "metrics.jsonl").unlink(missing_ok=True)  # an earlier repeat's
@@ -470,7 +470,7 @@ def trainer_arguments(a, device: str) -> dict:
                 learning_rate=1e-4, warmup_steps=2, lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=1.0,
                 logging_steps=10, save_strategy="no", report_to="none", use_cpu=device == "cpu",
                 bf16=a.precision == "bf16", fp16=a.precision == "fp16", gradient_checkpointing=False,
-                dataloader_num_workers=0, disable_tqdm=True, seed=SEED)
+                dataloader_num_workers=0, disable_tqdm=True, seed=SEED, optim=a.optim)
 
 
 def stamp_callback(stamps: list, cpu: list, device: str):
@@ -572,7 +572,7 @@ def forwarded(a) -> list[str]:
             "--heads", str(a.heads), "--kv-heads", str(a.kv_heads), "--model-dtype", a.model_dtype,
             "--seq", str(a.seq), "--micro", str(a.micro),
             "--accumulation", str(a.accumulation), "--precision", a.precision, "--attn", a.attn,
-            "--steps", str(a.steps), "--warmup", str(a.warmup), "--toolkit", *a.toolkit]
+            "--steps", str(a.steps), "--warmup", str(a.warmup), "--optim", a.optim, "--toolkit", *a.toolkit]
 
 
 def summarize(a, plan: dict, runs: dict) -> dict:
@@ -595,7 +595,7 @@ def summarize(a, plan: dict, runs: dict) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
         "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
-        "precision": a.precision, "attn": a.attn, "toolkit_overrides": a.toolkit,
+        "precision": a.precision, "attn": a.attn, "optim": a.optim, "toolkit_overrides": a.toolkit,
         "model": a.model or f"llama hidden {a.hidden} x {a.layers} layers", "model_dtype": a.model_dtype,
         "lora": LORA if a.lora else None,
         "threads": a.threads or "default", "load_average": [round(x, 2) for x in os.getloadavg()],
@@ -664,6 +664,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state (at least 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=CONTENDERS, nargs="*", default=list(CONTENDERS))
+    p.add_argument("--optim", default="adamw_torch",
+                   help="the optimizer, by transformers' `optim` name, of the toolkit (train.optim), the Trainer and "
+                        "TRL; the hand-written loop is AdamW's and runs only with adamw_torch")
     p.add_argument("--toolkit", nargs="*", default=[], metavar="KEY=VALUE",
                    help="recipe overrides for the toolkit only, e.g. data.padding_free=true train.compile=true")
     p.add_argument("--_run", choices=CONTENDERS, help=argparse.SUPPRESS)
@@ -688,6 +691,9 @@ def main() -> None:
         RUNNERS[a._run](Path(a._work), a)
         return
 
+    if a.optim != "adamw_torch" and "plain_pytorch" in a.only:
+        a.only.remove("plain_pytorch")
+        print(f"plain_pytorch left out: its loop is AdamW's, not {a.optim}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="loop_speed_") as tmp:
         work = Path(tmp)
         # Every process (this one first) prepares into and reads from a cache of this run's own.

@@ -23,8 +23,11 @@ TINY = ["--hidden", "64", "--layers", "2", "--seq", "64", "--micro", "2", "--ste
 CASES = {"packed": ([], ["toolkit", "plain_pytorch", "hf_trainer", "trl"]),
          "padding_free": (["data.padding_free=true"], ["toolkit", "plain_pytorch"]),
          # the 8B LoRA piece of gpu_check.py at a tiny size: the shape options, a bf16 base, LoRA
-         "lora_bf16_base": (["model.dtype=bf16", "data.padding_free=true"], ["toolkit", "plain_pytorch"])}
-EXTRA = {"lora_bf16_base": ["--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--model-dtype", "bf16",
+         "lora_bf16_base": (["model.dtype=bf16", "data.padding_free=true"], ["toolkit", "plain_pytorch"]),
+         # benchmarks/optimizers.py's pair: the toolkit and the Trainer with the same `optim` (8-bit AdamW)
+         "optim": ([], ["toolkit", "hf_trainer"])}
+EXTRA = {"optim": ["--optim", "adamw_8bit"],
+         "lora_bf16_base": ["--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--model-dtype", "bf16",
                             "--lora", "--precision", "bf16"]}
 
 
@@ -41,7 +44,8 @@ def test_loop_speed_benchmark_runs(case):
     result = json.loads(next(line for line in lines if line.startswith("{")))
     assert result["same_tokens"]["check"] == "passed"
     assert sorted(result["same_tokens"]["identical_in_total"]) == sorted(contenders)
-    assert "plain_pytorch" in result["same_tokens"]["identical_per_step"]
+    assert "plain_pytorch" in result["same_tokens"]["identical_per_step"] or case == "optim"
+    assert result["optim"] == ("adamw_8bit" if case == "optim" else "adamw_torch")
     for other in contenders[1:]:
         assert result[f"speed_vs_{other}"] > 0 and result[f"memory_vs_{other}"] > 0
     assert result["toolkit_overrides"] == toolkit
