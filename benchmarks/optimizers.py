@@ -1,7 +1,7 @@
 """Peak memory and step time of each `train.optim` against transformers' Trainer with the same `optim`, full
 fine-tuning and LoRA, measured in one run on the same machine, model, documents and steps (each pair by
 benchmarks/loop_speed.py with `--optim NAME --only toolkit hf_trainer`), reported as ratios, and the peak
-memory of each optimizer against AdamW's in the same run.
+memory of each optimizer against AdamW's in the same run. The Trainer has no Muon: `muon` runs the toolkit alone.
 
     python benchmarks/optimizers.py --model $(bash tests/fetch_real_model.sh) --seq 128 --micro 2 --steps 6 \\
         --warmup 2 --threads 1                                     # SmolLM2-135M, full and LoRA, every optimizer
@@ -44,8 +44,16 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def trainer_has(optim: str) -> bool:
+    """Whether transformers' Trainer knows `optim` (it has no Muon: then the toolkit runs alone)."""
+    from transformers.training_args import OptimizerNames
+
+    return optim in {o.value for o in OptimizerNames}
+
+
 def measure(a, optim: str, mode: str) -> dict:
-    cmd = [sys.executable, str(HERE / "loop_speed.py"), "--optim", optim, "--only", "toolkit", "hf_trainer",
+    who = ["toolkit", "hf_trainer"] if trainer_has(optim) else ["toolkit"]
+    cmd = [sys.executable, str(HERE / "loop_speed.py"), "--optim", optim, "--only", *who,
            "--seq", str(a.seq), "--micro", str(a.micro), "--steps", str(a.steps), "--warmup", str(a.warmup),
            "--repeats", str(a.repeats), "--threads", str(a.threads), "--precision", a.precision,
            *(["--model", a.model] if a.model else ["--hidden", str(a.hidden), "--layers", str(a.layers)]),
@@ -56,8 +64,8 @@ def measure(a, optim: str, mode: str) -> dict:
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     return {"mode": mode, "optim": optim, "ms_per_step": result["ms_per_step"],
             "peak_memory_mib": result["peak_memory_mib"], "memory_kind": result["peak_memory_kind"],
-            "speed_vs_hf_trainer": result["speed_vs_hf_trainer"],
-            "memory_vs_hf_trainer": result["memory_vs_hf_trainer"],
+            "speed_vs_hf_trainer": result.get("speed_vs_hf_trainer", "-"),
+            "memory_vs_hf_trainer": result.get("memory_vs_hf_trainer", "-"),
             "device": result["device"], "date": result["date"], "model": result["model"],
             "torch": result["torch"], "transformers": result["transformers"]}
 
@@ -79,8 +87,9 @@ def main() -> None:
         adamw = next((x for x in rows if x["mode"] == r["mode"] and x["optim"] == "adamw_torch"), None)
         vs = round(r["peak_memory_mib"]["toolkit"] / adamw["peak_memory_mib"]["toolkit"], 3) if adamw else "-"
         ms, mib = r["ms_per_step"], r["peak_memory_mib"]
-        print(f"| {r['mode']} | {r['optim']} | {ms['toolkit']} | {ms['hf_trainer']} | {r['speed_vs_hf_trainer']} | "
-              f"{mib['toolkit']} | {mib['hf_trainer']} | {r['memory_vs_hf_trainer']} | {vs} |")
+        print(f"| {r['mode']} | {r['optim']} | {ms['toolkit']} | {ms.get('hf_trainer', '-')} | "
+              f"{r['speed_vs_hf_trainer']} | {mib['toolkit']} | {mib.get('hf_trainer', '-')} | "
+              f"{r['memory_vs_hf_trainer']} | {vs} |")
 
 
 if __name__ == "__main__":
