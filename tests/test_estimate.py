@@ -864,3 +864,32 @@ def test_online_rl_refusals_and_the_run_line(monkeypatch, tmp_path, capsys):
     assert ("(micro-batch 16 sequences (2 prompts x 8 completions) x 384 tokens (prompt + up to 128 new)), KV cache "
             "24.0 MiB (64 completions sampled at once; freed before training: the larger counts) = ") in line, line
     assert warning is None
+
+
+def test_the_optimizer_state_is_counted_and_an_8bit_one_recommended_where_adamw_does_not_fit():
+    """Issue 65: train.optim's state per trained parameter (optim.optimizers.OPTIMIZERS' state_bytes, each checked
+    against the bytes the optimizer allocates in tests/test_optim.py) is what estimate counts; a full fine-tune that
+    AdamW keeps off one GPU is recommended the 8-bit AdamW first, before offloading."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig
+
+    from toolkit.backends.model_counts import count_model
+    from toolkit.backends.sizing import BY_NAME, Setup, estimate, recommend
+    from toolkit.optim.optimizers import OPTIMIZERS
+
+    model = count_model(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                    num_attention_heads=32, num_key_value_heads=4, vocab_size=32000), "llama-1b")
+    adamw = Setup(model=model, gpus_per_node=1, gpu_memory_gib=16.0, precision="bf16", gradient_checkpointing=True,
+                  seq_len=512)
+    for name, spec in OPTIMIZERS.items():
+        setup = replace(adamw, optimizer_bytes=spec.state_bytes)
+        assert estimate(BY_NAME["DDP"], setup).gpu["optimizer"] == spec.state_bytes * model.trainable, name
+        assert estimate(BY_NAME["ZeRO-3"], setup).gpu["optimizer"] == (4 + spec.state_bytes) * model.trainable, name
+    assert not estimate(BY_NAME["DDP"], adamw).fits
+    assert estimate(BY_NAME["DDP"], replace(adamw, optimizer_bytes=2)).fits
+    line = recommend(adamw)
+    assert line.startswith("one GPU, without distribution (accelerate_configs/single.yaml) with "
+                           "train.optim=adamw_8bit"), line
+    assert "or, keeping the optimizer, ZeRO-" in line, line
+    assert "adamw_8bit" not in recommend(replace(adamw, optimizer_bytes=2))  # already small: nothing to suggest

@@ -536,6 +536,34 @@ def recommend(setup: Setup) -> str:
             if setup.gpus == 1:
                 return f"one GPU is enough: train without distribution (accelerate_configs/single.yaml){text}"
             return f"DDP (accelerate_configs/ddp.yaml){text}: every GPU holds the whole model; the fastest when it fits"
+    found, eight_bit = _sharded(rows, with_sp, setup), _with_8bit_optimizer(setup, tries)
+    if not eight_bit:
+        return found
+    if found.startswith("nothing fits"):
+        return f"{eight_bit}; with the recipe's optimizer {found}"
+    if setup.gpus == 1:  # one GPU: before offloading to the host (slow), a smaller optimizer state
+        return f"{eight_bit}; or, keeping the optimizer, {found}"
+    return found  # several GPUs: sharding keeps the optimizer exact
+
+
+def _with_8bit_optimizer(setup: Setup, tries: list) -> str:
+    """Where the optimizer's state keeps a full fine-tune off one GPU or DDP: the first of `tries` that fits there
+    with bitsandbytes' 8-bit AdamW (2 bytes of state a trained parameter instead of AdamW's 8), as a line; ""."""
+    if setup.optimizer_bytes <= 2 or setup.sequence_parallel > 1:  # 8-bit states: whole parameters only
+        return ""
+    for s, text in tries:
+        ddp = {r.strategy.name: r for r in estimate_all(replace(s, optimizer_bytes=2))}.get("DDP")
+        if ddp is not None and ddp.fits:
+            where = ("one GPU, without distribution (accelerate_configs/single.yaml)" if setup.gpus == 1
+                     else "DDP (accelerate_configs/ddp.yaml)")
+            return (f"{where} with train.optim=adamw_8bit{text.replace(', with', ' and')}: bitsandbytes' 8-bit "
+                    "AdamW keeps 2 bytes of state a trained parameter instead of 8 (whole parameters: not under "
+                    "ZeRO or FSDP)")
+    return ""
+
+
+def _sharded(rows: list, with_sp: str, setup: Setup) -> str:
+    """The first sharding step of `recommend` that fits."""
     for group in (["ZeRO-2", "FSDP shard-grad-op"], ["ZeRO-3", "FSDP full-shard"],
                   ["ZeRO-2 + CPU optimizer", "ZeRO-3 + CPU optimizer", "ZeRO-3 + CPU params+optimizer",
                    "ZeRO-3 + NVMe params+optimizer"]):
