@@ -213,6 +213,14 @@ def test_quickstart_script_scores_before_and_after(tmp_path):
     reloaded = eval_loss_with_plain_libraries(model, ROOT / config["data"]["eval_files"][0], final,
                                               max_seq_len=config["data"]["max_seq_len"], fmt=config["data"]["format"])
     assert reloaded == pytest.approx(after, rel=1e-5)  # measured 1.2e-8 (the run packs its eval rows)
+    # The DPO recipe's comment, run as written (shortened): its model.path replaces the recipe's preset.
+    dpo = subprocess.run([sys.executable, "-m", "toolkit", "train", "examples/recipes/quickstart_dpo.yaml",
+                          f"model.path={final}", f"output_dir={tmp_path / 'dpo'}", "train.max_steps=2",
+                          "train.eval_every_steps=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert dpo.returncode == 0, dpo.stderr[-3000:]
+    assert "note: model.path from the command line replaces examples/recipes/quickstart_dpo.yaml's model.preset " \
+           "(tiny-llama)" in dpo.stderr, dpo.stderr[-2000:]
+    assert yaml.safe_load((tmp_path / "dpo" / "config.yaml").read_text())["model"]["path"] == str(final)
 
 
 def test_clipping_scales_the_update(tmp_path, data_files):
