@@ -186,6 +186,16 @@ def test_a_recipe_optimizer_beside_a_json_optimizer_or_an_offload_is_refused():
                                  "ds.json")
     r.train.optim = "adamw_torch_fused"  # an AdamW beside the JSON's AdamW: the JSON's, as before
     deepspeed_config.resolve({"optimizer": {"type": "AdamW", "params": {}}}, r, 2, "ds.json")
+    # DeepSpeed's own Muon where the JSON asks for it (train.optim=muon agrees); its momentum is in DeepSpeed's
+    # layout, so a portable checkpoint is refused until the recipe turns it off
+    r.train.optim = "muon"
+    muon = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Muon", "params": {"lr": "auto"}}}
+    with pytest.raises(ToolkitError, match="ds.json: optimizer Muon .DeepSpeed's. keeps its momentum in DeepSpeed's"):
+        deepspeed_config.resolve(muon, r, 2, "ds.json")
+    r.checkpoint.portable = False
+    assert deepspeed_config.resolve(muon, r, 2, "ds.json")["optimizer"]["type"] == "Muon"
+    with pytest.raises(ToolkitError, match="train.optim: muon needs each parameter whole .* or give your DeepSpeed"):
+        deepspeed_config.resolve({"zero_optimization": {"stage": 2}}, r, 2, "ds.json")
 
 
 @pytest.mark.launch

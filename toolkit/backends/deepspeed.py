@@ -400,20 +400,21 @@ class DeepSpeed(Backend):
 
         link_zero12_states(model.optimizer)
         base = model.optimizer.optimizer  # the torch optimizer over ZeRO's fp32 partitions
-        keys = elementwise_keys(base)
-        weights, moments = {}, {}
+        weights, moments, adam = {}, {}, []
         for name, p in self.trainable(model):  # same order on every rank
+            keys = elementwise_keys(base, getattr(p, "use_muon", False))
             full = safe_get_full_fp32_param(p)
             states = [safe_get_full_optimizer_state(p, key) for key in keys]
             if not self.accelerator.is_main_process:
                 continue
             weights[name] = full.detach().float().cpu()
+            adam += [name] * ("exp_avg" in keys)
             for key, m in zip(keys, states):
                 if m is not None:
                     moments[f"{key}/{name}"] = m.detach().float().cpu()
         step = adam_step(base.state.values(), base.param_groups)
         # the step of each parameter as torch's AdamW keeps it (a tensor), so any backend's AdamW takes it
-        scalars = {name: {"step": [True, float(step)]} for name in weights} if step and "exp_avg" in keys else {}
+        scalars = {name: {"step": [True, float(step)]} for name in adam} if step else {}
         return weights, moments, step, self.named_groups(model.module, base.param_groups), scalars
 
     def set_portable_state(self, model, optimizer, weights, moments, step, by_name, scalars) -> None:
@@ -422,18 +423,20 @@ class DeepSpeed(Backend):
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero = model.optimizer
-        keys = elementwise_keys(zero.optimizer)
-        saved = {k.split("/", 1)[0] for k in moments}
-        if saved - set(keys):
-            raise ToolkitError(f"resume: the checkpoint holds optimizer states {sorted(saved)} that this launch's "
-                               f"optimizer under DeepSpeed ({type(zero.optimizer).__name__}: {list(keys)}) cannot "
+        held = {k.split("/", 1)[0] for k in moments}
+        takes = {k for muon in (False, True) for k in elementwise_keys(zero.optimizer, muon)}
+        if held - takes:
+            raise ToolkitError(f"resume: the checkpoint holds optimizer states {sorted(held)} that this launch's "
+                               f"optimizer under DeepSpeed ({type(zero.optimizer).__name__}: {sorted(takes)}) cannot "
                                "take; resume under the launch that wrote it")
         # Before its first step ZeRO holds no optimizer state: make it, zeros, for the load to fill.
         flats = (getattr(zero, "single_partition_of_fp32_groups", None)
                  or getattr(zero, "fp32_partitioned_groups_flat", ()))
+        group_of = {id(p): g for g in zero.optimizer.param_groups for p in g["params"]}
         for i, flat in enumerate(flats):
             state = zero.optimizer.state[flat]
-            if keys and keys[0] not in state and saved:
+            keys = elementwise_keys(zero.optimizer, group_of.get(id(flat), {}).get("use_muon", False))
+            if keys and keys[0] not in state and held:
                 if getattr(zero, "_swappable_optimizer_subgroup", lambda i: False)(i):
                     raise ToolkitError("resume: this launch offloads the optimizer state to NVMe, which a checkpoint "
                                        "of another layout cannot be loaded into; resume under CPU offload or none")
@@ -444,7 +447,7 @@ class DeepSpeed(Backend):
         link_zero12_states(zero)
         for name, p in self.trainable(model):
             safe_set_full_fp32_param(p, weights[name])
-            for key in keys:
+            for key in elementwise_keys(zero.optimizer, getattr(p, "use_muon", False)):
                 if f"{key}/{name}" in moments:
                     safe_set_full_optimizer_state(p, moments[f"{key}/{name}"], key)
         base = zero.optimizer
@@ -521,9 +524,12 @@ def fp32_masters(model) -> dict:
     return masters
 
 
-def elementwise_keys(base) -> tuple[str, ...]:
+def elementwise_keys(base, muon: bool = False) -> tuple[str, ...]:
     """The per-parameter state tensors the optimizer under ZeRO keeps: AdamW's moments (torch's or
-    DeepSpeed's own Adam), SGD's momentum buffer where it has momentum."""
+    DeepSpeed's own Adam, and the Adam half of DeepSpeed's Muon), SGD's momentum buffer where it has
+    momentum, the momentum buffer of a parameter DeepSpeed's Muon steps (`muon`: its use_muon)."""
+    if muon:
+        return ("momentum_buffer",)
     if isinstance(base, torch.optim.SGD):
         return ("momentum_buffer",) if any(g.get("momentum") for g in base.param_groups) else ()
     return MOMENTS

@@ -225,7 +225,7 @@ def resolve(cfg: dict, recipe: Recipe, world_size: int, source: str, *, total_st
 
     if "optimizer" in cfg:
         _resolve_optimizer(cfg["optimizer"], t, source, settle, notes)
-    _check_recipe_optimizer(cfg, t, source)
+    _check_recipe_optimizer(cfg, recipe, source)
     if "scheduler" in cfg:
         _resolve_scheduler(cfg["scheduler"], t, source, notes, total_steps)
 
@@ -308,17 +308,26 @@ def _resolve_optimizer(opt: dict, t, source: str, settle, notes: list[str]) -> N
                  "eps and weight_decay")
 
 
-def _check_recipe_optimizer(cfg: dict, t, source: str) -> None:
+def _check_recipe_optimizer(cfg: dict, recipe: Recipe, source: str) -> None:
     """train.optim under DeepSpeed: an elementwise torch optimizer only (ZeRO steps it over flat partitions); none
-    beside the JSON's own optimizer block unless an AdamW (the JSON's then decides, as before); only AdamW under
-    optimizer offload (DeepSpeed's CPU Adam steps it on the host)."""
+    beside the JSON's own optimizer block unless the same kind (an AdamW beside Adam/AdamW, muon beside Muon; the
+    JSON's then decides, as before); only AdamW under optimizer offload (DeepSpeed's CPU Adam steps it on the host).
+    The JSON's own Muon keeps its momentum in DeepSpeed's layout, which the portable state cannot name."""
+    t = recipe.train
     adamw = t.optim in ("adamw_torch", "adamw_torch_fused")
-    if "optimizer" in cfg and not adamw:
+    kind = str((cfg.get("optimizer") or {}).get("type", "")).lower()
+    if kind == "muon" and recipe.checkpoint.portable:
+        raise ToolkitError(f"{source}: optimizer Muon (DeepSpeed's) keeps its momentum in DeepSpeed's own layout, "
+                           "which a portable checkpoint cannot name yet: set checkpoint.portable=false (a resume then "
+                           "needs this launch), or train.optim=muon without this block under DDP")
+    agrees = t.optim == "adamw_torch" or adamw and kind in ("adam", "adamw") or t.optim == kind == "muon"
+    if "optimizer" in cfg and not agrees:
         raise ToolkitError(f"train.optim is {t.optim} but {source} brings its own optimizer "
                            f"({cfg['optimizer'].get('type')}); remove one of the two")
     problem = optimizers.sharding_problem(t.optim, "DeepSpeed steps the optimizer over flat partitions of them")
-    if problem:
-        raise ToolkitError(f"train.optim: {problem}")
+    if problem and "optimizer" not in cfg:  # a JSON's own Muon is DeepSpeed's, built for its partitions
+        raise ToolkitError(f"train.optim: {problem}" + ("; or give your DeepSpeed JSON an optimizer block of type "
+                                                        "Muon (DeepSpeed's own)" if t.optim == "muon" else ""))
     device = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
     if device in ("cpu", "nvme") and not adamw and "optimizer" not in cfg:
         raise ToolkitError(f"train.optim is {t.optim} but {source} offloads the optimizer to {device}, where "
