@@ -40,8 +40,13 @@ class DataConfig:
     """Held-out data, the same kinds of entries as train_files; its loss is the eval loss."""
     eval_fraction: float = 0.0
     """Hold out this fraction of the training rows for eval when no eval_files are given."""
-    format: Literal["alpaca", "messages", "text", "prompt_completion", "preference", "unpaired", "prompt"] = "alpaca"
-    """`alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
+    format: Optional[Literal["alpaca", "messages", "text", "prompt_completion", "preference", "unpaired",
+                             "prompt"]] = None
+    """Unset: `preference` under preference.method (`unpaired` under kto), `prompt` under rl.method, and
+    for supervised training found from each file's first row, as TRL finds a dataset's type: `messages`
+    (or ShareGPT `conversations`), `prompt` + `completion` (prompt_completion), `instruction` + `output`
+    (alpaca), `text`; the run's first lines and `config show` say which. A Hub dataset needs it set.
+    `alpaca` (instruction, input, output), `messages` (chat turns through the tokenizer's chat
     template; ShareGPT `conversations` too), `text` (a `text` field, every token of it trained on, eos
     appended), or `preference` (`prompt`, `chosen`, `rejected`, each text or a list of chat messages,
     TRL's standard and conversational preference formats; a row without `prompt` whose chosen and

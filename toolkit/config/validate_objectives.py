@@ -24,8 +24,10 @@ from .recipe import Recipe
 def validate_preference(r: Recipe, need) -> None:
     """The preference section against itself and the data: pairs and a method come together."""
     p = r.preference
-    formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
-                                 if isinstance(e, DataSource) and e.format}
+    if r.data.format is None and p.method is not None:  # unset: what the method trains on
+        r.data.format = "unpaired" if p.method == "kto" else "preference"
+    formats = {r.data.format} - {None} | {e.format for e in r.data.train_files + r.data.eval_files
+                                          if isinstance(e, DataSource) and e.format}
     if p.method is None:
         need("preference" not in formats or r.rl.method is not None, "data.format",
              "preference pairs train only with a preference.method (dpo, orpo, simpo or reward)")
@@ -111,8 +113,10 @@ def validate_rl(r: Recipe, need) -> None:
     must exist now; importing it and calling it on the first rows happen when the run starts
     (training/rewards.py), before the model loads."""
     rl = r.rl
-    formats = {r.data.format} | {e.format for e in r.data.train_files + r.data.eval_files
-                                 if isinstance(e, DataSource) and e.format}
+    if r.data.format is None and rl.method is not None:  # unset: what online RL samples for
+        r.data.format = "prompt"
+    formats = {r.data.format} - {None} | {e.format for e in r.data.train_files + r.data.eval_files
+                                          if isinstance(e, DataSource) and e.format}
     if rl.method is None:
         need("prompt" not in formats, "data.format", "prompt rows train only with rl.method (grpo, rloo or distill)")
         # Unset, these read as grpo's defaults, as every run folder before distillation recorded them (a resume

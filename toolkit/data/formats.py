@@ -13,3 +13,16 @@ ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{inpu
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                   "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system",
                   "tool": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool"}
+
+# A dataset's format from its columns, as TRL tells a dataset's type (most specific first); `messages` also reads
+# ShareGPT's `conversations`.
+DETECTED = (("messages", ("messages",)), ("messages", ("conversations",)), ("preference", ("chosen", "rejected")),
+            ("unpaired", ("prompt", "completion", "label")), ("prompt_completion", ("prompt", "completion")),
+            ("alpaca", ("instruction", "output")), ("text", ("text",)), ("prompt", ("prompt",)))
+
+
+def format_of(columns) -> str | None:
+    """The data.format a row of these columns is written in (DETECTED), or None."""
+    found = set(columns)
+    return next((fmt for fmt, needs in DETECTED if found.issuperset(needs)), None)
+

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config import DataConfig, DataSource
 from ..errors import ToolkitError
 from ..storage import disk
-from .formats import COLUMNS
+from .formats import COLUMNS, format_of
 
 LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -34,9 +34,13 @@ def resolve_sources(entries: list, cfg: DataConfig, key: str) -> list[Source]:
 
             if not is_hub_id(e.path):
                 raise ToolkitError(f"{k}: file not found: {e.path}")
+            if fmt is None:
+                raise ToolkitError(f"{k}: {e.path} is a Hub dataset, whose columns are known only once it is read: "
+                                   "set data.format (or the entry's format)")
             sources.append(Source(k, [], fmt, e.weight, e.max_rows, hub_id=e.path, split=e.split, revision=e.revision,
                                   columns=dict(e.columns)))
         else:
+            fmt = fmt or detected_format(files, e.columns, k)
             sources.append(Source(k, files, fmt, e.weight, e.max_rows, split=e.split,  # split: a saved DatasetDict
                                   columns=dict(e.columns)))
     weighted = [s.weight is not None for s in sources]
@@ -100,6 +104,26 @@ def expand_files(path: str, key: str) -> list[str] | None:
 def is_saved_dataset(p: Path) -> bool:
     """A folder written by `datasets`' save_to_disk (a Dataset, or a DatasetDict of splits)."""
     return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def detected_format(files: list[str], renames: dict, key: str) -> str:
+    """data.format unset: the format of the first file's first row (after the entry's column renames), as TRL
+    finds a dataset's type from its columns; one line naming the columns where none fits."""
+    if is_saved_dataset(Path(files[0])):
+        import datasets
+
+        ds = datasets.load_from_disk(files[0])
+        columns = next(iter(ds.values())).column_names if isinstance(ds, datasets.DatasetDict) else ds.column_names
+    else:
+        columns = first_columns(files[0]) or []
+    columns = [renames.get(c, c) for c in columns]
+    fmt = format_of(columns)
+    if fmt is None:
+        raise ToolkitError(f"{key}: {files[0]}: data.format is not set and its first row's columns "
+                           f"({', '.join(columns) or 'none'}) are none of a format's (messages, prompt + completion, "
+                           "chosen + rejected, instruction + output, text, prompt): set data.format, or rename "
+                           "columns with the entry's `columns`")
+    return fmt
 
 
 def check_first_rows(source: Source) -> None:

@@ -68,7 +68,8 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
 
     accelerator, log = backend.accelerator, backend.accelerator.print
     resume_from = run_folder.open_run(accelerator, recipe, lock)
-    check_data(recipe)
+    for line in check_data(recipe):
+        log(f"data: {line}")
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
     if recipe.rl.method == "distill":
         distill.teacher_folder(recipe.rl)  # found, before anything reads it
@@ -109,15 +110,27 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
                offload=activations.offload(recipe.model.activation_offload)), tokenizer
 
 
-def check_data(recipe: Recipe) -> None:
+def check_data(recipe: Recipe) -> list[str]:
     """The data files found and the first rows of each fit for its format, before the tokenizer and
-    the model load (minutes for a large one): a missing file or `data.format` left at alpaca on a
-    chat file is refused now, in the words setup_data would use (sources.check_first_rows: the first
-    rows only, unless they lack a column)."""
-    d = recipe.data
+    the model load (minutes for a large one): a missing file or a `data.format` its columns do not fit
+    is refused now, in the words setup_data would use (sources.check_first_rows: the first rows only,
+    unless they lack a column). data.format unset (supervised): found from the first file's columns,
+    set in the recipe; the lines to say so."""
+    d, found = recipe.data, []
     for entries, key in ((d.train_files, "data.train_files"), (d.eval_files, "data.eval_files")):
         for source in resolve_sources(entries, d, key):
             check_first_rows(source)
+            found.append(source)
+    if d.format is None:  # supervised, unset: as its files' first rows say (the run folder's config.yaml keeps it)
+        sft = {"preference": "a preference.method (dpo, orpo, simpo or reward)", "unpaired": "preference.method=kto",
+               "prompt": "rl.method (grpo, rloo or distill)"}
+        for source in found:
+            if source.format in sft:
+                raise ToolkitError(f"{source.key}: {source.name}: its columns are data.format={source.format}'s, "
+                                   f"which trains only with {sft[source.format]}; set it, or data.format")
+        d.format = found[0].format
+        return [f"format {d.format}, found from the columns of {found[0].name} (data.format unset)"]
+    return []
 
 
 def setup_rewards(recipe: Recipe) -> list | None:

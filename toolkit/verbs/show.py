@@ -21,18 +21,25 @@ def run(args, recipe: Recipe) -> None:
     if args.accelerate_config:
         launch, ds, ranks = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)
         check_split(recipe, worker_env(args.accelerate_config, args.num_processes), args.accelerate_config)
-    print("\n".join(plan_lines(recipe, args.recipe, ranks, launch)))
+    found = recipe.data.format is None and recipe.data.train_files
+    if found:  # unset: found from the training files' first rows, as the run finds it
+        from ..data.sources import resolve_sources
+
+        recipe.data.format = resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")[0].format
+    print("\n".join(plan_lines(recipe, args.recipe, ranks, launch, found=bool(found))))
     print("# the resolved recipe, every key (docs/recipe-keys.md):")
     print(dump_recipe(recipe), end="")
     if ds:
         print(ds)
 
 
-def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str]) -> list[str]:
-    """The plan as `# ` lines: what a newcomer checks before spending GPU hours."""
+def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str], found: bool = False) -> list[str]:
+    """The plan as `# ` lines: what a newcomer checks before spending GPU hours (`found`: data.format was found
+    from the files' columns)."""
     t, d = recipe.train, recipe.data
     lines = [f"# plan for {path}:", f"#   model:       {model_line(recipe)}",
-             f"#   objective:   {objective_line(recipe)}", f"#   data:        {data_line(recipe)}"]
+             f"#   objective:   {objective_line(recipe)}",
+             f"#   data:        {data_line(recipe)}" + (" (data.format found from the columns)" if found else "")]
     if launch:
         lines += [f"#   launch:      {launch[0].removeprefix('# ')}"] + [f"#                {x.removeprefix('# ')}"
                                                                         for x in launch[1:]]
