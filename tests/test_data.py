@@ -90,6 +90,9 @@ def test_prompt_filling_the_length_is_an_error_naming_file_and_row(tmp_path, tok
 def test_missing_column_and_malformed_line(tmp_path, tok):
     f = write_jsonl(tmp_path / "d.jsonl", [{"question": "a", "answer": "b"}])
     with pytest.raises(ToolkitError, match="needs column.*instruction"):
+        build_datasets(DataConfig(train_files=[str(f)], format="alpaca"), tok, 0, False)
+    with pytest.raises(ToolkitError, match=r"d.jsonl: data.format is not set and its first row's columns \(question, "
+                                           r"answer\) are none of a format's"):  # unset: found from the columns
         build_datasets(DataConfig(train_files=[str(f)]), tok, 0, False)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": oops}\n')
