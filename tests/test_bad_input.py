@@ -113,7 +113,8 @@ CASES = {
     "zero steps": (lambda t, r, e: (r, ["train.max_steps=0"], {}), "train.max_steps: must be positive, got 0"),
     "bad precision": (lambda t, r, e: (r, ["train.precision=fp8"], {}), "train.precision: must be one of"),
     "bad override form": (lambda t, r, e: (r, ["train.max_steps"], {}), "overrides take the form key=value"),
-    "warmup longer than run": (lambda t, r, e: (r, ["train.warmup_steps=50"], {}), "train.warmup_steps: 50 warmup"),
+    # a warmup longer than the run is cut to it (tests/test_optim.py); two warmups are a mistake
+    "warmup twice": (lambda t, r, e: (r, ["train.warmup_ratio=0.1"], {}), "train.warmup_ratio: give either"),
     "no model": (lambda t, r, e: ({**r, "model": {}}, [], {}), "model: set exactly one of model.path"),
     "missing model folder": (lambda t, r, e: ({**r, "model": {"path": str(t / "nope")}}, [], {}),
                              "model.path: folder not found"),
