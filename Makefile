@@ -63,6 +63,7 @@ lint: $(STAMP)
 # docs/recipe-keys.md from the docstrings of toolkit/config/ (tests/test_config.py keeps the two in sync).
 docs: $(STAMP)
 	$(BIN)/python -c "from toolkit.config import key_reference; print(key_reference(), end='')" > docs/recipe-keys.md
+	$(BIN)/python -c "from toolkit.config.trl_config import reference; print(reference(), end='')" > docs/trl-configs.md
 
 # Every GPU test and GPU benchmark, in pieces of under 10 minutes, figures appended to benchmarks/NOTES.md.
 # On a lent device (15 minutes a session): make gpu-check GPU_CHECK_ARGS="--budget 540" runs the most valuable pieces

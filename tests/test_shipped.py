@@ -61,7 +61,7 @@ def test_every_shipped_launch_config_plans(path, cuda, tmp_path, monkeypatch):
 def commented_commands(path: Path) -> list[list[str]]:
     """The `toolkit train THIS.yaml key=value ...` commands a recipe's comments tell a user to run: their overrides."""
     comments = " ".join(line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#"))
-    return [found.split() for found in re.findall(r"`toolkit train THIS\.yaml ([^`]*)`", comments)]
+    return [found.split() for found in re.findall(r"`(?:\.venv/bin/)?toolkit train THIS\.yaml ([^`]*)`", comments)]
 
 
 COMMENTED = [(p, c) for p in RECIPES for c in commented_commands(p)]

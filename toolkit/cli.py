@@ -73,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
                     "accelerate launch --config_file LAUNCH.yaml -m toolkit train RECIPE.yaml [key=value ...]")
     train.add_argument("recipe", help="the recipe (YAML); every key: docs/recipe-keys.md")
     train.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=20")
+    train.add_argument("--trl", choices=["sft", "dpo", "grpo"], default=None,
+                       help="read RECIPE as the TRL config of this trainer (`trl sft --config`); found from its "
+                            "fields when not given (docs/trl-configs.md)")
     show = sub.add_parser("config", help="inspect configs without training",
                           description="The recipe as the run will read it (every default filled in); with "
                                       "--accelerate-config, the launch it makes and whether it fits.")
     show.add_argument("action", choices=["show"], help="show (the only action; `toolkit config RECIPE` means it)")
     show.add_argument("recipe", help="the recipe (YAML)")
     show.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=20")
+    show.add_argument("--trl", choices=["sft", "dpo", "grpo"], default=None, help="as for train")
     show.add_argument("--accelerate-config", "--config_file", dest="accelerate_config",
                       help="an accelerate launch config (YAML) to resolve against the recipe (the file "
                            "`accelerate launch --config_file` takes)")
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return verb_module(args.command).run(args)
         if args.command == "config" and args.num_processes is not None and args.num_processes < 1:
             raise ToolkitError(f"--num-processes: must be positive, got {args.num_processes}")
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, args.trl)
         if args.command == "train":
             from .training.run import run
 

@@ -16,12 +16,14 @@ from typing import Any, Literal, Union
 import yaml
 
 from ..errors import ConfigError
+from . import trl_config
 from .recipe import Recipe
 from .validate import validate
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe, apply `a.b=value` overrides, build and validate the dataclasses."""
+def load_recipe(path: str | Path, overrides: list[str] = (), trl: str | None = None) -> Recipe:
+    """Read a YAML recipe (or a TRL config: trl_config.py; `trl`: which trainer's, when its fields do not say),
+    apply `a.b=value` overrides, build and validate the dataclasses."""
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -42,6 +44,10 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise ConfigError(source, "", f"{where}invalid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(data, dict):
         raise ConfigError(source, "", "a recipe must be a mapping of keys to values")
+    if trl is not None or trl_config.is_trl_config(data):
+        data, notes = trl_config.from_trl(data, source, trl)
+        if os.environ.get("RANK", "0") == "0":
+            print("\n".join(f"note: {line}" for line in notes), file=sys.stderr)
     given = {}  # key -> the override that set it: a mistake there is the command line's, not the file's
     for item in overrides:
         _apply_override(data, item)
