@@ -20,10 +20,10 @@ import torch
 from objective_runs import assert_sigkill_resumes_bitwise
 from safetensors.torch import load_file
 
-from toolkit.backends.base import flat_state
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
 from toolkit.optim import optimizers, schedules
+from toolkit.storage.portable import flat_state
 
 from helpers import (
     finish,

@@ -22,6 +22,7 @@ from ..errors import EXIT_SAVE_MISMATCH, ToolkitError
 from ..optim import optimizers, schedules
 from ..stops import TrainingStopped
 from ..storage import disk
+from ..storage.portable import flat_state, host_state, state_by_name
 from ..storage.verify import first_mismatch, inject_corruption, read_back, tree_mismatch
 from . import launch_config
 
@@ -494,47 +495,6 @@ class Backend:
             group.update({k: v for k, v in saved.items() if k not in ("names", "params")})
         current["state"] = state_by_name(weights, moments, step, scalars)
         set_optimizer_state_dict(model, optimizer, dict(current), options=StateDictOptions(full_state_dict=True))
-
-
-def host_state(value: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor's own host copy, fp32 where it is floating (8-bit states stay 8-bit)."""
-    value = value.detach()
-    return (value.float() if value.is_floating_point() else value).cpu().contiguous()
-
-
-def state_by_name(weights: dict, moments: dict, step: int, scalars: dict | None) -> dict:
-    """Each parameter's optimizer state, by name, from a portable state's files."""
-    if scalars is None:  # written before per-optimizer states: AdamW's, its step shared
-        return {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in MOMENTS}}
-                for name in weights} if step else {}
-    state: dict[str, dict] = {}
-
-    def put(name: str, key: str, value) -> None:  # `a.b`: a nested state (bitsandbytes' quantization state)
-        node = state.setdefault(name, {})
-        *path, last = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = value
-
-    for full, tensor in moments.items():
-        key, name = full.split("/", 1)
-        put(name, key, tensor)
-    for name, entries in scalars.items():
-        for key, (is_tensor, value) in entries.items():
-            put(name, key, torch.tensor(value) if is_tensor else value)
-    return state
-
-
-def flat_state(state: dict, prefix: str = "") -> dict:
-    """A parameter's optimizer state with nested dicts flattened to dotted keys (bitsandbytes wraps its 8-bit
-    states in `__bnb_optimizer_quant_state__`)."""
-    flat = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            flat.update(flat_state(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def trained_only(module: torch.nn.Module, state_dict: dict, prefix: str = "") -> dict:

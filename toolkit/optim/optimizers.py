@@ -131,8 +131,9 @@ def _bitsandbytes(cls_name: str, bits: int, paged: bool) -> Callable:
     def build(groups, t, device, model, args):
         import bitsandbytes
 
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        manager.initialize()  # a process-wide registry keyed by id(): no override left from an earlier optimizer
         if bits == 8 and model is not None:  # as transformers' Trainer: embeddings keep 32-bit states
-            manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
             for module in model.modules():
                 if isinstance(module, torch.nn.Embedding) and module.weight.requires_grad:
                     manager.register_module_override(module, "weight", {"optim_bits": 32})

@@ -29,6 +29,7 @@ from ..errors import ToolkitError
 from .verify import first_mismatch, inject_corruption, tree_mismatch
 
 FOLDER = "portable"
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")  # what a portable state of before per-optimizer states holds
 
 
 def gather(backend, model, optimizer) -> tuple[dict, dict, dict]:
@@ -148,3 +149,44 @@ def _jsonable(x):
     if isinstance(x, (int, float, str, bool)) or x is None:
         return x
     return repr(x)
+
+
+def host_state(value: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor's own host copy, fp32 where it is floating (8-bit states stay 8-bit)."""
+    value = value.detach()
+    return (value.float() if value.is_floating_point() else value).cpu().contiguous()
+
+
+def state_by_name(weights: dict, moments: dict, step: int, scalars: dict | None) -> dict:
+    """Each parameter's optimizer state, by name, from a portable state's files."""
+    if scalars is None:  # written before per-optimizer states: AdamW's, its step shared
+        return {name: {"step": torch.tensor(float(step)), **{k: moments[f"{k}/{name}"] for k in ADAM_MOMENTS}}
+                for name in weights} if step else {}
+    state: dict[str, dict] = {}
+
+    def put(name: str, key: str, value) -> None:  # `a.b`: a nested state (bitsandbytes' quantization state)
+        node = state.setdefault(name, {})
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    for full, tensor in moments.items():
+        key, name = full.split("/", 1)
+        put(name, key, tensor)
+    for name, entries in scalars.items():
+        for key, (is_tensor, value) in entries.items():
+            put(name, key, torch.tensor(value) if is_tensor else value)
+    return state
+
+
+def flat_state(state: dict, prefix: str = "") -> dict:
+    """A parameter's optimizer state with nested dicts flattened to dotted keys (bitsandbytes wraps its 8-bit
+    states in `__bnb_optimizer_quant_state__`)."""
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(flat_state(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
