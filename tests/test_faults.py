@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import alpaca_rows, base_recipe, finish, load_weights, read_metrics, start, write_jsonl, write_recipe
+from helpers import ROOT, alpaca_rows, base_recipe, finish, load_weights, read_metrics, start, write_jsonl, write_recipe
 
 pytestmark = pytest.mark.launch  # every test here starts processes
 
@@ -399,6 +399,16 @@ def test_a_pool_terminates_its_workers_under_the_preemption_handler(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a signal before any phase
+
+
+def test_the_cli_imports_no_torch_before_its_signal_handler():
+    """The handler is installed before anything slow: importing the CLI (and the recipe's vocabulary with it,
+    toolkit.config and toolkit.optim's tables) loads no torch. Found in CI 2026-12-05: the optimizer tables imported
+    torch at load, so a SIGTERM 1.5 s after start killed the process before its handler was in (exit -15)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, toolkit.cli; print(sorted(m for m in sys.modules "
+                           "if m.split('.')[0] in ('torch', 'transformers', 'datasets')))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_sigterm_before_training_is_one_line_and_exit_75(tmp_path, data_files):

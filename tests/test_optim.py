@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from toolkit.config import Recipe
 from toolkit.errors import ToolkitError
-from toolkit.optim import optimizers, schedules
+from toolkit.optim import build, optimizers, schedules
 from toolkit.storage.portable import flat_state
 
 from helpers import (
@@ -104,7 +104,7 @@ def test_the_optimizers_differ():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(16, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 16))
         t = Recipe().train
-        opt = optimizers.make(name, [{"params": list(model.parameters()), "weight_decay": 0.0}], t,
+        opt = build.make(name, [{"params": list(model.parameters()), "weight_decay": 0.0}], t,
                               torch.device("cpu"), model, ARGS.get(name))
         for _ in range(2):
             model(torch.arange(8)).square().mean().backward()
@@ -246,12 +246,12 @@ def test_every_schedule_is_get_schedulers_across_a_resume(name):
     want = lrs_of_get_scheduler(name, steps, math.ceil(0.25 * steps), t.lr_scheduler_kwargs)
     for resume_at in (2, 9):  # mid-warmup, mid-decay
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=t.learning_rate)
-        sched, have = schedules.make(opt, t, steps), []
+        sched, have = build.schedule(opt, t, steps), []
         for i in range(steps):
             if i == resume_at:  # a new optimizer and schedule, as a resumed run builds them, then the saved states
                 state, opt_state = sched.state_dict(), opt.state_dict()
                 opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=t.learning_rate)
-                sched = schedules.make(opt, t, steps)
+                sched = build.schedule(opt, t, steps)
                 opt.load_state_dict(opt_state)
                 sched.load_state_dict(state)
             have.append(opt.param_groups[0]["lr"])
@@ -305,7 +305,7 @@ def test_the_estimates_state_bytes_are_what_each_optimizer_allocates():
     for name, spec in optimizers.OPTIMIZERS.items():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 1024, bias=False), torch.nn.Linear(1024, 512, bias=False))
-        opt = optimizers.make(name, [{"params": list(model.parameters()), "weight_decay": 0.0}], Recipe().train,
+        opt = build.make(name, [{"params": list(model.parameters()), "weight_decay": 0.0}], Recipe().train,
                               torch.device("cpu"), torch.nn.Sequential(torch.nn.Identity(), model), ARGS.get(name))
         model(torch.randn(2, 512)).sum().backward()
         opt.step()

@@ -19,7 +19,7 @@ import torch
 from .. import faults
 from ..config import Recipe
 from ..errors import EXIT_SAVE_MISMATCH, ToolkitError
-from ..optim import optimizers, schedules
+from ..optim import build
 from ..stops import TrainingStopped
 from ..storage import disk
 from ..storage.portable import flat_state, host_state, state_by_name
@@ -285,14 +285,14 @@ class Backend:
         """train.optim over the parameter groups `params` (optim/optimizers.py): adamw_torch is the fused
         kernel on CUDA, one launch for all parameters instead of several per tensor."""
         t = recipe.train
-        return optimizers.make(t.optim, params, t, self.accelerator.device, model, t.optim_args)
+        return build.make(t.optim, params, t, self.accelerator.device, model, t.optim_args)
 
     def check_compile(self, recipe: Recipe) -> None:
         """Refuse train.compile where it is known not to work."""
 
     def make_scheduler(self, optimizer, recipe: Recipe, total_steps: int):
         """train.lr_scheduler_type over `total_steps` (optim/schedules.py)."""
-        return schedules.make(optimizer, recipe.train, total_steps)
+        return build.schedule(optimizer, recipe.train, total_steps)
 
     def finalize_config(self, model, recipe: Recipe, total_steps: int) -> dict | None:
         """Fill what depends on the model and the data; returns the resolved backend config, if any

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ToolkitError
-from ..optim import schedules
+from ..optim import build, schedules
 from ..storage.verify import read_back, tree_mismatch
 from . import deepspeed_config, deepspeed_ops, launch_config, sequence
 from .base import MOMENTS, Backend, HostCopies, adam_step, launched_world_size, trained_only
@@ -289,7 +289,7 @@ class DeepSpeed(Backend):
                                   warmup_num_steps=schedules.warmup_steps(recipe.train, total_steps))
         if isinstance(optimizer, DummyOptim):
             return DummyScheduler(optimizer,
-                                  lr_scheduler_callable=lambda real: schedules.make(real, recipe.train, total_steps))
+                                  lr_scheduler_callable=lambda real: build.schedule(real, recipe.train, total_steps))
         return super().make_scheduler(optimizer, recipe, total_steps)
 
     def finalize_config(self, model, recipe, total_steps) -> dict:

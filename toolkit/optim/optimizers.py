@@ -13,11 +13,6 @@ is learned), and the bytes of state per parameter for `toolkit estimate`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
-
-from ..errors import ToolkitError
 
 
 @dataclass(frozen=True)
@@ -69,18 +64,40 @@ def sharding_problem(name: str, sharded_by: str) -> str | None:
 NAMES = tuple(OPTIMIZERS)
 
 
-def make(name: str, groups: list[dict], t, device: torch.device, model: torch.nn.Module | None = None,
-         args: dict | None = None) -> torch.optim.Optimizer:
-    """The optimizer `name` over parameter `groups` (each with its weight_decay), with the recipe's
-    train section `t` (lr, betas, eps) and `args` (train.optim_args) as extra keyword arguments."""
-    return BUILDERS[name](groups, t, device, model, dict(args or {}))
+# what `make` fills from the recipe: never a key of train.optim_args
+_FILLED = {"self", "params", "lr", "betas", "eps", "optim_bits", "is_paged", "scale_parameter", "relative_step",
+           "fused"}
 
 
-def learning_rates(model: torch.nn.Module, lora, t) -> dict[str, float]:
+def args_accepted(name: str) -> list[str]:
+    """The keyword arguments optimizer `name` takes in train.optim_args (the recipe loads after the CLI's signal
+    handler is in place, so torch is imported only now)."""
+    import inspect
+
+    import torch
+
+    from .build import MuonAdamW
+
+    if name.startswith(("adamw_8", "paged_", "lion_")):
+        import bitsandbytes
+
+        cls = getattr(bitsandbytes.optim, "Lion" if name.startswith("lion") else "AdamW")
+    else:
+        from transformers.optimization import Adafactor
+
+        cls = {"adamw_torch": torch.optim.AdamW, "adamw_torch_fused": torch.optim.AdamW, "sgd": torch.optim.SGD,
+               "adafactor": Adafactor, "muon": MuonAdamW}[name]
+    return [p for p in inspect.signature(cls.__init__).parameters if p not in _FILLED and p != "groups"
+            and p != "weight_decay"]
+
+
+def learning_rates(model, lora, t) -> dict[str, float]:
     """The parameters, by name, that train at another peak rate than train.learning_rate: LoRA+ (peft's
     `create_loraplus_optimizer`: the B matrices and the 1-D parameters at learning_rate x lora.loraplus_lr_ratio,
     adapters of an embedding at lora.loraplus_lr_embedding) and train.embedding_learning_rate (the trained
     weights of the input and output embeddings, new tokens' rows among them). Each follows the schedule."""
+    import torch
+
     lrs: dict[str, float] = {}
     modules = dict(model.named_modules())
     embeddings = set()
@@ -100,132 +117,3 @@ def learning_rates(model: torch.nn.Module, lora, t) -> dict[str, float]:
         if t.embedding_learning_rate is not None and id(p) in embeddings and "lora_" not in name:
             lrs[name] = t.embedding_learning_rate
     return lrs
-
-
-def _adam_kwargs(t) -> dict:
-    return {"lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon}
-
-
-def _adamw(groups, t, device, model, args):
-    # adamw_torch: fused on CUDA as before (one launch for all parameters); adamw_torch_fused: fused on any device
-    # that has the kernel (CUDA and, since torch 2.4, the CPU)
-    fused = True if device.type == "cuda" else None
-    return torch.optim.AdamW(groups, **_adam_kwargs(t), fused=fused, **args)
-
-
-def _adamw_fused(groups, t, device, model, args):
-    return torch.optim.AdamW(groups, **_adam_kwargs(t), fused=True, **args)
-
-
-def _sgd(groups, t, device, model, args):
-    return torch.optim.SGD(groups, lr=t.learning_rate, **args)
-
-
-def _adafactor(groups, t, device, model, args):
-    from transformers.optimization import Adafactor
-
-    return Adafactor(groups, lr=t.learning_rate, scale_parameter=False, relative_step=False, **args)
-
-
-def _bitsandbytes(cls_name: str, bits: int, paged: bool) -> Callable:
-    def build(groups, t, device, model, args):
-        import bitsandbytes
-
-        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
-        manager.initialize()  # a process-wide registry keyed by id(): no override left from an earlier optimizer
-        if bits == 8 and model is not None:  # as transformers' Trainer: embeddings keep 32-bit states
-            for module in model.modules():
-                if isinstance(module, torch.nn.Embedding) and module.weight.requires_grad:
-                    manager.register_module_override(module, "weight", {"optim_bits": 32})
-        kwargs = _adam_kwargs(t) if cls_name == "AdamW" else {"lr": t.learning_rate,
-                                                                "betas": (t.adam_beta1, t.adam_beta2)}
-        return getattr(bitsandbytes.optim, cls_name)(groups, **kwargs, optim_bits=bits, is_paged=paged, **args)
-
-    return build
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """torch's Muon on the groups flagged `muon` (the hidden 2-D matrices), torch's AdamW on the rest
-    (embeddings, the output layer, norms, biases), as Moonlight trains: one optimizer for accelerate
-    and the checkpoints, each group stepped by its own algorithm's code over the shared state. Muon's
-    update is scaled to AdamW's RMS (`adjust_lr_fn=match_rms_adamw`), so one learning rate serves both."""
-
-    def __init__(self, groups: list[dict], lr: float, betas, eps: float, weight_decay: float = 0.0,
-                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, muon_eps: float = 1e-7,
-                 ns_coefficients=(3.4445, -4.775, 2.0315), adjust_lr_fn: str = "match_rms_adamw"):
-        adam = {"betas": betas, "eps": eps, "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                "differentiable": False, "fused": None, "decoupled_weight_decay": True}
-        muon = {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "ns_coefficients": ns_coefficients,
-                "adjust_lr_fn": adjust_lr_fn}
-        for g in groups:
-            if g.get("muon"):
-                g.update(eps=muon_eps)
-        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay, "muon": False, **adam, **muon})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for cls, flagged in ((torch.optim.Muon, True), (torch.optim.AdamW, False)):
-            groups = [g for g in self.param_groups if bool(g["muon"]) is flagged]
-            if groups:  # the algorithm's own step over this optimizer's groups and state (the same objects)
-                inner = cls.__new__(cls)
-                inner.__dict__ = {**self.__dict__, "param_groups": groups}
-                cls.step(inner)
-        return loss
-
-
-def _muon(groups, t, device, model, args):
-    split, matrices = [], _hidden_matrices(model)
-    for g in groups:  # Muon on the 2-D hidden matrices only; embeddings and the output layer stay on AdamW
-        rest = {k: v for k, v in g.items() if k != "params"}
-        hidden = [p for p in g["params"] if id(p) in matrices]
-        other = [p for p in g["params"] if id(p) not in matrices]
-        split += [{**rest, "params": hidden, "muon": True}] * bool(hidden) + [{**rest, "params": other}] * bool(other)
-    return MuonAdamW(split, **_adam_kwargs(t), **args)
-
-
-def _hidden_matrices(model) -> set[int]:
-    """ids of the 2-D parameters that are neither an embedding nor the output layer."""
-    if model is None:
-        raise ToolkitError("train.optim: muon needs the model to tell its hidden matrices apart")
-    edges = set()
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, getter, lambda: None)()
-        if module is not None:
-            edges |= {id(p) for p in module.parameters()}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            edges |= {id(p) for p in module.parameters()}
-    return {id(p) for p in model.parameters() if p.ndim == 2 and id(p) not in edges}
-
-
-BUILDERS: dict[str, Callable] = {
-    "adamw_torch": _adamw, "adamw_torch_fused": _adamw_fused, "sgd": _sgd, "adafactor": _adafactor, "muon": _muon,
-    "adamw_8bit": _bitsandbytes("AdamW", 8, False), "paged_adamw_8bit": _bitsandbytes("AdamW", 8, True),
-    "paged_adamw_32bit": _bitsandbytes("AdamW", 32, True), "lion_8bit": _bitsandbytes("Lion", 8, False),
-    "lion_32bit": _bitsandbytes("Lion", 32, False),
-}
-
-# what `make` fills from the recipe: never a key of train.optim_args
-_FILLED = {"self", "params", "lr", "betas", "eps", "optim_bits", "is_paged", "scale_parameter", "relative_step",
-           "fused"}
-
-
-def args_accepted(name: str) -> list[str]:
-    """The keyword arguments optimizer `name` takes in train.optim_args."""
-    import inspect
-
-    if name.startswith(("adamw_8", "paged_", "lion_")):
-        import bitsandbytes
-
-        cls = getattr(bitsandbytes.optim, "Lion" if name.startswith("lion") else "AdamW")
-    else:
-        from transformers.optimization import Adafactor
-
-        cls = {"adamw_torch": torch.optim.AdamW, "adamw_torch_fused": torch.optim.AdamW, "sgd": torch.optim.SGD,
-               "adafactor": Adafactor, "muon": MuonAdamW}[name]
-    return [p for p in inspect.signature(cls.__init__).parameters if p not in _FILLED and p != "groups"
-            and p != "weight_decay"]

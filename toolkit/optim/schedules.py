@@ -13,8 +13,6 @@ from __future__ import annotations
 import inspect
 import math
 
-import torch
-
 DEFAULT = "warmup_cosine"
 TRANSFORMERS = ("linear", "cosine", "cosine_with_restarts", "cosine_with_min_lr", "constant", "constant_with_warmup",
                 "polynomial", "inverse_sqrt", "warmup_stable_decay")
@@ -38,20 +36,6 @@ def warmup_steps(t, total_steps: int) -> int:
     counts a ratio, at most the run's length."""
     wanted = t.warmup_steps if t.warmup_steps else math.ceil(total_steps * t.warmup_ratio)
     return min(wanted, total_steps)
-
-
-def make(optimizer, t, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """The schedule of train section `t` over a run of `total_steps` optimizer steps."""
-    warmup = warmup_steps(t, total_steps)
-    if t.lr_scheduler_type == DEFAULT:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps, t.min_lr_ratio))
-    from transformers import get_scheduler
-
-    kwargs = dict(t.lr_scheduler_kwargs)
-    if t.lr_scheduler_type == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & set(kwargs):
-        kwargs["min_lr_rate"] = t.min_lr_ratio  # the recipe's floor where the kwargs give none
-    return get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=kwargs)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
