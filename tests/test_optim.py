@@ -124,8 +124,8 @@ def test_the_optimizers_differ():
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("optim", ["adamw_8bit", "sgd", pytest.param("adafactor", marks=pytest.mark.slow),
-                                   pytest.param("muon", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("optim", ["adamw_8bit", "sgd"] + [pytest.param(o, marks=pytest.mark.slow) for o in (
+    "adafactor", "muon", "adamw_torch_fused", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit")])
 def test_a_killed_run_resumes_bitwise(optim, work, optim_run):
     """SIGKILL in step 2's forward (the toolkit's fault seam: these runs are too fast to catch from outside), a
     checkpoint after every step: resume=auto continues from step 1 to the uninterrupted run's metrics and weights,
