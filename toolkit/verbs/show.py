@@ -21,8 +21,8 @@ def run(args, recipe: Recipe) -> None:
     if args.accelerate_config:
         launch, ds, ranks = show(recipe, args.accelerate_config, args.num_processes, args.assume_gpu)
         check_split(recipe, worker_env(args.accelerate_config, args.num_processes), args.accelerate_config)
-    found = recipe.data.format is None and recipe.data.train_files
-    if found:  # unset: found from the training files' first rows, as the run finds it
+    found = recipe.data.format is None and recipe.data.train_files and all_here(recipe.data.train_files)
+    if found:  # unset: found from the files' first rows, as the run finds it
         from ..data.sources import resolve_sources
 
         recipe.data.format = resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")[0].format
@@ -100,6 +100,25 @@ def objective_line(recipe: Recipe) -> str:
     return f"supervised fine-tuning, the loss on {on}"
 
 
+def all_here(entries: list) -> bool:
+    """Whether every local file an entry names is here: config show plans a run on a machine that may not hold
+    its data, so there data.format stays unset in the plan; files that are here but bad are refused as a run
+    refuses them. A Hub id counts as here (resolve_sources asks for data.format where it is one)."""
+    import glob
+
+    from ..data.sources import LOADERS
+
+    for e in entries:
+        path = e.path if isinstance(e, DataSource) else e
+        p = Path(path).expanduser()
+        if any(c in path for c in "*?["):
+            if not glob.glob(str(p), recursive=True):
+                return False
+        elif not p.exists() and (p.suffix.lower() in LOADERS or path.startswith(("/", ".", "~"))):
+            return False
+    return True
+
+
 def data_line(recipe: Recipe) -> str:
     d = recipe.data
 
@@ -110,7 +129,8 @@ def data_line(recipe: Recipe) -> str:
 
     held = (", ".join(map(name, d.eval_files)) if d.eval_files else
             f"{d.eval_fraction:.0%} of the training rows" if d.eval_fraction else "none")
-    return (f"{', '.join(map(name, d.train_files))} as {d.format}, max_seq_len {d.max_seq_len}"
+    fmt = d.format or "the format its columns show at launch (the files are not here to read)"
+    return (f"{', '.join(map(name, d.train_files))} as {fmt}, max_seq_len {d.max_seq_len}"
             + (", packed" if d.packing else "") + f"; held out: {held}")
 
 
