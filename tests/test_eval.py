@@ -139,8 +139,8 @@ def test_prompt_rows_are_scored_by_reward_functions(answers_run, answers_model, 
     rewards = result["rewards"]
     assert [r["answer"] for r in rewards["records"]] == answers
     exact = [1.0 if i % 2 == 0 else 0.0 for i in range(4)]
-    assert rewards["per_function"]["exact_match"] == pytest.approx(sum(exact) / 4)
-    assert rewards["per_function"][f"{judge}:length"] == pytest.approx(sum(len(a) for a in answers) / 4)
+    assert rewards["per_function"]["reward_exact_match"] == pytest.approx(sum(exact) / 4)
+    assert rewards["per_function"]["reward_length"] == pytest.approx(sum(len(a) for a in answers) / 4)
     assert rewards["mean"] == pytest.approx(sum(e + len(a) for e, a in zip(exact, answers)) / 4)
     assert rewards["scored"] == rewards["answers"] == 4
     line = refused(capsys, "eval", final, "--data", data)

@@ -74,13 +74,13 @@ def test_a_reward_model_scores_as_trls_calculate_rewards(folders, kind, tmp_path
     rewards = load_rewards([RewardConfig(model=str(folders["rm"]), weight=2.0)], kwargs)
     assert [r.name for r in rewards] == ["rm"]
     total, per = score(rewards, prompts, ANSWERS, [{} for _ in prompts], step=1, rows=[f"row {i}" for i in range(4)])
-    torch.testing.assert_close(per["rm"], want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per["reward_rm"], want.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(total, 2 * want.float(), rtol=1e-5, atol=1e-6)
-    assert len(set(per["rm"].tolist())) == 4  # four answers, four scores: the model read each one
+    assert len(set(per["reward_rm"].tolist())) == 4  # four answers, four scores: the model read each one
     if kwargs:  # the kwargs changed what the reward model read
         plain, _ = score(load_rewards([RewardConfig(model=str(folders["rm"]))]), prompts, ANSWERS,
                          [{} for _ in prompts], step=1, rows=[f"row {i}" for i in range(4)])
-        assert not torch.allclose(plain, per["rm"])
+        assert not torch.allclose(plain, per["reward_rm"])
 
 
 def test_what_is_not_a_reward_model_is_refused_in_one_line(folders, tmp_path):

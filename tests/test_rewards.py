@@ -1,6 +1,7 @@
 """training/rewards.py: loading reward functions, the built-ins, TRL's calling convention, and one-line errors."""
 
 import math
+import re
 import sys
 import textwrap
 
@@ -106,7 +107,7 @@ def test_a_function_from_a_file_and_one_from_a_module(tmp_path, monkeypatch):
     assert [r.name for r in rewards] == ["rewards.py:correct", "my_mod:fmt"]
     assert str(tmp_path) not in sys.path  # the file's folder is not left on sys.path
     total, per = score(rewards, ["q", "q"], ["ab", "abc"], [{"answer": "ab"}, {"answer": "x"}], step=1, rows=ROWS)
-    assert per["rewards.py:correct"].tolist() == [1.5, 0.0] and per["my_mod:fmt"].tolist() == [2.0, 3.0]
+    assert per["reward_correct"].tolist() == [1.5, 0.0] and per["reward_fmt"].tolist() == [2.0, 3.0]
     assert total.tolist() == [2 * 1.5 + 2, 3.0] and total.dtype == torch.float32
 
 
@@ -142,7 +143,7 @@ def test_the_keywords_are_those_trl_passes(tmp_path, monkeypatch):
     assert seen == {"prompts": chat, "completions": [[{"role": "assistant", "content": "a"}],
                                                       [{"role": "assistant", "content": "b"}]],
                     "ids": [[1], [2, 3]], "step": 7, "columns": {"answer": [1, 2], "level": ["easy", "hard"]}}
-    assert total[0].item() == 0.5 and math.isnan(total[1].item()) and math.isnan(per["spy_module:spy"][1].item())
+    assert total[0].item() == 0.5 and math.isnan(total[1].item()) and math.isnan(per["reward_spy"][1].item())
 
 
 def test_none_terms_are_left_out_of_the_weighted_sum_as_trl_nansum(monkeypatch):
@@ -170,9 +171,43 @@ def test_tensors_arrays_and_async_functions_are_accepted(monkeypatch):
 
 def test_a_repeated_function_gets_its_own_name():
     rewards = load_rewards([RewardConfig(function="regex", pattern="a"), RewardConfig(function="regex", pattern="b")])
-    assert [r.name for r in rewards] == ["regex", "regex#2"]
+    assert [r.metric for r in rewards] == ["reward_regex", "reward_regex_2"]
     _, per = score(rewards, ["q"], ["a"], [{}], step=0, rows=ROWS[:1])
-    assert per["regex"].tolist() == [1.0] and per["regex#2"].tolist() == [0.0]
+    assert per["reward_regex"].tolist() == [1.0] and per["reward_regex_2"].tolist() == [0.0]
+
+
+def test_metric_names_are_unique_and_safe_for_every_tracker(tmp_path, monkeypatch):
+    """Issue 69.2: two files each with a function `score` collided in the step metrics, the eval metric and the
+    completions table (both `reward_score`), and a repeat's `#2` is refused by MLflow. One rule, used everywhere:
+    the bare function name where it is unique, the source before it where not, `_N` for a repeat; only letters,
+    digits, _ . - (every tracker's names). A name a function hands log_metric that a tracker refuses is refused
+    when the function is first tried, naming it."""
+    from toolkit.training.rewards import metric_names
+
+    names = ["a/rewards.py:score", "b/judge.py:score", "exact_match", "my.pkg.mod:fmt", "a/rewards.py:score",
+             "mod:réponse", "x.py:reward_regex", "regex"]
+    got = metric_names(names)
+    assert got == ["reward_rewards_score", "reward_judge_score", "reward_exact_match", "reward_fmt",
+                   "reward_rewards_score_2", "reward_r_ponse", "reward_reward_regex", "reward_regex"]
+    assert len(set(got)) == len(got) and all(re.fullmatch(r"[A-Za-z0-9_.\-]+", n) for n in got)
+    same = metric_names(["a/s.py:score", "b/s.py:score"])  # same stem and function: still unique
+    assert same == ["reward_s_score", "reward_s_score_2"]
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "r.py").write_text(f"def score(completions, **kw):\n    return [{folder!r} == 'a'] * "
+                                               "len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards([RewardConfig(function="a/r.py:score"), RewardConfig(function="b/r.py:score")])
+    _, per = score(rewards, ["q"], ["x"], [{}], step=0, rows=ROWS[:1])
+    assert per == {"reward_r_score": per["reward_r_score"], "reward_r_score_2": per["reward_r_score_2"]}
+    assert per["reward_r_score"].tolist() == [1.0] and per["reward_r_score_2"].tolist() == [0.0]
+
+    (tmp_path / "m.py").write_text("def score(completions, log_metric, **kw):\n    log_metric('acc#1', 1.0)\n"
+                                   "    return [0.0] * len(completions)\n")
+    rewards = load_rewards([RewardConfig(function="m.py:score")])
+    message = one_line_error("a tracker refuses that name", check_rewards, rewards, ["q"], [{}], ROWS[:1])
+    assert "log_metric('acc#1', ...) in m.py:score" in message
 
 
 def test_a_function_that_changes_its_arguments_changes_nothing_the_next_one_sees(monkeypatch):
@@ -193,7 +228,7 @@ def test_a_function_that_changes_its_arguments_changes_nothing_the_next_one_sees
     prompts, completions = [[{"role": "user", "content": "Q"}]] * 2, ["4", "5"]
     columns = [{"answer": "4"}, {"answer": "4"}]
     _, per = score(rewards, prompts, completions, columns, step=1, rows=ROWS)
-    assert per["spoil_module:spoil"].tolist() == per["spoil_module:spoil#2"].tolist() == [1.0, 0.0]
+    assert per["reward_spoil"].tolist() == per["reward_spoil_2"].tolist() == [1.0, 0.0]
     assert completions == ["4", "5"] and columns[0]["answer"] == "4" and len(prompts) == 2
 
 
@@ -300,24 +335,68 @@ def test_a_reward_that_never_scores_is_reported_logged_as_it_is_and_stops_the_ru
     objective.stops = [2]
     none = torch.full((4,), math.nan)
     completions = [[5, 2], [6, 2], [7, 2], [8, 2]]
-    metrics = objective.generation_metrics(none, {"regex": none}, completions, 0.1)
+    metrics = objective.generation_metrics(none, {"reward_regex": none}, completions, 0.1)
     assert math.isnan(metrics["reward"]) and math.isnan(metrics["reward_regex"]) and math.isnan(metrics["reward_std"])
     assert metrics["zero_std_groups"] == 1.0 and metrics["unscored_completions"] == 1.0
     some = torch.tensor([1.0, math.nan, 0.0, 1.0])  # group 1: one scored (no spread); group 2: spread
-    metrics = objective.generation_metrics(some, {"regex": some}, completions, 0.1)
+    metrics = objective.generation_metrics(some, {"reward_regex": some}, completions, 0.1)
     assert metrics["reward"] == 2 / 3 and metrics["zero_std_groups"] == 0.5 and metrics["unscored_completions"] == 0.25
 
-    objective.generated = {"unscored_completions": 1.0}
-    objective.check_scored(1)
+    objective.generated = objective.generation_metrics(none, {"reward_regex": none}, completions, 0.1)
+    objective.check_signal(1)
     assert capsys.readouterr().out.strip() == (
         "rl: at step 1 no completion was scored (regex said None for every one): "
         "this batch teaches nothing; the run stops after 2 such batches in a row")
-    objective.generated = {"unscored_completions": 0.5}  # a scored batch between: the count starts again
-    objective.check_scored(2)
-    objective.generated = {"unscored_completions": 1.0}
-    objective.check_scored(3)
-    message = one_line_error("in 2 generated batches in a row, up to step 4", objective.check_scored, 4)
-    assert message.startswith("rl.rewards: regex scored no completion") and "rl.max_unscored_steps" in message
+    # a batch with signal between: the count starts again
+    objective.generated = objective.generation_metrics(some, {"reward_regex": some}, completions, 0.1)
+    objective.check_signal(2)
+    objective.generated = objective.generation_metrics(none, {"reward_regex": none}, completions, 0.1)
+    objective.check_signal(3)
+    objective.generated = objective.generation_metrics(none, {"reward_regex": none}, completions, 0.1)
+    message = one_line_error("2 generated batches in a row taught nothing, up to step 4", objective.check_signal, 4)
+    assert message.startswith("rl.rewards: ") and "regex said None for every one" in message
+    assert "rl.max_unscored_steps" in message
+
+
+def test_every_reason_a_batch_teaches_nothing_is_reported_by_one_mechanism(capsys):
+    """Issue 69.3: with rl.mask_truncated_completions, a batch whose every completion was cut at max_new_tokens has
+    loss 0 and gradient 0: reported as the unscored batch is, and counted toward rl.max_unscored_steps. A batch in
+    which every group got one reward (no advantage) is said once and never stops the run; one whose scored
+    completions are partly cut teaches, and restarts the count."""
+    from accelerate import Accelerator
+
+    from toolkit.backends import Backend
+    from toolkit.config import RLConfig
+    from toolkit.training.online import GroupRL
+
+    backend = Backend()
+    backend.accelerator = Accelerator(cpu=True)
+    rewards = built_in("regex", pattern="x")
+    objective = GroupRL(RLConfig(method="grpo", num_generations=2, max_unscored_steps=2, max_new_tokens=2,
+                                 mask_truncated_completions=True), rewards, None, backend, 5, ["train"], [])
+    objective.stops = [2]
+    cut = [[5, 6], [6, 7], [7, 8], [8, 9]]  # two tokens, no stop token: every one cut at max_new_tokens
+    spread = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    objective.generated = objective.generation_metrics(spread, {"reward_regex": spread}, cut, 0.1)
+    objective.check_signal(1)
+    assert capsys.readouterr().out.strip() == (
+        "rl: at step 1 every scored completion was cut at rl.max_new_tokens (2) and is left out of the loss "
+        "(rl.mask_truncated_completions): this batch teaches nothing; the run stops after 2 such batches in a row")
+    half = [[5, 2], [6, 7], [7, 2], [8, 9]]
+    objective.generated = objective.generation_metrics(spread, {"reward_regex": spread}, half, 0.1)
+    objective.check_signal(2)
+    flat = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    for step in (3, 4, 5):
+        objective.generated = objective.generation_metrics(flat, {"reward_regex": flat}, half, 0.1)
+        objective.check_signal(step)
+    assert capsys.readouterr().out.strip() == (
+        "rl: at step 3 every group's completions got one reward each: no completion has an advantage, so the policy "
+        "term teaches nothing this step (zero_std_groups in the metrics counts such groups)")
+    objective.generated = objective.generation_metrics(spread, {"reward_regex": spread}, cut, 0.1)
+    objective.check_signal(6)
+    objective.generated = objective.generation_metrics(spread, {"reward_regex": spread}, cut, 0.1)
+    message = one_line_error("2 generated batches in a row taught nothing, up to step 7", objective.check_signal, 7)
+    assert message.startswith("rl.mask_truncated_completions: ") and "raise rl.max_new_tokens" in message
 
 
 # --- TRL's trainer_state, log_metric, log_extra and async functions
@@ -356,7 +435,7 @@ def test_async_functions_run_together_on_one_loop_that_outlives_a_batch(monkeypa
     for step in (1, 2):
         module.events.clear()
         total, per = score(rewards, ["q", "q"], ["a", "b"], [{"answer": "a"}, {"answer": "c"}], step=step, rows=ROWS)
-        assert total.tolist() == [4.0, 3.0] and per["async_module:pong"].tolist() == [2.0, 2.0]
+        assert total.tolist() == [4.0, 3.0] and per["reward_pong"].tolist() == [2.0, 2.0]
     assert len(module.loops) == 2 and module.loops[0] is module.loops[1]
 
 

@@ -194,9 +194,11 @@ class RLConfig:
     rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
     """The reward functions (see RewardConfig): names, or mappings with a weight."""
     max_unscored_steps: int = 5
-    """Stop, in one line naming the reward functions, after this many generated batches in a row in
-    which no completion was scored (every function said None for every one): such a batch teaches
-    nothing. The first one is reported when it happens. 0: never stop."""
+    """Stop, in one line naming the reason, after this many generated batches in a row that teach
+    nothing: no completion was scored (every function said None for every one), or every scored
+    completion was cut at max_new_tokens and left out (mask_truncated_completions). The first one is
+    reported when it happens; a batch without advantages (every group scored alike) is reported once
+    and not counted. 0: never stop."""
     top_entropy_quantile: float = 1.0
     """Only the tokens whose entropy is in this top share of the global batch's completion tokens get
     the policy term (TRL's top_entropy_quantile, "Beyond the 80/20 Rule": 0.2 keeps the 20% most

@@ -96,7 +96,7 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
             h.update(f.name.encode() + f.read_bytes())
         out["model"] = h.hexdigest()[:16]
     code = sorted({(r.name.rpartition(":")[2], Path(f).read_bytes()) for r in rewards  # not paths: files may move
-                   if r.name.partition("#")[0] not in BUILT_IN_REWARDS and (f := _source_file(r.function)) is not None})
+                   if r.name not in BUILT_IN_REWARDS and (f := _source_file(r.function)) is not None})
     if code:
         out["rewards"] = hashlib.sha256(b"".join(name.encode() + source for name, source in code)).hexdigest()[:16]
     models = [fingerprint(folder) + _tokenizer_files(folder)  # its tokenizer and template change its scores too

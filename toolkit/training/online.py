@@ -22,7 +22,6 @@ run folder, a row per completion with its prompt, rewards and advantage).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -35,8 +34,8 @@ from ..data.formats import IGNORE
 from ..errors import ToolkitError
 from ..model.inference import stop_token_ids
 from ..model.sampling import completion_seed, sample
-from ..storage import disk
 from . import rewards as reward_functions
+from . import rl_log
 from .loss import token_logps_each
 from .objectives import Objective
 from .policy_loss import (
@@ -50,13 +49,6 @@ from .policy_loss import (
     rloo_loss,
     sampler_correction,
 )
-
-# Metric names the loop and this objective write in a step's row: a reward function's log_metric cannot take one.
-ROW_METRICS = frozenset({
-    "step", "epoch", "loss", "lr", "grad_norm", "tokens", "time", "skipped_steps", "loss_scale", "compiled_graphs",
-    "peak_memory_gib", "mfu", "tflops_per_device", "eta_seconds", "samples_per_second", "tokens_per_second",
-    "target_tokens_per_second", "clip_ratio_low", "clip_ratio_high", "clip_ratio", "entropy", "kl",
-    "sampler_logp_difference", "sampler_weight"})
 
 
 class GroupRL(Objective):
@@ -77,14 +69,15 @@ class GroupRL(Objective):
         self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
         self.rloo = cfg.method == "rloo"
         self.unit = "completion tokens" if cfg.loss_type in TOKEN_MEAN and not self.rloo else "completions"
-        self.names = {r.name: f"reward_{r.name.rpartition(':')[2]}" for r in rewards}  # reward_<function name>
-        self.eval_metrics = ("reward", *self.names.values())
+        self.eval_metrics = ("reward", *(r.metric for r in rewards))  # rewards.metric_names: unique, tracker-safe
         self.iterations = cfg.num_iterations
         self.made: list[dict] | None = None  # this generation's micro-batches, kept for its num_iterations steps
         self.sums: dict[str, torch.Tensor] = {}
         self.generated: dict[str, float] = {}  # the step's generation metrics, global already
         self.shown: list[dict] = []
-        self.unscored = 0  # generated batches in a row without one scored completion (rl.max_unscored_steps)
+        self.unscored = 0  # generated batches in a row that taught nothing (rl.max_unscored_steps)
+        self.counted = 0.0  # the last batch's completions that were scored and not left out (global)
+        self.said_flat = False  # a batch without advantages: said once
         self.stops: list[int] | None = None  # where a completion ends: set on first use, from the model
         self.table = out / "completions.jsonl" if out is not None and cfg.log_completions else None
         self.last_step = 0  # the optimizer steps done when evaluation runs (trainer_state.global_step)
@@ -216,30 +209,46 @@ class GroupRL(Objective):
         self.generated = {**generated, **self.logged_metrics(logged, taken=set(generated))}
         self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
                          logged)
-        self.check_scored(step)
+        self.check_signal(step)
         return made
 
     def say(self, line: str) -> None:
         if self.accelerator.is_main_process:
             tqdm.write(line)
 
-    def check_scored(self, step: int) -> None:
-        """Report the first generated batch in which no completion was scored (from the global counts, so
-        every rank agrees), and stop after rl.max_unscored_steps of them in a row."""
-        if self.generated["unscored_completions"] < 1:
+    def check_signal(self, step: int) -> None:
+        """Report the first generated batch that teaches nothing, with its reason (from the global counts, so every
+        rank agrees), and stop after rl.max_unscored_steps such batches in a row: no completion scored, or every
+        scored one cut at max_new_tokens and left out (rl.mask_truncated_completions). A batch whose groups all got
+        one reward each (no advantage anywhere) is reported once and not counted: early in a hard task it is the
+        usual case, and the KL term (rl.beta) may still teach."""
+        g = self.generated
+        names = ", ".join(r.name for r in self.rewards)
+        if g["unscored_completions"] >= 1:
+            key, why = "rl.rewards", f"no completion was scored ({names} said None for every one)"
+            advice = "return a number for the completions a function can judge"
+        elif self.counted == 0:
+            key = "rl.mask_truncated_completions"
+            why = (f"every scored completion was cut at rl.max_new_tokens ({self.cfg.max_new_tokens}) and is left "
+                   "out of the loss (rl.mask_truncated_completions)")
+            advice = "raise rl.max_new_tokens, or set rl.mask_truncated_completions=false"
+        else:
             self.unscored = 0
+            if g["zero_std_groups"] >= 1 and not self.said_flat:
+                self.said_flat = True
+                self.say(f"rl: at step {step} every group's completions got one reward each: no completion has an "
+                         "advantage, so the policy term teaches nothing this step (zero_std_groups in the metrics "
+                         "counts such groups)")
             return
         self.unscored += 1
-        names = ", ".join(r.name for r in self.rewards)
         limit = self.cfg.max_unscored_steps
         if limit and self.unscored >= limit:
-            raise ToolkitError(f"rl.rewards: {names} scored no completion (None for every one) in {self.unscored} "
-                               f"generated batches in a row, up to step {step}: the run learns nothing; "
-                               "return a number for the completions a function can judge (rl.max_unscored_steps)")
+            raise ToolkitError(f"{key}: {self.unscored} generated batches in a row taught nothing, up to step {step} "
+                               f"({why}): the run learns nothing; {advice} (rl.max_unscored_steps: how many "
+                               "such batches stop a run)")
         if self.unscored == 1:
-            self.say(f"rl: at step {step} no completion was scored ({names} said None for every one): "
-                                  f"this batch teaches nothing" + (f"; the run stops after {limit} such batches "
-                                                                   "in a row" if limit else ""))
+            self.say(f"rl: at step {step} {why}: this batch teaches nothing"
+                     + (f"; the run stops after {limit} such batches in a row" if limit else ""))
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         if "completion_mask" not in batch:
@@ -484,27 +493,12 @@ class GroupRL(Objective):
             batch["entropy_threshold"] = threshold
 
     def logged_metrics(self, logged: reward_functions.Logged, taken: set[str]) -> dict[str, float]:
-        """log_metric's values: each name's mean over the calls of every rank (TRL's), in the step's metrics; a
-        name in `taken` (the step's generation metrics) or the row's other metrics is refused."""
-        names = sorted(logged.metrics)
-        if self.accelerator.num_processes > 1:  # every rank reduces the same names in the same order
-            from accelerate.utils import gather_object
-
-            names = sorted(set(gather_object(names)))
-        for name in names:
-            if name in ROW_METRICS or name in taken or name.startswith("eval_"):
-                raise ToolkitError(f"rl.rewards: {logged.by.get(name, 'a reward function')}: log_metric({name!r}) "
-                                   "takes the name of a metric the run writes; give it another name")
-        sums = torch.tensor([[sum(logged.metrics.get(n, [])), len(logged.metrics.get(n, []))] for n in names],
-                            dtype=torch.float64).reshape(-1, 2)
-        if self.accelerator.num_processes > 1:
-            sums = self.accelerator.reduce(sums.to(self.accelerator.device), "sum").cpu()
-        return {n: s / c if c else math.nan for n, (s, c) in zip(names, sums.tolist())}
+        return rl_log.logged_metrics(self.accelerator, logged, taken)
 
     def table_columns(self) -> list[str]:
         """The completions table's own columns: a reward function's log_extra cannot take one (refused in the call,
         on the rank that makes it, before any collective)."""
-        return ["step", "prompt", "completion", "reward", *self.names.values(), "advantage"]
+        return ["step", "prompt", "completion", "reward", *(r.metric for r in self.rewards), "advantage"]
 
     def write_table(self, step: int, fields: list[dict], completions: list[list[int]], rewards: torch.Tensor,
                     per_function: dict[str, torch.Tensor], advantages: torch.Tensor,
@@ -517,7 +511,7 @@ class GroupRL(Objective):
 
         def value(x: float):
             return None if math.isnan(x) else x
-        values = {self.names[name]: v.tolist() for name, v in per_function.items()}
+        values = {name: v.tolist() for name, v in per_function.items()}
         rows = [{"step": step, "prompt": f.get("prompt"), "completion": self.text(c), "reward": value(r),
                  **{name: value(v[i]) for name, v in values.items()}, "advantage": a,
                  **{column: extra[i] for column, extra in logged.extra.items()}}
@@ -525,23 +519,7 @@ class GroupRL(Objective):
         self.append_table(rows)
 
     def append_table(self, rows: list[dict]) -> None:
-        """Every rank's rows of a generated batch gathered and appended to completions.jsonl, and
-        rl.num_completions_to_print of them shown in the log (None: all, as TRL)."""
-        if self.accelerator.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            rows = gather_object(rows)
-        if not self.accelerator.is_main_process:
-            return
-        with disk.writing("completions table", self.table, remove=False), open(self.table, "a") as f:
-            f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
-        shown = rows if self.cfg.num_completions_to_print is None else rows[:self.cfg.num_completions_to_print]
-        for row in shown:
-            prompt = row["prompt"][-1]["content"] if isinstance(row["prompt"], list) and row["prompt"] \
-                and isinstance(row["prompt"][-1], dict) else row["prompt"]
-            scores = "".join(f", {k} {row[k]:.4g}" if isinstance(row[k], float) else f", {k} {row[k]}"
-                             for k in ("reward", "advantage") if k in row)
-            tqdm.write(f"step {row['step']}: {str(prompt)[-80:]!r} -> {row['completion'][:200]!r}{scores}")
+        rl_log.append_table(self.accelerator, self.table, rows, self.cfg.num_completions_to_print)
 
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
         """Reward mean and std (total and per function), completion lengths, the share cut at
@@ -554,13 +532,14 @@ class GroupRL(Objective):
         unscored = flat_groups.isnan()
         no_spread = (flat_groups.masked_fill(unscored, -math.inf).max(1).values
                      - flat_groups.masked_fill(unscored, math.inf).min(1).values) < 1e-12
-        columns = {"reward": r, **{self.names[name]: v.double() for name, v in per_function.items()}}
+        columns = {"reward": r, **{name: v.double() for name, v in per_function.items()}}
         sums = []
         for v in columns.values():
             ok = ~torch.isnan(v)
             sums += [torch.where(ok, v, 0).sum(), torch.where(ok, v * v, 0).sum(), ok.sum()]
+        left_out = cut.bool() if self.cfg.mask_truncated_completions else torch.zeros_like(cut, dtype=torch.bool)
         sums += [lengths.sum(), cut.sum(), no_spread.sum(), float(len(completions)), float(len(flat_groups)), seconds,
-                 unscored.sum()]
+                 unscored.sum(), (~r.isnan() & ~left_out).sum()]
         extremes = torch.tensor([lengths.max(), -lengths.min()], dtype=torch.float64)
         device = self.accelerator.device
         total = self.accelerator.reduce(torch.tensor(sums, dtype=torch.float64).to(device), "sum").cpu().tolist()
@@ -572,7 +551,8 @@ class GroupRL(Objective):
             out[name] = s / n if n else math.nan  # the mean of what was scored: none, no mean
             if name == "reward":
                 out["reward_std"] = (max(s2 - s * s / n, 0.0) / max(n - 1, 1)) ** 0.5 if n else math.nan
-        length_sum, cut_n, flat_n, n, groups, secs, unscored_n = total[3 * len(columns):]
+        length_sum, cut_n, flat_n, n, groups, secs, unscored_n, counted_n = total[3 * len(columns):]
+        self.counted = counted_n  # completions scored and not left out, over every rank: check_signal reads it
         world = self.accelerator.num_processes
         return {**out, "completion_length": length_sum / n, "completion_length_max": most[0],
                 "completion_length_min": -most[1], "clipped_completions": cut_n / n, "zero_std_groups": flat_n / groups,
@@ -594,7 +574,7 @@ class GroupRL(Objective):
                 for (s, r), v in zip([k for k in keys for _ in range(g)], valid)]
         kept = torch.tensor(valid, dtype=torch.bool)
         rewards = torch.full((len(completions),), math.nan)  # padding rows (filler of the last batches) unscored
-        per_function = {r.name: rewards.clone() for r in self.rewards}
+        per_function = {r.metric: rewards.clone() for r in self.rewards}
         if kept.any():
             real = kept.nonzero().flatten().tolist()
             fields = [f for f in batch["fields"] for _ in range(g)]
@@ -603,7 +583,7 @@ class GroupRL(Objective):
             rewards[kept] = scored
             for name, values in scored_each.items():
                 per_function[name][kept] = values
-        for name, values in [("reward", rewards), *((self.names[n], v) for n, v in per_function.items())]:
+        for name, values in [("reward", rewards), *per_function.items()]:
             self.sums[name] = self.sums.get(name, 0) + torch.nan_to_num(values.double())[kept].sum()
         self.sums["prompts"] = self.sums.get("prompts", 0) + float(kept.sum())
         if self.accelerator.is_main_process and len(self.shown) < 3:

@@ -47,12 +47,18 @@ _CHECK_COMPLETIONS = ("", "The answer is 42.")
 @dataclass
 class Reward:
     name: str
-    """As the user wrote it ("rewards.py:correct", "my_mod:fmt", "exact_match"); a repeat gets "#2", "#3"."""
+    """As the user wrote it ("rewards.py:correct", "my_mod:fmt", "exact_match"), for messages."""
     weight: float
     function: Callable[..., Any]
     """Called as TRL calls reward functions."""
     column: Optional[str] = None
     """exact_match and numeric_match: the column holding the expected answer."""
+    metric: str = ""
+    """Its values' name in the step metrics, eval metrics, completions table and `toolkit eval` (metric_names):
+    unique in the run and safe for every tracker. Empty: `reward_` + the sanitized name."""
+
+    def __post_init__(self):
+        self.metric = self.metric or "reward_" + safe_name(self.name.rpartition(":")[2])
 
 
 @dataclass
@@ -72,14 +78,44 @@ def load_rewards(entries: list[RewardConfig], template_kwargs: dict | None = Non
     """Import each function: `path/to/file.py:name` (relative to the current folder), `module:name`, or a built-in;
     load each reward model (`template_kwargs`: model.chat_template_kwargs, for its chat template too)."""
     modules: dict[Path, ModuleType] = {}
-    rewards, seen = [], {}
-    for i, entry in enumerate(entries):
-        reward = _load(i, entry, modules, template_kwargs)
-        seen[reward.name] = seen.get(reward.name, 0) + 1
-        if seen[reward.name] > 1:  # per-function values are keyed by name
-            reward.name += f"#{seen[reward.name]}"
-        rewards.append(reward)
+    rewards = [_load(i, entry, modules, template_kwargs) for i, entry in enumerate(entries)]
+    for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
+        reward.metric = metric
     return rewards
+
+
+# Characters every tracker takes in a metric name (MLflow's rule is the narrowest: letters, digits, _ - . / and
+# space; W&B reads "/" as a section, so it is left out of the names made here).
+_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_TRACKER_SAFE = re.compile(r"[A-Za-z0-9_.\-/ ]{1,200}")
+
+
+def safe_name(text: str) -> str:
+    return _SAFE.sub("_", text) or "_"
+
+
+def metric_names(names: list[str]) -> list[str]:
+    """One metric name per reward, the rule used wherever a function's values are named: `reward_<function>`;
+    where two different sources give the same function name, `reward_<file or module>_<function>` for each;
+    a repeat of one entry `_2`, `_3`; characters a tracker refuses become `_`. Unique by construction."""
+    def short(name: str) -> str:
+        return safe_name(name.rpartition(":")[2])
+
+    def long(name: str) -> str:
+        source, _, attr = name.rpartition(":")
+        stem = Path(source).stem if source.endswith(".py") else source.rpartition(".")[2]
+        return safe_name(f"{stem}_{attr}" if source else attr)
+
+    shared = {short(n) for n in set(names) if sum(short(m) == short(n) for m in set(names)) > 1}
+    out: list[str] = []
+    for name in names:
+        base = "reward_" + (long(name) if short(name) in shared else short(name))
+        metric, k = base, 1
+        while metric in out:
+            k += 1
+            metric = f"{base}_{k}"
+        out.append(metric)
+    return out
 
 
 def score(rewards: list[Reward], prompts: list, completions: list, columns: list[dict], *, step: int,
@@ -210,12 +246,12 @@ def _call_all(rewards: list[Reward], kwargs: dict, n: int, step: int, rows: list
         if inspect.isawaitable(result):
             waiting.append((reward, result))
         else:
-            out[reward.name] = result
+            out[reward.metric] = result
     for (reward, _), result in zip(waiting, _together([w for _, w in waiting]) if waiting else []):
         if isinstance(result, Exception):
             raise _failure(reward, kwargs, n, step, rows, result) from None
-        out[reward.name] = result
-    return {r.name: _values(r, out[r.name], n, step, rows) for r in rewards}
+        out[reward.metric] = result
+    return {r.metric: _values(r, out[r.metric], n, step, rows) for r in rewards}
 
 
 def _values(reward: Reward, out: Any, n: int, step: int, rows: list[str]) -> list[float]:
@@ -253,6 +289,9 @@ def _arguments(reward: Reward, kwargs: dict, logged: Optional[Logged]) -> dict:
     def log_metric(name: str, value: float) -> None:  # TRL's parameter names: log_metric(name=..., value=...)
         if not isinstance(name, str) or not name:
             raise ToolkitError(f"log_metric({name!r}, ...): give the metric a name (a text)")
+        if not _TRACKER_SAFE.fullmatch(name):
+            raise ToolkitError(f"log_metric({name!r}, ...) in {who}: a tracker refuses that name (MLflow's rule, the "
+                               "narrowest: at most 200 of letters, digits, _ - . / and space); rename it")
         if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, np.ndarray) and value.size == 1:
             value = value.item()
         if not isinstance(value, numbers.Real):  # NaN too: TRL averages it in as it is

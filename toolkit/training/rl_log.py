@@ -1,0 +1,61 @@
+"""What online RL and on-policy distillation write beside the loss: the values reward functions hand log_metric,
+in the step's metrics, and the completions table (rl.log_completions: completions.jsonl in the run folder, a row
+per completion, some of them shown in the log)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ToolkitError
+from ..storage import disk
+from .rewards import Logged
+
+# Metric names the loop and these objectives write in a step's row: a reward function's log_metric cannot take one.
+ROW_METRICS = frozenset({
+    "step", "epoch", "loss", "lr", "grad_norm", "tokens", "time", "skipped_steps", "loss_scale", "compiled_graphs",
+    "peak_memory_gib", "mfu", "tflops_per_device", "eta_seconds", "samples_per_second", "tokens_per_second",
+    "target_tokens_per_second", "clip_ratio_low", "clip_ratio_high", "clip_ratio", "entropy", "kl",
+    "sampler_logp_difference", "sampler_weight"})
+
+
+def logged_metrics(accelerator, logged: Logged, taken: set[str]) -> dict[str, float]:
+    """log_metric's values: each name's mean over the calls of every rank (TRL's), in the step's metrics; a
+    name in `taken` (the step's generation metrics) or the row's other metrics is refused."""
+    names = sorted(logged.metrics)
+    if accelerator.num_processes > 1:  # every rank reduces the same names in the same order
+        from accelerate.utils import gather_object
+
+        names = sorted(set(gather_object(names)))
+    for name in names:
+        if name in ROW_METRICS or name in taken or name.startswith("eval_"):
+            raise ToolkitError(f"rl.rewards: {logged.by.get(name, 'a reward function')}: log_metric({name!r}) "
+                               "takes the name of a metric the run writes; give it another name")
+    sums = torch.tensor([[sum(logged.metrics.get(n, [])), len(logged.metrics.get(n, []))] for n in names],
+                        dtype=torch.float64).reshape(-1, 2)
+    if accelerator.num_processes > 1:
+        sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    return {n: s / c if c else math.nan for n, (s, c) in zip(names, sums.tolist())}
+
+
+def append_table(accelerator, table: Path, rows: list[dict], num_to_print: int | None) -> None:
+    """Every rank's rows of a generated batch gathered and appended to completions.jsonl, and num_to_print
+    (rl.num_completions_to_print) of them shown in the log (None: all, as TRL)."""
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        rows = gather_object(rows)
+    if not accelerator.is_main_process:
+        return
+    with disk.writing("completions table", table, remove=False), open(table, "a") as f:
+        f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
+    for row in rows if num_to_print is None else rows[:num_to_print]:
+        prompt = row["prompt"][-1]["content"] if isinstance(row["prompt"], list) and row["prompt"] \
+            and isinstance(row["prompt"][-1], dict) else row["prompt"]
+        scores = "".join(f", {k} {row[k]:.4g}" if isinstance(row[k], float) else f", {k} {row[k]}"
+                         for k in ("reward", "advantage") if k in row)
+        tqdm.write(f"step {row['step']}: {str(prompt)[-80:]!r} -> {row['completion'][:200]!r}{scores}")
