@@ -282,3 +282,29 @@ def test_data_mistakes_are_refused_before_the_model_loads(tmp_path, mistake, ove
     assert lines[-1].startswith("error: ") and expected in lines[-1], lines[-1]
     assert "parameters:" not in proc.stdout + proc.stderr
     assert snapshot(tmp_path) == before and not (tmp_path / "new_run").exists()
+
+
+def test_a_model_folder_whose_weights_do_not_fit_its_config_is_one_line(tmp_path):
+    """Issue 69: a folder whose config.json no longer fits its weights (here its vocab_size edited) ended
+    in transformers' RuntimeError for training (model.path, rl.teacher) and a line of transformers' own words
+    for generate and eval; each says what is wrong with the folder."""
+    import torch
+
+    from toolkit.config import ModelConfig, RLConfig
+    from toolkit.errors import ToolkitError
+    from toolkit.model.inference import load_for_inference
+    from toolkit.model.load import build_model
+    from toolkit.training.distill import load_teacher
+
+    from families import build_family
+
+    folder = build_family("llama3", tmp_path / "edited")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 10}))
+    said = r"its weights do not fit its config.json \(a tensor of another shape than the config gives"
+    with pytest.raises(ToolkitError, match=rf"model.path: cannot load a causal LM from {folder}: {said}"):
+        build_model(ModelConfig(path=str(folder)))
+    with pytest.raises(ToolkitError, match=rf"{folder}: cannot load a causal LM: {said}"):
+        load_for_inference(str(folder), "fp32")
+    with pytest.raises(ToolkitError, match=rf"rl.teacher: {folder} cannot be loaded as a causal LM: {said}"):
+        load_teacher(RLConfig(method="distill", teacher=str(folder)), ModelConfig(path=str(folder)), torch.float32)

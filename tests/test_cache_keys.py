@@ -238,3 +238,19 @@ def test_the_data_is_prepared_again_when_what_shapes_it_changes(tmp_path, data_k
 def test_the_data_is_prepared_again_when_the_tokenizers_eos_changes(tmp_path, data_key):
     cfg = DataConfig(train_files=[str(write_jsonl(tmp_path / "t.jsonl", pairs(4)))], format="preference")
     assert data_key(cfg, with_eos(build_byte_tokenizer())) != data_key(cfg)
+
+
+def test_the_reference_line_counts_what_the_objective_trains_on(tmp_path):
+    """Issue 69 (text written for one case shown in another): KTO's reference pass said "computed for 8 pairs" of
+    rows that are single completions; it counts completions (each with its mismatched sequence), DPO's pairs."""
+    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "tasks_unpaired_train.jsonl").open()][:8]
+    path = write_jsonl(tmp_path / "unpaired.jsonl", rows)
+    unpaired = build_datasets(DataConfig(train_files=[str(path)], format="unpaired", max_seq_len=64),
+                              build_byte_tokenizer(), 0, False).train
+    recipe = dpo_recipe(tmp_path, "preference.method=kto", "preference.loss_type=kto", "data.format=unpaired")
+    model = build_model(recipe.model)
+    use_token_loss(model)
+    lines = reference.precompute(ONE_PROCESS, model, {"train": unpaired}, tmp_path, recipe,
+                                 Collator(0, pairs=True, unpaired=True))
+    assert lines[0].startswith("train: computed for 8 completions (each with its mismatched sequence) with the "
+                               "starting weights"), lines

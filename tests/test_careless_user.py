@@ -211,7 +211,8 @@ PREFERENCE = [
      "two rows: prompt and chosen with label true, prompt and rejected with label false)"),
     ("a KTO weight on DPO", ["preference.desirable_weight=2"], "preference.desirable_weight: a KTO setting, not dpo's"),
     ("a KTO loss type on DPO", ["preference.loss_type=kto"],
-     "preference.loss_type: preference.method=dpo takes sigmoid or ipo, got kto"),
+     "preference.loss_type: preference.method=dpo takes sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
+     "sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft or sigmoid_norm, got kto"),
     ("a reward model with a beta", ["preference.method=reward", "preference.beta=0.1"],
      "preference.beta: not a reward-model setting: a reward model has no policy, reference or β; remove it"),
     ("a reward model padding-free", ["preference.method=reward", "data.padding_free=true"],
@@ -241,7 +242,8 @@ KTO = [
     ("unpaired rows without a method", ["preference.method=null"],
      "data.format: unpaired rows train only with preference.method=kto"),
     ("label smoothing on KTO", ["preference.label_smoothing=0.1"],
-     "preference.label_smoothing: applies to dpo with loss_type=sigmoid and to simpo only"),
+     "preference.label_smoothing: applies to dpo with loss_type sigmoid, robust, exo_pair, aot or aot_unpaired and "
+     "to simpo only"),
     ("a reference on KTO with full fine-tuning", ["preference.reference=adapter"],
      "preference.reference: adapter: the reference is the model with its LoRA adapter disabled"),
 ]
@@ -273,7 +275,7 @@ LONG_CONTEXT = [
 ]
 TOKENS_MOE_QLORA = [
     ("an input resume cannot accept changed", ["resume_accept_changed=[data]"],
-     "resume_accept_changed: each must be one of model, rewards, reward_models, got ['data']"),
+     "resume_accept_changed: each must be one of model, rewards, reward_models, teacher, got ['data']"),
     ("an empty added token", ['model.add_special_tokens=[""]'], "model.add_special_tokens: each token must be"),
     ("a blank added token", ['model.add_special_tokens=["<tool>", " "]'], "model.add_special_tokens: each token must"),
     ("a number as added token", ["model.add_special_tokens=[3]"],

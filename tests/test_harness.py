@@ -165,6 +165,70 @@ def test_mistakes_are_one_line_before_the_model_loads(setup, tmp_path, capsys):
         assert "Traceback" not in err
 
 
+GEN = """dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[0]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 4
+metric_list:
+{metrics}
+"""
+
+
+def test_a_metric_lm_eval_cannot_compute_is_one_line_before_the_model_loads(setup, tmp_path, capsys):
+    """Issue 69: a metric name lm-eval does not know (neither its own nor Hugging Face evaluate's) passed the task
+    check, and lm-eval raised once every answer was generated (a TypeError from its metric, or its aggregation).
+    Named by the task, before the model loads: in a task file, in the base file it includes, an aggregation that is
+    not lm-eval's, and a metric lm-eval does not compute for the task's output type."""
+    from toolkit.cli import main
+
+    broken = tmp_path / "broken"  # garbage weights: the refusal comes before they load
+    shutil.copytree(setup["final"], broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    data = setup["tasks"].parent / "sums.jsonl"
+    files = {
+        "bare": "  - metric: accuracy",
+        "averaged": "  - metric: exact_match\n    aggregation: average\n    higher_is_better: true",
+    }
+    for name, metrics in files.items():
+        (tmp_path / f"{name}.yaml").write_text(f"task: {name}\n" + GEN.format(data=data, metrics=metrics))
+    base = tmp_path / "base"  # a task whose metrics come from the file it includes
+    base.mkdir()
+    named = "  - metric: accuracy\n    aggregation: mean\n    higher_is_better: true"  # builds; fails once run
+    (base / "common.yaml").write_text(GEN.format(data=data, metrics=named))
+    (base / "derived.yaml").write_text("include: common.yaml\ntask: derived\n")
+    cases = [(["--tasks", tmp_path / "bare.yaml"], "task 'bare': metric 'accuracy' is not one lm-eval knows"),
+             (["--tasks", tmp_path / "averaged.yaml"],
+              "task 'averaged': metric 'exact_match': aggregation 'average' is not one lm-eval knows (bits_per_byte, "),
+             (["--tasks", "derived", "--include", base], "task 'derived': metric 'accuracy' is not one lm-eval knows")]
+    for args, expected in cases:
+        code = main(["eval", str(broken), *map(str, args)])
+        out, err = capsys.readouterr()
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (args, err)
+        assert "Traceback" not in err and "not found in the evaluate library" not in err, err
+
+    # metrics lm-eval knows but does not compute for the task's output type: a traceback once every answer is
+    # generated (an average of [target, answer] pairs), or a result without the metric
+    from toolkit.errors import ToolkitError
+    from toolkit.verbs.harness import check_metrics
+
+    wrong = [({"metric": "acc"}, "generate_until", "computes it from log-likelihoods"),
+             ({"metric": "bleu"}, "multiple_choice", "gives a multiple_choice task no such score"),
+             ({"metric": "acc", "aggregation": "mean"}, "loglikelihood_rolling", "no such score")]
+    for entry, output_type, expected in wrong:
+        with pytest.raises(ToolkitError, match=f"eval --tasks: task 't': metric '{entry['metric']}': .*{expected}"):
+            check_metrics("t", [entry], output_type=output_type)
+    check_metrics("t", [{"metric": "f1", "aggregation": "f1"}], output_type="generate_until")  # f1 takes the pairs
+    check_metrics("t", [{"metric": "acc", "aggregation": "mean"}], own_results=True, output_type="generate_until")
+
+
 def test_the_shipped_task_runs_as_the_docs_show_it_from_the_repository_root(setup, capsys, monkeypatch):
     from helpers import ROOT
 

@@ -145,6 +145,21 @@ def test_a_partly_downloaded_model_resolves(hub):
         load_hub_dataset("org/data", "train", None, "data.train_files")
 
 
+def test_every_request_to_the_hub_has_a_timeout():
+    """Issue 69.5: huggingface_hub's client waits forever by default, so a Hub endpoint that takes the connection
+    and never answers held a process forever. With the toolkit's hub module imported (every way to the Hub goes
+    through it: models, datasets, estimate's config, push), every request of huggingface_hub, and of transformers
+    and datasets through it, has a connect and a read timeout; a session made again after a connection error too."""
+    import huggingface_hub
+
+    import toolkit.model.hub as hub
+
+    for _ in range(2):
+        timeout = huggingface_hub.get_session().timeout
+        assert (timeout.connect, timeout.read, timeout.write, timeout.pool) == (hub.CONNECT_S, *[hub.ANSWER_S] * 3)
+        huggingface_hub.close_session()
+
+
 @pytest.mark.launch
 def test_an_unreachable_hub_falls_back_to_the_cache(hub):
     """Not offline, but the Hub refuses connections: the cache answers; a repo it lacks is one line."""

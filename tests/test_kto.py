@@ -5,6 +5,7 @@ the KL estimate and the bad recipes are checked as a careless user would meet th
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -41,10 +42,15 @@ def test_the_loss_is_trls_formula_on_each_kind():
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def llama3(tmp_path_factory):
+    return build_family("llama3", tmp_path_factory.mktemp("kto-tok") / "llama3")
+
+
+@pytest.fixture(scope="module")
+def tok(llama3):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(build_family("llama3", tmp_path_factory.mktemp("kto-tok") / "llama3"))
+    return AutoTokenizer.from_pretrained(llama3)
 
 
 def test_an_unpaired_row_trains_on_its_completion_and_keeps_its_label(tok):
@@ -98,8 +104,9 @@ def test_each_example_is_mismatched_with_the_nearest_earlier_row_of_another_prom
     written = rows(3) + [{"prompt": pairs["prompt"], "completion": pairs[k], "label": k == "chosen"}
                          for k in ("chosen", "rejected")]  # one pair as two rows, at the end
     made = [tokenize_example(r, "unpaired", tok, 128, False) for r in written]
-    table = datasets.Dataset.from_list([{"input_ids": m["input_ids"], "labels": m["labels"], "label": int(r["label"])}
-                                        for m, r in zip(made, written)])
+    table = datasets.Dataset.from_list([{"input_ids": m["input_ids"], "labels": m["labels"], "label": int(r["label"]),
+                                         "completion_ids": m["completion_ids"],
+                                         "completion_labels": m["completion_labels"]} for m, r in zip(made, written)])
     part = Examples(table)
     assert part.pairs and part.unpaired
 
@@ -107,9 +114,11 @@ def test_each_example_is_mismatched_with_the_nearest_earlier_row_of_another_prom
         start = int(np.argmax(np.asarray(m["labels"]) != IGNORE))
         return m["input_ids"][:start], m["input_ids"][start:]
 
+    assert len(made[0]["input_ids"]) == 128 < made[0]["full_length"]  # cut: its completion lost its last token
     for i, other in ((0, 4), (1, 0), (2, 1), (3, 2), (4, 2)):  # 4's neighbour 3 is its own pair's chosen answer
         prompt, _ = split(made[i])
-        assert part[i]["rejected_input_ids"].tolist() == prompt + split(made[other])[1], i
+        assert part[i]["rejected_input_ids"].tolist() == prompt + made[other]["completion_ids"], i  # as written
+        assert split(made[other])[1] == made[other]["completion_ids"][:len(split(made[other])[1])]
     part.kl_max_length = 5
     assert len(part[0]["rejected_input_ids"]) == 5
     collate = Collator(tok.pad_token_id, unpaired=True)
@@ -124,6 +133,141 @@ def test_each_example_is_mismatched_with_the_nearest_earlier_row_of_another_prom
     from toolkit.training.objectives import sequences_with_targets
 
     assert Unpaired.units(None, padding) == 0 and not sequences_with_targets(padding).any()
+
+
+def test_a_batch_without_its_reference_log_probabilities_is_refused_as_dpo_refuses_it(tok):
+    """Before issue 69 KTO took a reference of 0 where a batch brought no reference log-probabilities
+    and no adapter could compute them (DPO raises): both refuse now, by the same rule; a batch of eval
+    padding only (no example brought its reference, and nothing reads it) still gets zeros."""
+    import datasets
+
+    from toolkit.config import PreferenceConfig
+    from toolkit.data.batching import Collator, Examples
+    from toolkit.data.tokenize import tokenize_example
+    from toolkit.errors import ToolkitError
+    from toolkit.training.kto import Unpaired, completion_part, mismatched_part
+    from toolkit.training.objectives import Preference
+
+    made = [{**tokenize_example(r, "unpaired", tok, 128, False), "label": int(r["label"])} for r in rows(3)]
+    part = Examples(datasets.Dataset.from_list(made))
+    collate = Collator(tok.pad_token_id, unpaired=True)
+    batch, padding = collate([part[0], part[1], None]), collate([None, None])
+    assert "reference_logps" not in batch
+    kto = Unpaired(PreferenceConfig(method="kto", loss_type="kto"))
+    for half, take in ((0, completion_part), (1, mismatched_part)):
+        with pytest.raises(ToolkitError, match="preference: KTO has no reference log-probabilities for this batch"):
+            kto.reference_logps(None, batch, take(batch), half)
+        assert kto.reference_logps(None, padding, take(padding), half).tolist() == [0.0, 0.0]
+    pairs = [{"input_ids": part[i]["input_ids"], "labels": part[i]["labels"], "rejected_input_ids":
+              part[i]["rejected_input_ids"], "rejected_labels": part[i]["rejected_labels"]} for i in range(2)]
+    dpo = Preference(PreferenceConfig(method="dpo", beta=0.1))
+    with pytest.raises(ToolkitError, match="preference: DPO has no reference log-probabilities for this batch"):
+        dpo.reference_logps(None, Collator(tok.pad_token_id, pairs=True)(pairs))
+    assert dpo.reference_logps(None, Collator(tok.pad_token_id, pairs=True)([None])).tolist() == [0.0, 0.0]
+
+
+# ---- the data against TRL's KTOTrainer, in process ----
+
+def long_rows() -> list[dict]:
+    """4 chat rows of unequal prompt lengths: row 1's long prompt and completion are cut at 200 tokens
+    (its completion to 24 of 62), row 2's mismatched sequence takes row 1's whole completion (TRL's: 178
+    tokens, uncut), row 3's takes row 2's long one and is cut at 200."""
+    out = rows(4, skip=4)
+    out[1]["prompt"][0]["content"] += " p" * 30
+    out[1]["completion"][0]["content"] = "c" * 60
+    out[2]["completion"][0]["content"] = "d" * 80
+    out[3]["prompt"][0]["content"] += " q" * 15
+    return out
+
+
+@pytest.fixture(scope="module")
+def trl_kto(llama3, tmp_path_factory):
+    """TRL's KTOTrainer built (not trained) on `rows`, with what it warned of while preparing them."""
+    pytest.importorskip("trl")
+    import logging
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    def build(data_rows, max_length=200, **weights):
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logger = logging.getLogger("trl.trainer.kto_trainer")
+        logger.addHandler(handler)
+        try:
+            args = KTOConfig(output_dir=str(tmp_path_factory.mktemp("trl-kto")), per_device_train_batch_size=len(
+                data_rows), max_length=max_length, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+                **weights)
+            trainer = KTOTrainer(model=AutoModelForCausalLM.from_pretrained(llama3, dtype=torch.float32), args=args,
+                                 train_dataset=Dataset.from_list(data_rows),
+                                 processing_class=AutoTokenizer.from_pretrained(llama3))
+        finally:
+            logger.removeHandler(handler)
+        return trainer, said
+
+    return build
+
+
+def test_the_mismatched_completion_is_the_neighbours_before_it_was_cut_as_trls(tmp_path, tok, trl_kto):
+    """Before issue 69 the mismatched sequence took the neighbouring example as prepared, its
+    completion already cut for the neighbour's own long prompt (24 tokens where TRL's has 62): now each
+    is this row's prompt and the neighbour's whole completion, cut at data.max_seq_len, as TRL's KL
+    dataset and collator build it: the same tokens and the same completion mask on every row."""
+    from toolkit.config.data import DataConfig
+    from toolkit.data.formats import IGNORE
+    from toolkit.data.prepare import build_datasets
+
+    data_rows = long_rows()
+    trainer, _ = trl_kto(data_rows)
+    theirs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(data_rows))])
+    data = build_datasets(DataConfig(train_files=[str(write_jsonl(tmp_path / "rows.jsonl", data_rows))],
+                                     format="unpaired", max_seq_len=200), tok, 0, False)
+    part = data.train
+    part.kl_max_length = 200  # as the run sets it (build.setup_data)
+    assert len(part) == 4 and len(part[1]["input_ids"]) == 200  # row 1 is cut
+    lengths = []
+    for i in range(4):
+        mine = part[i]
+        n = int(theirs["KL_attention_mask"][i].sum())
+        assert mine["rejected_input_ids"].tolist() == theirs["KL_input_ids"][i, :n].tolist(), i
+        assert (mine["rejected_labels"] != IGNORE).tolist() == theirs["KL_completion_mask"][i, :n].bool().tolist(), i
+        n = int(theirs["attention_mask"][i].sum())
+        assert mine["input_ids"].tolist() == theirs["input_ids"][i, :n].tolist(), i  # the completions as TRL's
+        lengths.append(len(mine["rejected_input_ids"]))
+    completion = int((part[2]["rejected_labels"] != IGNORE).sum())
+    assert completion > int((part[1]["labels"] != IGNORE).sum()) + 30  # row 1's whole completion, not what was kept
+    assert lengths[2] < 200 and lengths[3] == 200  # row 2's uncut, row 3's cut at data.max_seq_len
+
+
+def test_rows_of_one_label_or_out_of_range_weights_are_said_at_start_as_trl_warns(tok, trl_kto):
+    """Before issue 69 KTO on rows that are all desirable trained without a word (TRL warns): now a
+    line at start says that one kind is absent (half of the loss never trains), and, for rows of both
+    kinds in unequal numbers, TRL's own advice where neither weight is in the KTO paper's range, with
+    its numbers; rows in equal numbers, or weights in range, are said nothing of (TRL neither)."""
+    from toolkit.config import PreferenceConfig
+    from toolkit.training.kto import label_balance
+
+    def ours(labels, **weights):
+        return label_balance(np.asarray(labels), PreferenceConfig(method="kto", **weights))
+
+    data_rows = rows(4, skip=4)
+    trainer, said = trl_kto([{**r, "label": True} for r in data_rows])
+    assert any("desirable_weight in" in s for s in said), said  # TRL warns
+    (line,) = ours([1, 1, 1, 1])
+    assert line.startswith("every one of the 4 train rows is desirable (label true)") and "undesirable" in line
+    (line,) = ours([0, 0, 0])
+    assert line.startswith("every one of the 3 train rows is undesirable (label false)")
+    uneven = [{**r, "label": i != 0} for i, r in enumerate(data_rows)]  # 3 desirable, 1 not
+    _, said = trl_kto(uneven)
+    (trl,) = [s for s in said if "desirable_weight in" in s]
+    (line,) = ours([0, 1, 1, 1])
+    advice = trl[trl.index("desirable_weight in"):trl.index(" (but NOT BOTH)")]
+    assert re.sub(r"\b(desirable_weight|undesirable_weight)\b", r"preference.\1", advice) in line, (trl, line)
+    _, said = trl_kto(uneven, undesirable_weight=3.0)  # in range: neither says anything
+    assert not [s for s in said if "desirable_weight in" in s]
+    assert ours([0, 1, 1, 1], undesirable_weight=3.0) == [] and ours([0, 1, 0, 1]) == []
 
 
 def test_toolkit_eval_refuses_unpaired_rows_in_one_line(tmp_path):
@@ -239,7 +383,15 @@ def single(workdir):
 def test_one_process_kto_logs_its_kl_and_rewards(single):
     run, log = single
     assert "preference: kto, beta 0.5, loss_type kto" in log and "averaged over the global batch" in log
-    assert "reference: train: computed for 32 pairs" in log and "mismatched for the KL estimate" in log
+    assert "reference: train: computed for 32 completions (each with its mismatched sequence)" in log
+    assert "mismatched for the KL estimate" in log
+    # the step profile names KTO's own work before the loss, with its own advice (it said `generate`, online RL's)
+    profile = json.loads((run / "profile.json").read_text())
+    assert "kl_estimate" in profile["shares"] and "generate" not in profile["shares"], profile
+    line = next(line for line in log.splitlines() if line.startswith("step profile"))
+    assert "generate" not in line and "rl." not in line, line
+    # 12 desirable rows of 32 at weights 1: TRL's KTOTrainer warns, and so does the run (kto.label_balance)
+    assert "warning: 12 desirable and 20 undesirable train rows" in log and "desirable_weight in [1.67, 2.22]" in log
     metrics = read_metrics(run)
     assert metrics[0]["eval_loss"] == pytest.approx(0.5, abs=1e-6)  # policy = reference: every loss is 1 - σ(0)
     assert metrics[0]["eval_kl"] == 0 and metrics[1]["loss"] == pytest.approx(0.5, abs=1e-6)

@@ -280,49 +280,103 @@ def test_a_chat_template_that_renders_no_prompt_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-# ----------------------------------------------------------------------------- online RL's generation
+# ----------------------------------------------------------------------------- each objective's preparation
 
 
-def test_the_step_profile_names_generation_apart_from_data():
-    """Online RL samples its completions inside the step (`objective.step_batches`, lapped as `generate`,
-    not `data`): the profile names it with its own hint. A supervised run's `generate` is a call that
-    returns its batches: under half a percent, it stays out of the line (profile.json keeps it)."""
+def objectives_by_name():
+    """One of each objective, built as the run builds it (no model needed for what is asked here)."""
+    from types import SimpleNamespace
+
+    from toolkit.config import Recipe
+    from toolkit.training import distill, kto, objectives, online, reward_training
+
+    r = Recipe()
+    r.preference.method = "dpo"
+    dpo = objectives.Preference(r.preference)
+    r.preference.method, r.preference.loss_type = "kto", "kto"
+    unpaired = kto.Unpaired(r.preference)
+    r.preference.loss_type = "apo_zero_unpaired"
+    unpaired_no_kl = kto.Unpaired(r.preference)
+    backend = SimpleNamespace(accelerator=None)
+    r.rl.method = "grpo"
+    grpo = online.GroupRL(r.rl, [], None, backend, 0, [], [])
+    r.rl.method = "distill"
+    distilled = distill.Distill(r.rl, torch.nn.Linear(2, 2), None, backend, 0, [], [])
+    return {"sft": objectives.Supervised(), "dpo": dpo, "reward": reward_training.PairScores(r.preference),
+            "kto": unpaired, "kto_apo_zero": unpaired_no_kl, "grpo": grpo, "distill": distilled}
+
+
+def test_each_objective_names_its_own_preparation_and_advice_in_the_step_profile():
+    """What an objective does to a step's batch before the loss (`step_batches`) is named by the objective, with
+    its own advice: online RL samples and scores (`generate`, rl.* advice), distillation samples the student's
+    completions (no rewards), KTO takes its KL estimate; SFT, DPO and reward modelling do nothing there (their
+    time stays in `data`). No objective's profile gives another's advice (a KTO run said `generate 35%` with
+    online RL's advice)."""
+    found = {name: o.preparation() for name, o in objectives_by_name().items()}
+    assert found["sft"] is None and found["dpo"] is None and found["reward"] is None
+    assert found["kto_apo_zero"] is None  # no KL estimate: its step_batches returns the loader's batches
+    assert found["grpo"].phase == "generate" and "rl.max_new_tokens" in found["grpo"].hint
+    assert "reward" in found["grpo"].hint and "scoring" in found["grpo"].doing
+    assert found["distill"].phase == "generate" and "rl.max_new_tokens" in found["distill"].hint
+    assert "reward" not in found["distill"].hint + found["distill"].doing
+    assert found["kto"].phase == "kl_estimate" and "mismatched" in found["kto"].hint
+    assert "rl." not in found["kto"].hint + found["kto"].doing and "KL" in found["kto"].doing
+
     clock = observe.StepClock(torch.device("cpu"))
-    clock.totals = {"data": 0.05, "generate": 6.0, "forward": 1.0, "backward": 2.0, "optimizer": 0.5, "sync": 0.2,
-                    "other": 0.25}
     clock.steps, clock.step_seconds = 5, 10.0
-    line, profile = observe.profile_report(clock, {"eval": 1.0}, gradient_checkpointing=False)
-    assert profile["largest"] == "generate" and profile["shares"]["generate"] == pytest.approx(0.6)
-    assert line.startswith("step profile over 5 timed step(s), 2.000 s each: generate 60%, backward 20%, forward 10%")
-    assert line.endswith(f"Largest: generate: {observe.HINTS['generate']}")
-    assert "rl.max_new_tokens" in observe.HINTS["generate"] and "data.packing" not in observe.HINTS["generate"]
+    for name in ("grpo", "distill", "kto"):
+        prep = found[name]
+        clock.totals = {"data": 0.05, prep.phase: 3.5, "forward": 2.0, "backward": 3.0, "optimizer": 0.5,
+                        "sync": 0.7, "other": 0.25}
+        line, profile = observe.profile_report(clock, {"eval": 1.0}, gradient_checkpointing=False, preparation=prep)
+        assert profile["largest"] == prep.phase and profile["shares"][prep.phase] == pytest.approx(0.35)
+        assert line.startswith(f"step profile over 5 timed step(s), 2.000 s each: {prep.phase} 35%, backward 30%")
+        assert line.endswith(f"Largest: {prep.phase}: {prep.hint}") and profile["hint"] == prep.hint
+        if name == "kto":
+            assert "generate" not in line and "rl." not in line, line
 
+    # A preparation that took under half a percent stays out of the line (profile.json keeps it).
     clock.totals = {"data": 4.0, "generate": 0.0004, "forward": 2.0, "backward": 3.9996, "sync": 0.0}
-    line, profile = observe.profile_report(clock, {}, gradient_checkpointing=False)
+    line, profile = observe.profile_report(clock, {}, gradient_checkpointing=False, preparation=found["grpo"])
     assert "generate" in profile["shares"] and "generate" not in line
     assert "data 40%" in line and "sync 0%" in line  # the phases every run has stay, even at 0%
     assert line.endswith(f"Largest: data: {observe.HINTS['data']}")
+    assert not any("rl." in hint or "online RL" in hint for hint in observe.HINTS.values())  # no objective's own
 
 
-def test_the_loop_laps_generation_as_its_own_phase():
-    """train_step wraps `objective.step_batches` (and only it) in the `generate` phase."""
-    import inspect
+def test_the_loop_laps_the_objectives_preparation_under_its_name():
+    """train_step times `objective.step_batches` (and only it) under the name the objective gives; an objective
+    that prepares nothing has it timed with the data. The watchdog says what the objective is doing there and
+    places it between the data and the counts."""
+    from toolkit.observe.monitor import Monitor
+    from toolkit.observe.watchdog import Watchdog, describe
+    from toolkit.training import loop
 
-    from toolkit.training.loop import train_step
+    class Clocked:
+        def __init__(self):
+            self.laps = []
 
-    source = inspect.getsource(train_step)
-    generate = source.split('monitor.phase("generate", step)')[1].split("with monitor.phase(")[0]
-    assert "run.objective.step_batches(" in generate and "next(batches)" not in generate
-    assert source.index('phase("data", step)') < source.index('phase("generate", step)')
+        def lap(self, phase):
+            self.laps.append(phase)
 
+    for name, objective in objectives_by_name().items():
+        monitor = Monitor.__new__(Monitor)
+        monitor.watchdog = Watchdog(ROOT, 0, 1, True, None, enabled=False)
+        monitor.clock = Clocked()
+        seen = []
+        objective.step_batches = lambda model, batches, step, o=objective: seen.append(monitor.watchdog.where)
+        loop.prepare_batches(monitor, objective, None, [], 3)
+        prep = objective.preparation()
+        assert monitor.clock.laps == [prep.phase if prep else "data"], name
+        if prep:
+            assert describe(seen[0]) == f"{prep.doing} of step 3", name
 
-def test_the_watchdog_places_generation_between_data_and_counts():
-    def at(phase, step, micro=0):
-        return ((phase, step, "", micro), "train.py:1 in fit", False)
+    def at(phase, step, micro=0, detail=""):
+        return ((phase, step, detail, micro), "train.py:1 in fit", False)
 
-    line = who_is_behind({0: at("counts", 3), 1: at("generate", 3)}, 2)
-    assert line.startswith("rank 1 is still in sampling and scoring completions (online RL) of step 3 while 0 is in "
-                           "the reduction of token counts"), line
-    assert who_is_behind({0: at("generate", 3), 1: at("data", 3)}, 2).startswith("rank 1 is still in waiting")
+    doing = objectives_by_name()["kto"].preparation().doing
+    line = who_is_behind({0: at("counts", 3), 1: at("prepare", 3, detail=doing)}, 2)
+    assert line.startswith(f"rank 1 is still in {doing} of step 3 while 0 is in the reduction of token counts"), line
+    assert who_is_behind({0: at("prepare", 3), 1: at("data", 3)}, 2).startswith("rank 1 is still in waiting")
     assert who_is_behind({0: at("backward", 3), 1: at("forward", 3, 1)}, 2).startswith("rank 0 is still")
-    assert who_is_behind({0: at("generate", 4), 1: at("sync", 3)}, 2).startswith("rank 1 is still")
+    assert who_is_behind({0: at("prepare", 4), 1: at("sync", 3)}, 2).startswith("rank 1 is still")

@@ -158,6 +158,24 @@ def test_two_sided_clipping_by_delta_equals_trl(tmp_path, loss_type, importance_
     same_loss_and_gradient_not_without(theirs, theirs_logps, loss_sum / units, our_logps, data, config)
 
 
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+def test_clip_metrics_with_delta_below_the_high_clip_equal_trl(tmp_path, importance_sampling):
+    """Issue 67.5: with 1 < delta < 1 + epsilon_high, TRL counts clipping on the ratio after the delta clamp, so no
+    token counts as clipped high; ours counted the ratio before it (clip_ratio_high and clip_ratio differed)."""
+    data = batch(seed=40)
+    config = dict(loss_type="dapo", importance_sampling=importance_sampling, beta=0.0, old=True)
+    delta = 1.1  # below 1 + EPSILON_HIGH = 1.28
+    _, metrics = trl_loss(tmp_path, data, data["logps"], delta=delta, **config)
+    _, _, sums = ours(data, data["logps"], delta=delta, **config)
+    _, _, undelta = ours(data, data["logps"], **config)
+    assert undelta["clip_ratio_high"] > 0 or importance_sampling == "sequence"  # without delta, tokens clip high
+    for ours_name, trl_name in [("clip_ratio_low", "low_mean"), ("clip_ratio_high", "high_mean"),
+                                ("clip_ratio", "region_mean")]:
+        assert sums[ours_name].item() / sums["clip_units"].item() == pytest.approx(
+            metrics[f"clip_ratio/{trl_name}"][0], rel=1e-6, abs=1e-12)
+    assert sums["clip_ratio_high"] == 0
+
+
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.04), ("dr_grpo", 0.0), ("cispo", 0.04)])
 @pytest.mark.parametrize("quantile", [0.2, 0.5])
 def test_top_entropy_quantile_equals_trl(tmp_path, loss_type, beta, quantile):

@@ -263,6 +263,26 @@ def test_the_rule_for_empty_rows_drops_a_few_bad_pairs_and_refuses_many(tmp_path
         build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32), tok, 0, False)
 
 
+def test_pairs_that_are_the_same_once_cut_are_said_with_the_truncated_count(tmp_path, tok):
+    """Before issue 69 a pair whose completions differ only past data.max_seq_len trained as two equal
+    sequences (no gradient in DPO's loss) without a word: a warning names the first and counts them,
+    beside the data line of truncated pairs; dropped pairs (data.overlong=drop) are not said twice."""
+    rows = [{"prompt": f"q{i}", "chosen": f"a{i}", "rejected": f"b{i}"} for i in range(6)]
+    rows[2] = {"prompt": "q", "chosen": "a" * 40 + "x", "rejected": "a" * 40 + "y"}  # differ past 32 tokens
+    rows[4] = {"prompt": "q", "chosen": "x" * 40, "rejected": "y" * 40}  # cut, but still different
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32), tok, 0, False)
+    assert len(data.train) == 6 and any(line.startswith("2 of 6 pairs truncated") for line in data.lines), data.lines
+    assert [w for w in data.warnings if "same once cut" in w] == [
+        f"{path}: row 3: chosen and rejected are the same once cut to data.max_seq_len=32 (they differ only past "
+        "it), so the pair teaches nothing (ORPO: only the chosen answer's NLL); 1 such pair(s) of 6: raise "
+        "data.max_seq_len, or set data.overlong=drop"]
+    dropped = build_datasets(DataConfig(train_files=[str(path)], format="preference", max_seq_len=32,
+                                        overlong="drop"), tok, 0, False)
+    assert len(dropped.train) == 4 and not [w for w in dropped.warnings if "same once cut" in w]
+
+
 def recipe_file(tmp_path, **sections):
     import yaml
 

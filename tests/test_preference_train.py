@@ -152,6 +152,24 @@ def test_reference_free_methods_train(method, workdir):
     assert all(math.isfinite(r["loss"]) for r in metrics[1:]) and "eval_reward_accuracy" in metrics[-1]
 
 
+@pytest.mark.parametrize("loss_type, weights", [("aot", None), (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0])])
+def test_trls_other_dpo_loss_types_train(loss_type, weights, workdir):
+    """A loss type of TRL 1.16's list beyond sigmoid and ipo (aot: the sorted log-ratios of each micro-batch's
+    pairs; before step 1 the policy is the reference, so its loss is ln 2), and several combined with
+    preference.loss_weights (TRL's MPO), train end to end (tests/test_dpo_losses.py compares each loss with TRL's)."""
+    name = "aot" if weights is None else "mpo"
+    run, log = train(workdir, name, **{"preference__loss_type": loss_type, "preference__loss_weights": weights,
+                                       "train__max_steps": 2})
+    described = "aot" if weights is None else "sigmoid+bco_pair+sft x 0.8, 0.2, 1"
+    assert f"preference: dpo, beta 0.1, loss_type {described}; reference:" in log
+    metrics = read_metrics(run)
+    assert all(math.isfinite(r["loss"]) for r in metrics[1:]) and "eval_reward_accuracy" in metrics[-1]
+    if weights is None:
+        assert metrics[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    else:  # 0.8 ln 2 + 0.2 x 2 ln 2 and the chosen completions' NLL
+        assert metrics[0]["eval_loss"] > 1.2 * math.log(2) + 0.1
+
+
 def test_dpo_matches_trl(tmp_path):
     """Full fine-tuning DPO, one process, fp32, 4 pairs (one global batch, so the batch order cannot
     differ), AdamW without weight decay, clipping at 1.0, constant learning rate: the losses and

@@ -103,6 +103,25 @@ def test_an_unreachable_or_refusing_endpoint_is_one_line_naming_it(folder, tmp_p
     assert "the Hub refused the token (HTTP 401)" in one_line(refused)
 
 
+def test_an_endpoint_that_accepts_and_never_answers_is_one_line_after_the_timeout(folder, tmp_path):
+    """Issue 69.5: an endpoint that takes the connection and never answers (a socket that listens and never reads)
+    made the push wait forever. Every request has a timeout (`--timeout`, seconds without an answer): then the push
+    ends in one line naming the endpoint, as the other network faults."""
+    import socket
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        began = time.monotonic()
+        result = push(folder, "someone/tiny", "--timeout", "2", token="hf_not_a_token", home=tmp_path,
+                      HF_ENDPOINT=endpoint)
+    line = one_line(result)
+    assert f"{endpoint}/someone/tiny: no answer within 2 s" in line, line
+    assert time.monotonic() - began < 120
+
+
 class Silent(http.server.BaseHTTPRequestHandler):
     asked = threading.Event()
 

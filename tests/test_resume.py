@@ -30,6 +30,7 @@ from helpers import (
     read_metrics,
     read_output,
     start,
+    write_recipe,
 )
 
 pytestmark = pytest.mark.launch  # every test here starts processes
@@ -459,3 +460,50 @@ def test_the_same_training_data_in_another_folder_resumes(tmp_path):
     check_resumable(state(first), state(moved), tmp_path)
     with pytest.raises(ToolkitError, match="^resume: the training data changed since"):
         check_resumable(state(first), state(changed), tmp_path)
+
+
+def test_every_value_a_resume_refusal_suggests_is_one_the_recipe_accepts(tmp_path):
+    """Issue 69: a changed teacher was refused naming `resume_accept_changed=[teacher]`, which the recipe itself
+    refused. Every input a checkpoint records (storage/inputs.py), found changed, is refused naming the value
+    that lets the resume go on; that value, fed back through the recipe loader, is accepted and does let it go
+    on. So do the other refusals of a resume that suggest a value: another global batch, another run length."""
+    import re
+
+    from toolkit.config import Recipe, load_recipe
+    from toolkit.errors import ToolkitError
+    from toolkit.storage import inputs
+    from toolkit.storage.checkpoint import TrainerState
+    from toolkit.storage.run_folder import check_resumable, learning_relevant
+
+    path = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"preset": "tiny-llama-mini"},
+                        data={"train_files": ["t.jsonl"]})
+
+    def suggested(refusal) -> tuple[str, Recipe]:
+        """The `key=value` the refusal suggests, and the recipe loaded with it (a refused value raises here)."""
+        found = re.search(r"(?:set|resume with) (\S+=\S+?)[;,]? (?:to continue|to finish)", str(refusal.value))
+        assert found, str(refusal.value)
+        return found.group(1), load_recipe(path, [found.group(1)])
+
+    recipe = learning_relevant(Recipe())
+    assert {"model", "rewards", "reward_models", "teacher"} <= set(inputs.WHAT)
+    for name in inputs.WHAT:
+        saved = TrainerState(recipe=recipe, global_batch=8, inputs={name: "before"})
+        now = TrainerState(recipe=recipe, global_batch=8, inputs={name: "after"})
+        with pytest.raises(ToolkitError, match=f"^resume: {re.escape(inputs.WHAT[name])} changed since") as refusal:
+            check_resumable(saved, now, tmp_path)
+        value, loaded = suggested(refusal)
+        assert value == f"resume_accept_changed=[{name}]" and loaded.resume_accept_changed == [name]
+        check_resumable(saved, now, tmp_path, accept=loaded.resume_accept_changed)
+
+    saved, now = TrainerState(recipe=recipe, global_batch=8), TrainerState(recipe=recipe, global_batch=16)
+    with pytest.raises(ToolkitError, match="global batch of 8") as refusal:
+        check_resumable(saved, now, tmp_path)
+    check_resumable(saved, now, tmp_path, suggested(refusal)[1].resume_new_global_batch)
+
+    for key, before, after in (("train.max_steps", 100, 200), ("train.max_steps", None, 200), ("train.epochs", 2, 3)):
+        saved = TrainerState(recipe={**recipe, key: before}, global_batch=8)
+        with pytest.raises(ToolkitError, match=f"resume: {key} was") as refusal:
+            check_resumable(saved, TrainerState(recipe={**recipe, key: after}, global_batch=8), tmp_path)
+        _, loaded = suggested(refusal)
+        resumed = {**recipe, key: learning_relevant(loaded)[key]}
+        check_resumable(saved, TrainerState(recipe=resumed, global_batch=8), tmp_path)

@@ -84,12 +84,31 @@ def test_a_reward_model_scores_as_trls_calculate_rewards(folders, kind, tmp_path
 
 
 def test_what_is_not_a_reward_model_is_refused_in_one_line(folders, tmp_path):
+    """Issue 69: a two-label folder whose config.json says otherwise too (id2label of 2 beside num_labels 1, which
+    transformers reads as 1; or one label over a head of two rows) was loaded as a one-label model, and the
+    traceback came from transformers: refused from config.json and the weights' headers, before loading."""
+    import json
+    import shutil
+
     from toolkit.config import RewardConfig, load_recipe
     from toolkit.errors import ToolkitError
     from toolkit.training.rewards import load_rewards
 
+    edited = {"listed": {"num_labels": 1, "id2label": {"0": "bad", "1": "good"}, "label2id": {"bad": 0, "good": 1}},
+              "rows": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+    for name, keys in edited.items():  # the two-label model, its config.json edited
+        shutil.copytree(folders["two"], tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **keys}))
+    shutil.copytree(folders["rm"], tmp_path / "vocab")  # a reward model whose config.json's vocab_size was edited
+    config = json.loads((tmp_path / "vocab" / "config.json").read_text())
+    (tmp_path / "vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 10}))
     cases = [(folders["policy"], "is a LlamaForCausalLM, not a sequence-classification reward model"),
              (folders["two"], "has 2 labels; a reward model has one"),
+             (tmp_path / "listed", "has 2 labels; a reward model has one"),
+             (tmp_path / "rows", "has a score head of 2 outputs \\(score.weight in its weights\\) where its "
+                                 "config.json says 1 label; a reward model has one"),
+             (tmp_path / "vocab", "cannot be loaded: its weights do not fit its config.json"),
              (tmp_path / "nowhere", "folder not found")]
     for source, match in cases:
         with pytest.raises(ToolkitError, match=match) as err:

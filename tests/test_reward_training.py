@@ -94,6 +94,44 @@ def test_a_classifier_of_several_labels_is_refused_and_one_of_one_keeps_its_head
             has_score_head(str(tmp_path / f"labels{labels}"))
 
 
+def test_a_causal_objective_refuses_a_reward_model_folder(tmp_path):
+    """SFT, DPO or RL from a reward model's folder: transformers loads it as a causal LM with a random output
+    layer and only warns; refused in one line from its config.json, before it loads."""
+    from transformers import AutoModelForSequenceClassification
+
+    from toolkit.config import ModelConfig
+    from toolkit.errors import ToolkitError
+    from toolkit.model.load import build_model
+
+    base = build_family("llama3", tmp_path / "llama3")
+    AutoModelForSequenceClassification.from_pretrained(base, num_labels=1).save_pretrained(tmp_path / "rm")
+    with pytest.raises(ToolkitError, match=f"model.path: {tmp_path / 'rm'} is a sequence-classification model "
+                                           r"\(a reward model: a score, no output layer\); this recipe trains a "
+                                           "causal LM"):
+        build_model(ModelConfig(path=str(tmp_path / "rm")))
+    assert type(build_model(ModelConfig(path=str(tmp_path / "rm")), scorer=True)).__name__ == \
+        "LlamaForSequenceClassification"
+
+
+@pytest.mark.launch
+def test_a_base_of_two_labels_is_refused_before_it_loads(tmp_path):
+    """A sequence-classification folder of two labels as model.path is refused in one line from its config.json,
+    before transformers loads it as a one-label model (its two-row head does not fit one row: a traceback)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from helpers import user_error_line
+
+    base = build_family("llama3", tmp_path / "llama3")
+    AutoModelForSequenceClassification.from_pretrained(base, num_labels=2).save_pretrained(tmp_path / "two")
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows(4))
+    path = write_recipe(tmp_path / "r.yaml", output_dir=str(tmp_path / "run"), model={"path": str(tmp_path / "two")},
+                        data={"train_files": [str(data)], "format": "preference", "max_seq_len": 256},
+                        preference={"method": "reward"}, train={"micro_batch_size": 4, "max_steps": 1})
+    line = user_error_line(run_toolkit("train", str(path)))
+    assert line == (f"error: model.path: {tmp_path / 'two'} is a sequence-classification model with 2 labels; a "
+                    "reward model has one score (num_labels 1): start from its causal LM or a one-label model"), line
+
+
 # ---- against TRL's own trainer ----
 
 def scorer_folder(tmp_path):
@@ -107,6 +145,60 @@ def scorer_folder(tmp_path):
     model.save_pretrained(tmp_path / "scorer")
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "scorer")
     return tmp_path / "scorer"
+
+
+def test_pairs_longer_than_max_seq_len_are_dropped_counted_and_the_same_as_trls(tmp_path):
+    """Before issue 69 a reward model trained on pairs cut at data.max_seq_len, its score read
+    mid-answer, where TRL's RewardTrainer drops every pair whose chosen or rejected sequence is longer
+    than max_length (a pair of exactly max_length stays). Unset, data.overlong is now drop for a reward
+    model: the same pairs as TRL's, token for token; the data lines count the dropped ones; none left is
+    refused in one line naming data.max_seq_len; data.overlong=truncate still cuts them."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from toolkit.config import load_recipe
+    from toolkit.data.prepare import build_datasets
+    from toolkit.data.tokenize import tokenize_examples
+    from toolkit.errors import ToolkitError
+
+    folder = scorer_folder(tmp_path)
+    tok = AutoTokenizer.from_pretrained(folder)
+    pairs = rows(6)
+    pairs[1]["chosen"][0]["content"] += "x" * 40
+    pairs[2]["chosen"][0]["content"] += "y" * 40  # the longest pair kept: exactly max_seq_len
+    pairs[3]["rejected"][0]["content"] += "z" * 40
+    pairs[4]["prompt"][0]["content"] += " w" * 15
+    pairs[4]["chosen"][0]["content"] += "v" * 15
+    longest = [max(e["length"] for e in tokenize_examples(r, "preference", tok, 10**6, False)) for r in pairs]
+    limit = longest[2]
+    assert [n > limit for n in longest] == [False, True, False, True, True, False]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+
+    def recipe(**data_keys):
+        return load_recipe(write_recipe(tmp_path / "rm.yaml", output_dir=str(tmp_path / "run"),
+                                        model={"path": str(folder)}, preference={"method": "reward"},
+                                        data={"train_files": [str(data)], "max_seq_len": limit, **data_keys}))
+
+    made = build_datasets(recipe().data, tok, 0, False, margins=True)
+    assert any(line.startswith("3 of 6 pairs longer than data.max_seq_len dropped") and "RewardTrainer" in line
+               for line in made.lines), made.lines
+    args = RewardConfig(output_dir=str(tmp_path / "trl"), max_length=limit, report_to=[], use_cpu=True, bf16=False)
+    trainer = RewardTrainer(model=AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32),
+                            args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok)
+    theirs = trainer.train_dataset
+    assert len(theirs) == len(made.train) == 3
+    for i in range(3):
+        assert made.train[i]["input_ids"].tolist() == theirs[i]["chosen_ids"], i
+        assert made.train[i]["rejected_input_ids"].tolist() == theirs[i]["rejected_ids"], i
+    assert max(len(theirs[i]["chosen_ids"]) for i in range(3)) == limit  # the boundary pair is kept by both
+    cut = build_datasets(recipe(overlong="truncate").data, tok, 0, False, margins=True)
+    assert len(cut.train) == 6 and any("3 of 6 pairs truncated" in line for line in cut.lines), cut.lines
+    short = recipe(max_seq_len=40).data
+    with pytest.raises(ToolkitError, match=r"pairs.jsonl: no pairs left after dropping the 6 pairs longer than "
+                                           r"data.max_seq_len=40 \(.*RewardTrainer.*\); raise data.max_seq_len"):
+        build_datasets(short, tok, 0, False, margins=True)
 
 
 @pytest.mark.launch
@@ -230,6 +322,18 @@ def test_two_processes_equal_one(layout, workdir, single):
     same losses, scores and weights as one process within 1e-4."""
     run, _ = train(workdir, f"full_{layout}", layout)
     assert_close(single[0], run)
+
+
+@pytest.mark.launch
+def test_a_preset_under_zero3_equals_one_process(workdir):
+    """A preset's reward model (the quickstart's) under ZeRO-3 on 2 processes: transformers builds a
+    sequence-classification model's backbone through from_config, which ZeRO-3 partitions as it is built, and
+    then initialised the whole model's weights on empty shards (a traceback on rank 1); it is built whole, as one
+    process builds it, and learns the same."""
+    extra = {"model": {"preset": "tiny-llama-mini"}, "train__max_steps": 2}
+    one, _ = train(workdir, "preset_single", **extra)
+    two, _ = train(workdir, "preset_zero3", "zero3", **extra)
+    assert_runs_close(one, two, KEYS, 2)
 
 
 @pytest.mark.launch

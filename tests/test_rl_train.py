@@ -295,6 +295,28 @@ def test_full_fine_tuning_with_kl_to_a_frozen_reference_and_zero3_equal_one_proc
     assert_close(run, zero3)
 
 
+def test_the_kl_at_step_one_is_exactly_zero_in_bf16_full_fine_tuning(workdir):
+    """Issue 67.5: the frozen reference was built in train.precision's dtype (bf16) while the policy keeps fp32
+    weights under autocast, so their log-probabilities differed at step 1 (TRL gives the reference the policy's
+    dtype). The near-uniform preset hides it (7e-7): this base's output layer is scaled so its logits spread."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.model.load import PRESETS, build_byte_tokenizer
+
+    base = workdir / "spread_base"
+    torch.manual_seed(6)
+    model = LlamaForCausalLM(LlamaConfig(**{**json.loads((PRESETS / "tiny-llama-mini.json").read_text()),
+                                            "tie_word_embeddings": False}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logits of a few units: bf16 weights move each log-probability visibly
+    model.save_pretrained(base)
+    build_byte_tokenizer().save_pretrained(base)
+    run, log = train(workdir, "full_kl_bf16", model={"path": str(base)}, rl__beta=0.04, train__precision="bf16",
+                     train__max_steps=1, train__eval_every_steps=0, rl__num_generations_eval=None)
+    row = [r for r in read_metrics(run) if "kl" in r][0]
+    assert row["step"] == 1 and row["kl"] == 0.0, row
+
+
 def yaml_rl(workdir) -> dict:
     return {"method": "grpo", "num_generations": 4, "max_new_tokens": 6,
             "rewards": [f"{workdir / 'grader.py'}:shorter"]}

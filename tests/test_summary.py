@@ -4,6 +4,7 @@ and nothing said so), while the recipe's choice stands."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from toolkit.config import load_recipe
@@ -69,7 +70,7 @@ def test_an_rl_run_counts_prompts_and_completions(tmp_path):
            "10.0 MiB (64 completions sampled at once" in estimate, estimate
     # no learning rate in the recipe: the line says it got SFT's default and what TRL's GRPO default is (issue 49)
     optimizer = next(line for line in lines if line.startswith("optimizer "))
-    assert optimizer.endswith("(recipe); that lr is the default, made for SFT: TRL's GRPO and RLOO default is 1e-6 "
+    assert optimizer.endswith("(recipe); that lr is the default, made for SFT: TRL's GRPO default is 1e-6 "
                               "(full fine-tuning); set train.learning_rate"), optimizer
     lines = run_summary(load_recipe(path, ["train.learning_rate=1e-6"]), backend, None, rows=100, eval_rows=10,
                         steps_per_epoch=6, total_steps=10)
@@ -97,3 +98,32 @@ def test_the_model_card_names_a_hub_base_its_license_and_hub_data(tmp_path):
     assert "12 optimizer steps of a global batch of 32 (3,000 tokens)" in card and "| loss | 1.25 | 12 |" in card
     (base / "README.md").unlink()
     assert "license" not in yaml.safe_load(model_card(recipe, state, [], base).split("---\n", 2)[1])
+
+
+@pytest.mark.parametrize("name, words", [
+    ("quickstart_grpo.yaml", "TRL's GRPO default is 1e-6"),
+    ("quickstart_grpo.yaml:rl.method=rloo", "TRL's RLOO default is 1e-6"),
+    ("quickstart_distill.yaml", "TRL's DistillationTrainer default is 1e-6"),
+    ("quickstart_dpo.yaml", "TRL's DPO default is 1e-6"),
+    ("quickstart_kto.yaml", "TRL's KTO default is 1e-6"),
+    ("quickstart_reward.yaml", "TRL's RewardTrainer default is 1e-4"),
+    ("quickstart_full.yaml", None),
+])
+def test_the_default_learning_rate_is_compared_with_the_runs_own_trl_default(monkeypatch, name, words):
+    """Issue 69 (text written for one case shown in another): a run left at the toolkit's learning rate (made for
+    SFT) is told the default of TRL's trainer of its own objective; distillation was told GRPO's and RLOO's, and
+    DPO, KTO and reward modelling nothing. SFT's is the toolkit's own: no note."""
+    monkeypatch.setattr(summary, "estimate_for_run", lambda *args: ("estimate (not made here)", None))
+    file, _, override = name.partition(":")
+    overrides = [f"train.learning_rate={type(load_recipe(ROOT / 'examples' / 'recipes' / file).train)().learning_rate}"]
+    recipe = load_recipe(ROOT / "examples" / "recipes" / file, overrides + ([override] if override else []))
+    accelerator = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    backend = SimpleNamespace(accelerator=accelerator, describe=lambda: "one process", sequence_parallel=1,
+                              data_parallel=lambda: (0, 1))
+    lines = run_summary(recipe, backend, None, rows=100, eval_rows=10, steps_per_epoch=7, total_steps=105)
+    optimizer = next(line for line in lines if line.startswith("optimizer "))
+    if words is None:
+        assert optimizer.endswith("matrices only (recipe)"), optimizer
+    else:
+        assert optimizer.endswith(f"(recipe); that lr is the default, made for SFT: {words} (full fine-tuning); set "
+                                  "train.learning_rate"), optimizer

@@ -5,6 +5,7 @@ from model.path; weight decay on matrices only; gradient checkpointing used and 
 clipping; the quickstart script; objectives that plug into the loop unchanged."""
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -347,6 +348,17 @@ def test_overwrite_clears_an_earlier_run_and_trains(work):
     assert not (out / "final" / "old.txt").exists() and not (out / "checkpoints").exists()
     assert [r["step"] for r in read_metrics(out)] == [0, 1]
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_dft_trains_end_to_end(work):
+    """train.loss_type=dft (TRL's SFT loss_type dft; tests/test_dpo_losses.py compares it with TRL's): each token's
+    loss is p x -log p, at most 1/e, so the logged loss and eval loss (the same loss, as TRL's) are too."""
+    proc = train_in(work, "dft", recipe(work, "dft", train__loss_type="dft", train__max_steps=2,
+                                        train__log_every_steps=1))
+    assert "loss: dft (Dynamic Fine-Tuning)" in proc.stdout + proc.stderr
+    rows = read_metrics(work / "dft")
+    values = [r[k] for r in rows for k in ("loss", "eval_loss") if k in r]
+    assert len(values) >= 4 and all(0 < v <= 1 / math.e for v in values), rows
 
 
 def text_recipe(work: Path, out: str, train_file: str, eval_file: str, **overrides) -> dict:

@@ -116,6 +116,25 @@ def test_the_trainer_can_be_named_and_a_recipe_is_never_read_as_a_trl_config(tmp
     assert load_recipe(recipe).model.preset == "tiny-llama-mini"
 
 
+def test_the_loss_types_are_what_trls_parser_reads(tmp_path):
+    """SFTConfig's loss_type (dft; chunked_nll, deprecated, is nll) becomes train.loss_type, and the file stays
+    an SFT config; DPOConfig's loss_type list, loss_weights and discopop_tau become the preference keys."""
+    base = {"model_name_or_path": "/models/m", "dataset_name": "d.jsonl", "use_cpu": True}
+    for value, want in (("dft", "dft"), ("chunked_nll", "nll")):
+        path = tmp_path / f"sft_{value}.yaml"
+        path.write_text(yaml.safe_dump({**base, "loss_type": value}))
+        recipe, theirs = load_recipe(path), trl_parse(path, "sft")[1]
+        assert recipe.preference.method is None and recipe.train.loss_type == want == theirs.loss_type
+    path = tmp_path / "mpo.yaml"
+    path.write_text(yaml.safe_dump({**base, "loss_type": ["discopop", "sft"], "loss_weights": [1.0, 0.5],
+                                    "discopop_tau": 0.1, "f_divergence_type": "alpha_divergence",
+                                    "f_alpha_divergence_coef": 0.3}))
+    p, theirs = load_recipe(path).preference, trl_parse(path, "dpo")[1]
+    keys = ("loss_type", "loss_weights", "discopop_tau", "f_divergence_type", "f_alpha_divergence_coef")
+    assert p.method == "dpo" and [getattr(p, k) for k in keys] == [getattr(theirs, k) for k in keys] == [
+        ["discopop", "sft"], [1.0, 0.5], 0.1, "alpha_divergence", 0.3]
+
+
 @pytest.mark.launch
 def test_a_trl_sft_config_trains(tmp_path):
     """TRL's example file with the model and the data local (no Hub here), run by `toolkit train` as it is."""

@@ -298,3 +298,104 @@ def test_a_server_that_fails_to_start_is_named_by_its_root_cause(tmp_path):
     assert "\n" not in line and str(tmp_path / "vllm.log") in line
     server.stop()
     assert group_members(server.process.pid) == []
+
+
+FAILS_WHILE_UP = r'''
+import http.server, json, sys
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+CORE = "(EngineCore_DP0 pid=7) ERROR 12-05 14:00:00 [v1/engine/core.py:710] "
+API = "(APIServer pid=6) ERROR 12-05 14:00:01 [v1/engine/async_llm.py:480] "
+
+
+DEAD_AT_START = "--dead-at-start" in sys.argv  # (passed in the server's arguments, rl.vllm_args)
+
+
+def engine_died():
+    for line in ("EngineCore encountered a fatal error.", "Traceback (most recent call last):",
+                 '  File "core.py", line 701, in run_engine_core',
+                 "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"):
+        print(CORE + line, end="\r\n")  # vLLM's prefix on every line of a logged traceback
+    print(API + "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
+          "(above) for the root cause.", flush=True)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # /health: the server stays up; an engine that died answers 503, as vLLM's
+        self.send_response(503 if DEAD_AT_START else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):  # the engine dies on the request; the server answers as vLLM's does, and keeps serving
+        self.rfile.read(int(self.headers["Content-Length"]))
+        engine_died()
+        print('INFO:     127.0.0.1:5555 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error', flush=True)
+        body = json.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the "
+                                                "root cause.", "type": "InternalServerError", "code": 500}}).encode()
+        self.send_response(500)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+print("INFO 12-05 14:00:00 [api_server.py:1] vLLM API server version 0.0.0", flush=True)
+if DEAD_AT_START:
+    engine_died()
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_a_server_that_fails_while_staying_up_is_named_by_the_cause_in_its_log(tmp_path):
+    """Issue 69: an engine that dies on a request while the server stays up answers 500 with vLLM's "See stack
+    trace (above) for the root cause", above which the run's user sees nothing. The line names vllm.log and the
+    cause found there (vLLM's prefix on each log line, the access log after it); a server of the user's
+    (rl.vllm_url), whose output the run does not hold, is said to hold the cause. The "Python" here runs a script
+    that serves as such a server does."""
+    from toolkit.errors import ToolkitError
+    from toolkit.rollout import client
+    from toolkit.rollout.server import Server, explain
+    from toolkit.rollout.vllm_sampler import VLLMSampler
+
+    (tmp_path / "fake_vllm.py").write_text(FAILS_WHILE_UP)
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'fake_vllm.py'} \"$@\"\n")
+    fake.chmod(0o755)
+    log = tmp_path / "vllm.log"
+    server = Server(fake, "model", log, max_model_len=64, dtype="float32", seed=0, lora_rank=None)
+    try:
+        server.wait_ready(60)
+        with pytest.raises(ToolkitError) as caught:
+            client.call(server.url, "/v1/completions", {"model": "model", "prompt": [1]}, timeout=30)
+        said = str(caught.value)
+        assert "See stack trace (above)" in said  # what vLLM answers
+        line = explain(said, server)
+        sampler = VLLMSampler.__new__(VLLMSampler)  # the line a run prints (rl.sampler: vllm)
+        sampler.server = server
+        printed = sampler.explained(said)
+    finally:
+        server.stop()
+    assert line.startswith(f"rl.sampler: the vLLM server at {server.url} answered /v1/completions with 500: "
+                           "EngineCore encountered an issue"), line
+    assert f"its log {log} says: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in line, line
+    assert "above" not in line and "\n" not in line
+    assert printed.startswith(line) and printed.endswith("; the last checkpoint is intact"), printed
+    theirs = explain(said, None)  # a server at rl.vllm_url: its output is the user's
+    assert "above" not in theirs and "the cause is in that server's own output" in theirs, theirs
+
+    # An engine that dies as the server comes up: /health answers 503 (vLLM answers it only when ready), not
+    # "did not answer within rl.vllm_timeout" after the whole wait.
+    dead = Server(fake, "model", tmp_path / "dead.log", max_model_len=64, dtype="float32", seed=0, lora_rank=None,
+                  args=["--dead-at-start"])
+    began = time.monotonic()
+    try:
+        with pytest.raises(ToolkitError) as caught:
+            dead.wait_ready(120)
+    finally:
+        dead.stop()
+    line = str(caught.value)
+    assert time.monotonic() - began < 60 and "answered /health with 503" in line, line
+    assert f"its log {tmp_path / 'dead.log'} says: torch.OutOfMemoryError: CUDA out of memory" in line, line

@@ -17,6 +17,8 @@ def hub_config(repo_id: str, revision: str | None, key: str) -> str:
     is at once), else from the Hugging Face cache; neither is one line naming both answers."""
     from huggingface_hub import HfApi, constants, hf_hub_download
 
+    from ..model import hub  # noqa: F401 - every request with timeouts (hub.network_timeouts)
+
     hub_error = "HF_HUB_OFFLINE=1"
     if not constants.HF_HUB_OFFLINE:
         try:

@@ -67,6 +67,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
     teacher = count_model(read_config(rl.teacher, key="rl.teacher"), "rl.teacher") if distill else None
     if rl is not None and not distill and rl.beta > 0 and not recipe.lora.enabled:  # the reference: the base again
         teacher = count_model(config, "the reference (rl.beta > 0, full fine-tuning)")
+        kwargs.setdefault("teacher_dtype", recipe.model.dtype)  # the policy's dtype, as TRL's ref_model
     return Setup(model=model, precision=recipe.train.precision, base_dtype=recipe.model.dtype,
                  four_bit=recipe.model.load_in_4bit,
                  micro_batch=recipe.train.micro_batch_size * per_row,

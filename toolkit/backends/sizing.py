@@ -97,11 +97,11 @@ weights (e bytes each, TRL's ds3_gather_for_generation) for the sampling beside 
 rl.gather_for_sampling is false (a layer at a time, as training's forward). The cache and the gathered
 weights are freed before the step's forwards, so the total holds the larger of them and activations +
 logits. The reference's log-probabilities (rl.beta > 0) come from the same model with its LoRA adapter
-disabled (no second model), or with full fine-tuning from a frozen copy of the base, held and counted as distillation's
-teacher below (`teacher`, shown as the frozen column): one more forward without gradient per
-generated batch, as the old
-policy's log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they
-keep (4 bytes a token) are not counted. A reward model of rl.rewards is loaded whole on every GPU in
+disabled (no second model), or with full fine-tuning from a frozen copy of the base, held and counted as
+distillation's teacher below (`teacher`, shown as the frozen column) but in model.dtype, the policy's, as
+TRL's ref_model: one more forward without gradient per generated batch, as the old policy's
+log-probabilities where rl.num_iterations > 1 (`rl_forwards`); the log-probabilities they keep (4 bytes
+a token) are not counted. A reward model of rl.rewards is loaded whole on every GPU in
 its folder's dtype, by no strategy sharded: `reward_models`, its weight files' size (its scoring
 forward, without gradient, one batch of the step's completions, is not counted). Distillation's
 teacher (rl.method=distill) is held in train.precision's dtype (e), sharded over the GPUs by ZeRO-3
@@ -199,6 +199,7 @@ class Setup:
     reward_model_bytes: float = 0.0  # rl.rewards models: whole on every GPU, their weights as their folders store them
     reward_models_uncounted: tuple = ()  # rl.rewards models not in a local folder: their size is not known here
     teacher: ModelCounts | None = None  # rl.teacher (rl.method=distill): a frozen model beside this one
+    teacher_dtype: str = ""  # its weights' dtype; "": train.precision's (the RL reference: model.dtype, the policy's)
     gathered_sampling: bool = True  # rl.gather_for_sampling: ZeRO-3 / FSDP full-shard sample from whole weights
     rloo: bool = False  # rl.method rloo: the old log-probabilities are taken (its KL in the reward is the sampler's)
     server_sampling: bool = False  # rl.sampler vllm: a server samples, its cache and weights in its own memory
@@ -468,7 +469,7 @@ def teacher_bytes(strategy: Strategy, setup: Setup) -> float:
     t = setup.teacher
     if t is None:
         return 0.0
-    e, sharded = BYTES[setup.precision], teacher_sharded(strategy)
+    e, sharded = BYTES[setup.teacher_dtype or setup.precision], teacher_sharded(strategy)
     weights = t.params * e / (setup.gpus if sharded else 1)
     logits = setup.micro_batch * setup.new_tokens * t.vocab * 4  # its fp32 log-probabilities at the targets
     return weights + logits + (2 * t.layer * e if sharded else 0)

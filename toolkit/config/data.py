@@ -54,7 +54,7 @@ class DataConfig:
     pair of sequences, prompt + chosen and prompt + rejected, with targets on the completions only;
     text completions get the tokenizer's eos appended, chat ones end as the template ends a turn.
     A pair longer than max_seq_len keeps its prompt and has its completions cut (or is dropped
-    with overlong=drop); for preference.method, which needs it; not with packing (padding_free
+    with overlong=drop, a reward model's default); for preference.method, which needs it; not with packing (padding_free
     puts a micro-batch's sequences in one row). Or `unpaired` (preference.method=kto, TRL's unpaired
     preference format): `prompt`, `completion` (each text or a list of chat messages, as `preference`)
     and `label` (true: desirable, false: undesirable), one sequence per row with targets on the
@@ -75,7 +75,10 @@ class DataConfig:
     flash_attention_2 or eager is chosen."""
     train_on_prompt: bool = False
     """By default the loss covers only response tokens."""
-    overlong: Literal["truncate", "drop"] = "truncate"
-    """Examples longer than max_seq_len: cut to max_seq_len, or left out."""
+    overlong: Optional[Literal["truncate", "drop"]] = None
+    """Examples longer than max_seq_len: cut to max_seq_len, or left out. Unset: `truncate`, but `drop`
+    for preference.method=reward, as TRL's RewardTrainer drops every pair whose chosen or rejected
+    sequence is longer than its max_length (a cut pair's score would be read mid-answer); the run's
+    `data:` lines count what was cut or dropped."""
     num_proc: Optional[int] = None
     """Processes that tokenize (default: the usable cores, at most 16; at least 1,000 rows each)."""

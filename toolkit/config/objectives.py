@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+# TRL 1.16's DPOConfig.loss_type names (training/dpo_losses.py computes each).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+# The loss types built on the chosen-rejected reward difference: the only ones f-DPO generalises (TRL's set).
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+
 
 @dataclass
 class PreferenceConfig:
@@ -27,13 +33,33 @@ class PreferenceConfig:
     beta: Optional[float] = None
     """The method's β (default 0.1 as TRL for dpo, orpo and kto, whose β is ORPO's λ; 2.0 for simpo, as the SimPO
     paper)."""
-    loss_type: Literal["sigmoid", "ipo", "kto", "apo_zero_unpaired"] = "sigmoid"
-    """dpo: `sigmoid` (the DPO loss) or `ipo` (squared, on per-token average log-ratios). kto: `kto`
-    (the default `sigmoid` reads as kto: the implied reward against the KL estimate) or
-    `apo_zero_unpaired` (APO-zero's unpaired form: desirable rewards pushed up, undesirable down, no KL
-    estimate). The other methods have their own loss."""
+    loss_type: Union[str, list[str]] = "sigmoid"
+    """dpo: TRL 1.16's DPOConfig.loss_type, a name or a list of names whose losses are added
+    (preference.loss_weights): `sigmoid` (the DPO loss), `hinge`, `ipo` (squared, on per-token average
+    log-ratios), `exo_pair`, `nca_pair`, `robust`, `bco_pair`, `sppo_hard`, `aot`, `aot_unpaired`,
+    `apo_zero`, `apo_down`, `discopop`, `sft` (the chosen completion's NLL, averaged over its tokens),
+    `sigmoid_norm` (docs/preference.md); aot and aot_unpaired sort the log-ratios of a micro-batch's
+    pairs, so their loss depends on the micro-batches, as TRL's on its per-device batch. kto: `kto` (the
+    default `sigmoid` reads as kto: the implied reward against the KL estimate) or `apo_zero_unpaired`
+    (APO-zero's unpaired form: desirable rewards pushed up, undesirable down, no KL estimate). The other
+    methods have their own loss."""
+    loss_weights: Optional[list[float]] = None
+    """dpo only: the weight of each of preference.loss_type's losses, one per name, in its order (TRL's
+    key of that name: MPO combines sigmoid, bco_pair and sft with [0.8, 0.2, 1.0]); None: 1.0 each."""
     label_smoothing: float = 0.0
-    """dpo sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO), in [0, 0.5)."""
+    """dpo and simpo: the share of pairs assumed mislabelled, in [0, 0.5): dpo's sigmoid (conservative
+    DPO; TRL 1.16's sigmoid has none), robust (the flip rate; the Robust DPO paper uses 0.1), exo_pair
+    (EXO's ε, needed above 0; the paper uses 1e-3), aot and aot_unpaired; simpo's loss."""
+    discopop_tau: float = 0.05
+    """dpo with loss_type discopop: DiscoPOP's temperature τ, the shape of its log-ratio modulated loss
+    (TRL's key of that name and default, the paper's)."""
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"
+    """dpo: the divergence to the reference the loss regularises with (f-DPO, TRL's key of that name):
+    `reverse_kl` (DPO's own), `forward_kl`, `js_divergence` or `alpha_divergence`; other than reverse_kl
+    only with loss types built on the chosen-rejected reward difference (sigmoid, sigmoid_norm, hinge,
+    ipo, exo_pair, robust, discopop, sft), as TRL's. The logged rewards stay β x the log-ratios."""
+    f_alpha_divergence_coef: float = 0.5
+    """dpo with f_divergence_type alpha_divergence: its α (TRL's key of that name and default)."""
     gamma: Optional[float] = None
     """simpo only: the target reward margin γ (default 0.5 as TRL's simpo_gamma; the loss uses γ/β)."""
     desirable_weight: float = 1.0
@@ -153,8 +179,8 @@ class RLConfig:
     """grpo and rloo: the weight of the KL term to the reference model (None: 0, as TRL's GRPO: no
     reference pass; TRL's RLOO default is 0.05). Above 0 the reference is the base with the LoRA
     adapter disabled (lora.enabled: no second model), or with full fine-tuning a frozen copy of the
-    base loaded from model.path (TRL's ref_model, sharded as the launch shards a frozen model). grpo
-    adds beta x KL per token to the loss; rloo
+    base loaded from model.path in the policy's model.dtype (TRL's ref_model, sharded as the launch
+    shards a frozen model). grpo adds beta x KL per token to the loss; rloo
     subtracts beta x each completion's summed log-ratio to the reference from its reward, as TRL's.
     distill: TRL's DistillationConfig.beta, which divergence: 0 the forward KL(teacher || student),
     1 the reverse KL(student || teacher) (None: 1, TRL's default), between them the generalized JSD

@@ -11,7 +11,13 @@ from .model import LoraConfig, ModelConfig
 from .objectives import PreferenceConfig, RLConfig
 from .train import CheckpointConfig, TrainConfig
 
-CHANGEABLE_INPUTS = ("model", "rewards", "reward_models")  # storage/inputs.py records each by content
+# What a run learns from besides its data, each recorded by content in every checkpoint (model/base_identity.py)
+# and compared on resume (storage/inputs.py): {name: what it is}. The one list of them: the names a resume
+# refusal suggests for resume_accept_changed are the names that key accepts.
+CHANGEABLE_INPUTS = {"model": "the base model (model.path: its weights and config)",
+                     "rewards": "the reward functions' code (rl.rewards)",
+                     "reward_models": "the reward models' weights and config (rl.rewards' model entries)",
+                     "teacher": "the distillation teacher's weights and config (rl.teacher)"}
 
 
 @dataclass
@@ -33,10 +39,11 @@ class Recipe:
     optimizer step (its length from this recipe). Off: another global batch is refused."""
     resume_accept_changed: list[str] = field(default_factory=list)
     """Inputs a resume may find changed since its checkpoint: `model` (the base model's weights and
-    config, at model.path), `rewards` (the code of rl.rewards' functions) and `reward_models` (the
-    weights and config of rl.rewards' reward models). Each is recorded by
-    content in every checkpoint; a resume that finds one changed is refused, naming it, unless listed
-    here. The same content at another path is no change."""
+    config, at model.path), `rewards` (the code of rl.rewards' functions), `reward_models` (the
+    weights and config of rl.rewards' reward models) and `teacher` (the distillation teacher's
+    weights and config, at rl.teacher). Each is recorded by content in every checkpoint; a resume
+    that finds one changed is refused, naming it, unless listed here. The same content at another
+    path is no change."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model and its tokenizer."""
     lora: LoraConfig = field(default_factory=LoraConfig)

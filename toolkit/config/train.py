@@ -81,6 +81,11 @@ class TrainConfig:
     loss_chunk_tokens target positions at a time and their logits are recomputed in backward, so
     the micro-batch's full-vocabulary logits are never held at once; `full`: all positions' logits
     at once, as the model's own forward gives them."""
+    loss_type: Literal["nll", "dft"] = "nll"
+    """Supervised fine-tuning's loss (TRL 1.16's SFTConfig.loss_type): `nll`, each target token's
+    cross-entropy; `dft` (Dynamic Fine-Tuning), each token's cross-entropy times its probability under
+    the model, detached (p x -log p), on either train.loss; the eval loss is the same loss, as TRL's.
+    Not with preference.method or rl.method, whose losses are their own."""
     loss_chunk_tokens: int = 1024
     """train.loss=chunked: target positions per chunk (one chunk's logits are this x vocabulary floats)."""
     max_grad_norm: float = 1.0

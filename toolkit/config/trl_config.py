@@ -20,7 +20,9 @@ SECTIONS = ("model", "lora", "data", "train", "checkpoint", "preference", "rl")
 GRPO_ONLY = ("num_generations", "reward_funcs", "max_completion_length", "use_vllm", "vllm_mode", "num_iterations",
              "epsilon", "scale_rewards", "mask_truncated_completions", "temperature", "top_p", "top_k")
 DPO_ONLY = ("beta", "loss_type", "rpo_alpha", "max_prompt_length", "precompute_ref_log_probs", "label_smoothing",
-            "reference_free", "ref_model_init_kwargs")
+            "reference_free", "ref_model_init_kwargs", "loss_weights", "discopop_tau", "f_divergence_type",
+            "f_alpha_divergence_coef")
+SFT_LOSS_TYPES = ("nll", "dft", "chunked_nll")  # SFTConfig.loss_type (chunked_nll: deprecated, nll)
 # Read by TRL and transformers for things this toolkit does its own way or not at all (logging, the Hub, data
 # loaders, process groups): named in the note, nothing to follow.
 HOUSEKEEPING = {"logging_dir", "logging_strategy", "logging_first_step", "log_level", "log_level_replica",
@@ -107,8 +109,13 @@ FIELDS: dict[str, tuple[str, Callable | None, tuple | None, str]] = {
     "packing": ("data.packing", None, ("sft",), ""),
     "padding_free": ("data.padding_free", None, None, ""),
     "beta": ("preference.beta", None, ("dpo",), "GRPO: rl.beta"),
-    "loss_type": ("preference.loss_type", None, ("dpo",), "GRPO: rl.loss_type"),
+    "loss_type": ("preference.loss_type", None, ("dpo",),
+                  "a name or a list; GRPO: rl.loss_type; SFT: train.loss_type (nll, dft; chunked_nll is nll)"),
+    "loss_weights": ("preference.loss_weights", None, ("dpo",), "one per loss_type name"),
     "label_smoothing": ("preference.label_smoothing", None, ("dpo",), ""),
+    "discopop_tau": ("preference.discopop_tau", None, ("dpo",), ""),
+    "f_divergence_type": ("preference.f_divergence_type", None, ("dpo",), ""),
+    "f_alpha_divergence_coef": ("preference.f_alpha_divergence_coef", None, ("dpo",), ""),
     "num_generations": ("rl.num_generations", None, ("grpo",), ""),
     "max_completion_length": ("rl.max_new_tokens", None, ("grpo",), ""),
     "temperature": ("rl.temperature", None, ("grpo",), ""),
@@ -122,7 +129,7 @@ FIELDS: dict[str, tuple[str, Callable | None, tuple | None, str]] = {
     "reward_funcs": ("rl.rewards", lambda v: [v] if isinstance(v, str) else list(v), ("grpo",),
                      "FILE.py:NAME or module:NAME each"),
 }
-GRPO_RENAMED = {"beta": "rl.beta", "loss_type": "rl.loss_type"}
+RENAMED = {"grpo": {"beta": "rl.beta", "loss_type": "rl.loss_type"}, "sft": {"loss_type": "train.loss_type"}}
 # TRL 1.16's defaults of the fields above where they differ from the recipe's (read off SFTConfig, DPOConfig and
 # GRPOConfig): a field the file leaves out means TRL's value, as `trl sft --config` runs it. (bf16: TRL picks it by
 # the device; here train.precision's default, fp32, unless the file says bf16: true.)
@@ -143,7 +150,8 @@ def trainer_of(data: dict, asked: str | None) -> str:
         return asked
     if any(k in data for k in GRPO_ONLY):
         return "grpo"
-    return "dpo" if any(k in data for k in DPO_ONLY) else "sft"
+    dpo = [k for k in DPO_ONLY if k in data and not (k == "loss_type" and data[k] in SFT_LOSS_TYPES)]
+    return "dpo" if dpo else "sft"
 
 
 def from_trl(data: dict, source: str, asked: str | None = None) -> tuple[dict, list[str]]:
@@ -168,10 +176,12 @@ def from_trl(data: dict, source: str, asked: str | None = None) -> tuple[dict, l
         if field in FIELDS:
             key, convert, only, _ = FIELDS[field]
             if only is not None and kind not in only:
-                key = GRPO_RENAMED.get(field) if kind == "grpo" else None
+                key = RENAMED.get(kind, {}).get(field)
                 if key is None:
                     unfollowed.append(field)
                     continue
+                if key == "train.loss_type" and value == "chunked_nll":  # TRL 1.16: deprecated, nll
+                    value = "nll"
             try:
                 put(key, convert(value) if convert else value)
             except ValueError as e:

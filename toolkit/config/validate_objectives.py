@@ -11,6 +11,8 @@ from pathlib import Path
 from .data import DataSource
 from .objectives import (
     BUILT_IN_REWARDS,
+    DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSS_TYPES,
     PreferenceConfig,
     RewardConfig,
     RLConfig,
@@ -28,6 +30,9 @@ def validate_preference(r: Recipe, need) -> None:
         r.data.format = "unpaired" if p.method == "kto" else "preference"
     formats = {r.data.format} - {None} | {e.format for e in r.data.train_files + r.data.eval_files
                                           if isinstance(e, DataSource) and e.format}
+    other = p.method and f"preference.method={p.method}" or r.rl.method and f"rl.method={r.rl.method}"
+    need(r.train.loss_type == "nll" or not other, "train.loss_type",
+         f"{r.train.loss_type} is supervised fine-tuning's loss; {other} has its own: remove the key")
     if p.method is None:
         need("preference" not in formats or r.rl.method is not None, "data.format",
              "preference pairs train only with a preference.method (dpo, orpo, simpo or reward)")
@@ -52,17 +57,44 @@ def validate_preference(r: Recipe, need) -> None:
     need(p.beta > 0, "preference.beta", f"must be positive, got {p.beta}")
     need(p.center_rewards_coefficient is None, "preference.center_rewards_coefficient",
          f"a reward-model setting (preference.method=reward), not {p.method}'s")
-    loss_types = {"dpo": ("sigmoid", "ipo"), "kto": ("kto", "apo_zero_unpaired")}
+    loss_types = {"dpo": DPO_LOSS_TYPES, "kto": ("kto", "apo_zero_unpaired")}
     default = PreferenceConfig.loss_type  # `sigmoid`, from before KTO: recipes and run folders of then keep it
     if p.method == "kto" and p.loss_type == default:
         p.loss_type = "kto"
+    names = [p.loss_type] if isinstance(p.loss_type, str) else list(p.loss_type)
     need(p.loss_type == default or p.method in loss_types, "preference.loss_type",
          f"a DPO or KTO setting; preference.method={p.method} has its own loss")
-    need(p.method not in loss_types or p.loss_type in loss_types[p.method], "preference.loss_type",
-         f"preference.method={p.method} takes {' or '.join(loss_types.get(p.method, ()))}, got {p.loss_type}")
+    need(bool(names) and (p.method == "dpo" or isinstance(p.loss_type, str)), "preference.loss_type",
+         "one name, or for dpo a list of names (combined with preference.loss_weights)")
+    wrong = [n for n in names if n not in loss_types.get(p.method, names)]
+    known = loss_types.get(p.method, ("",))
+    choices = " or ".join([", ".join(known[:-1]), known[-1]] if known[:-1] else known)
+    need(not wrong, "preference.loss_type", f"preference.method={p.method} takes {choices}, got {', '.join(wrong)}")
+    need(len(set(names)) == len(names), "preference.loss_type", f"a loss type named twice: {', '.join(names)}")
+    w = p.loss_weights
+    need(w is None or p.method == "dpo", "preference.loss_weights", f"a DPO setting, not {p.method}'s")
+    need(w is None or len(w) == len(names), "preference.loss_weights",
+         f"one weight per preference.loss_type name: {len(names)} name(s) ({', '.join(names)}), "
+         f"got {len(w or [])} weight(s)")
+    need(p.discopop_tau == PreferenceConfig.discopop_tau or "discopop" in names, "preference.discopop_tau",
+         "a setting of preference.loss_type discopop only")
+    need(p.discopop_tau > 0, "preference.discopop_tau", f"must be positive, got {p.discopop_tau}")
+    need(p.f_divergence_type == "reverse_kl" or p.method == "dpo", "preference.f_divergence_type",
+         f"a DPO setting, not {p.method}'s")
+    outside = [n for n in names if n not in F_DIVERGENCE_LOSS_TYPES]
+    need(p.f_divergence_type == "reverse_kl" or not outside, "preference.f_divergence_type",
+         f"{p.f_divergence_type} is defined only for loss_type {', '.join(F_DIVERGENCE_LOSS_TYPES)}, as TRL's; "
+         f"not {', '.join(outside)}")
+    need(p.f_alpha_divergence_coef == PreferenceConfig.f_alpha_divergence_coef
+         or p.f_divergence_type == "alpha_divergence", "preference.f_alpha_divergence_coef",
+         "a setting of preference.f_divergence_type alpha_divergence only")
     need(0.0 <= p.label_smoothing < 0.5, "preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
-    need(p.label_smoothing == 0 or (p.method, p.loss_type) == ("dpo", "sigmoid") or p.method == "simpo",
-         "preference.label_smoothing", "applies to dpo with loss_type=sigmoid and to simpo only")
+    smoothed = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
+    need(p.label_smoothing == 0 or (p.method == "dpo" and set(smoothed) & set(names)) or p.method == "simpo",
+         "preference.label_smoothing",
+         "applies to dpo with loss_type sigmoid, robust, exo_pair, aot or aot_unpaired and to simpo only")
+    need("exo_pair" not in names or p.label_smoothing > 0, "preference.label_smoothing",
+         "loss_type exo_pair needs it above 0 (EXO's ε; the paper recommends 1e-3), as TRL's")
     need(p.gamma is None or p.method == "simpo", "preference.gamma", f"a SimPO setting, not {p.method}'s")
     if p.method == "simpo" and p.gamma is None:
         p.gamma = 0.5
@@ -88,8 +120,8 @@ def validate_reward_model(r: Recipe, need) -> None:
     is read at each sequence's last token (transformers' pooling), so every sequence has a row of its
     own; none of the policy objectives' keys mean anything here."""
     p, default = r.preference, PreferenceConfig()
-    for name in ("beta", "loss_type", "label_smoothing", "gamma", "desirable_weight", "undesirable_weight",
-                 "reference"):
+    for name in ("beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau", "f_divergence_type",
+                 "f_alpha_divergence_coef", "gamma", "desirable_weight", "undesirable_weight", "reference"):
         need(getattr(p, name) == getattr(default, name), f"preference.{name}",
              "not a reward-model setting: a reward model has no policy, reference or β; remove it")
     c = p.center_rewards_coefficient

@@ -23,8 +23,9 @@ class Examples(torch.utils.data.Dataset):
 
     An unpaired example (KTO, data.format=unpaired: it has a `label`) comes with its mismatched
     sequence as `rejected_input_ids` / `rejected_labels`: its own prompt followed by the completion
-    of the nearest example before it in this part (cyclically) whose prompt differs, cut to
-    `kl_max_length`, as TRL pairs completions (rotated by one) for its KL estimate. Another prompt:
+    of the nearest example before it in this part (cyclically) whose prompt differs, as written
+    (`completion_ids`: before that example was cut to max_seq_len), the whole cut to `kl_max_length`,
+    as TRL pairs completions (rotated by one) for its KL estimate. Another prompt:
     a pair written as two rows, or a row repeated by a weighted mix, sits beside rows of its own
     prompt, whose completion would be no mismatch. The pairing is the prepared data's order, so it
     is the same whatever the batches, ranks or resume."""
@@ -32,7 +33,7 @@ class Examples(torch.utils.data.Dataset):
     def __init__(self, docs, bins=None):
         self.table = docs  # every column, for counting
         columns = [c for c in ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "fields", "label",
-                               "margin")
+                               "margin", "completion_ids", "completion_labels")
                    if docs is not None and c in docs.column_names]
         if "fields" in columns:  # an online-RL prompt: its place (source, row) seeds its completions
             columns += ["source", "row"]
@@ -56,6 +57,7 @@ class Examples(torch.utils.data.Dataset):
             example = self.docs[int(i)]
             if self.unpaired:
                 example.update(mismatched(example, self.docs[self.other_prompt(int(i), example)], self.kl_max_length))
+                del example["completion_ids"], example["completion_labels"]
             if self.reference is not None:
                 example["reference"] = self.reference[int(i)]
             return example
@@ -87,16 +89,14 @@ def prompt_ids(example: dict) -> np.ndarray:
 
 
 def mismatched(example: dict, other: dict, max_length: int | None) -> dict:
-    """`example`'s prompt (its tokens before the first target) followed by `other`'s completion (from
-    its first target on, with its labels), cut to `max_length`: KTO's mismatched pair, as
-    `rejected_input_ids` / `rejected_labels`."""
-    def start(labels) -> int:
-        return int(np.argmax(np.asarray(labels) != IGNORE))
-
-    a, b = start(example["labels"]), start(other["labels"])
-    ids = np.concatenate([np.asarray(example["input_ids"])[:a], np.asarray(other["input_ids"])[b:]])
-    labels = np.concatenate([np.full(a, IGNORE, dtype=np.asarray(other["labels"]).dtype),
-                             np.asarray(other["labels"])[b:]])
+    """`example`'s prompt (its tokens before the first target) followed by `other`'s completion as
+    written (`completion_ids` / `completion_labels`: from its first target on, before `other` was cut
+    to max_seq_len), cut to `max_length`: KTO's mismatched pair, as `rejected_input_ids` /
+    `rejected_labels` (TRL's KL sequence: this prompt and the whole other completion, cut by its collator)."""
+    prompt = prompt_ids(example)
+    completion, labels = np.asarray(other["completion_ids"]), np.asarray(other["completion_labels"])
+    ids = np.concatenate([prompt.astype(completion.dtype), completion])
+    labels = np.concatenate([np.full(len(prompt), IGNORE, dtype=labels.dtype), labels])
     return {"rejected_input_ids": ids[:max_length], "rejected_labels": labels[:max_length]}
 
 

@@ -33,7 +33,7 @@ from .packing import best_fit_decreasing, pack_stats
 from .sources import Source, cache_root, load_rows, resolve_sources
 from .tokenize import Report, tokenize_source
 
-TOKENIZE_VERSION = 7  # bump when tokenization or preparation changes what it produces
+TOKENIZE_VERSION = 8  # bump when tokenization or preparation changes what it produces
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int, packing: bool, *, prepares: bool = True,
@@ -107,8 +107,8 @@ def fingerprint(sources: list[Source], cfg: DataConfig, tokenizer, extra: str = 
     # without changing the vocabulary above.
     h.update(json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.bos_token_id, tokenizer.eos_token_id,
                          tokenizer.pad_token_id]).encode())
-    h.update(json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on_prompt, cfg.overlong, TOKENIZE_VERSION,
-                         extra]).encode())
+    h.update(json.dumps([cfg.format, cfg.max_seq_len, cfg.train_on_prompt, cfg.overlong or "truncate",
+                         TOKENIZE_VERSION, extra]).encode())
     return h.hexdigest()[:16]
 
 
@@ -237,11 +237,12 @@ def load_prepared(folder: Path, packing: bool, fp: str, train_fp: str | None = N
              f"{report.counts.get('eval', {}).get('examples', 0):,} eval examples; prepared in "
              f"{report.seconds:.1f} s with {report.num_proc} process(es) into {folder}"]
     if report.truncated:
-        lines.append(f"{report.truncated:,} of {report.rows:,} rows truncated to data.max_seq_len "
+        lines.append(f"{report.truncated:,} of {report.rows:,} {report.unit} truncated to data.max_seq_len "
                      f"({report.targets_lost:,} target tokens lost; data.overlong=drop drops them instead)")
     if report.dropped_overlong:
-        lines.append(f"{report.dropped_overlong:,} of {report.rows:,} rows longer than data.max_seq_len dropped"
-                     + (f" ({report.targets_lost:,} target tokens lost)" if report.targets_lost else ""))
+        lines.append(f"{report.dropped_overlong:,} of {report.rows:,} {report.unit} longer than data.max_seq_len "
+                     "dropped" + (f" ({report.targets_lost:,} target tokens lost)" if report.targets_lost else "")
+                     + (f"; {report.dropped_why}" if report.dropped_why else ""))
     lines += report.lines
     return Datasets(train=train, eval=evaluation or Examples(None, None), fingerprint=fp, lines=lines,
                     warnings=report.warnings, train_fingerprint=train_fp or fp, train_content=train_content,

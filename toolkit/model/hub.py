@@ -23,6 +23,40 @@ DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
 OTHER_FORMATS = ["*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.gguf", "*.tflite", "*.ot", "onnx/*", "original/*"]
 
 
+CONNECT_S = 10.0  # seconds to connect to the Hub (HF_ENDPOINT)
+ANSWER_S = 60.0  # seconds a request may go without an answer (between two reads) before it fails
+
+
+def network_timeouts(answer_s: float = ANSWER_S) -> None:
+    """Every request of huggingface_hub, and of transformers and datasets through it, with timeouts: its own client
+    has none, so an endpoint that takes the connection and never answers would hold the process forever. One that
+    times out raises, and its caller's one line says so (`timed_out`). Set when this module is imported."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    def with_timeouts():
+        client = default_client_factory()
+        client.timeout = type(client.timeout)(answer_s, connect=min(CONNECT_S, answer_s))
+        return client
+
+    set_client_factory(with_timeouts)
+
+
+def timed_out(e: BaseException, answer_s: float = ANSWER_S) -> str | None:
+    """What a request that timed out (`network_timeouts`) waited for, in words; None for another error."""
+    while e is not None:
+        name = type(e).__name__
+        if name == "ConnectTimeout":
+            return f"no connection within {min(CONNECT_S, answer_s):g} s"
+        if name.endswith("Timeout") or isinstance(e, TimeoutError):
+            return f"no answer within {answer_s:g} s (the endpoint took the request and did not answer)"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+network_timeouts()
+
+
 def is_hub_id(s: str) -> bool:
     """`name` or `org/name` that is not an existing local path and does not end like a data file."""
     if os.path.exists(s) or s.lower().endswith(DATA_SUFFIXES):

@@ -152,7 +152,9 @@ def _load_error(where: str, what: str, e: Exception) -> ToolkitError:
     if "trust_remote_code" in str(e):
         return ToolkitError(f"{where}: needs its own Python code to load {what}; pass --trust-remote-code if you "
                             "trust its source")
-    first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    from .heads import MISFIT, misfit
+
+    first_line = MISFIT if misfit(e) else (str(e).strip().splitlines() or [type(e).__name__])[0]
     return ToolkitError(f"{where}: cannot load {what}: {first_line[:300]}")
 
 

@@ -21,6 +21,7 @@ from transformers import (
 
 from ..config import LoraConfig, ModelConfig, chat_template_text
 from ..errors import ToolkitError, command
+from . import heads
 from .hub import resolve_model
 
 PRESETS = Path(__file__).parent / "presets"
@@ -211,9 +212,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
         # start from the same weights.
         if scorer:
             config.num_labels = 1
-        model = (LlamaForSequenceClassification if scorer else LlamaForCausalLM)(config).to(dtype)
+        # Outside ZeRO-3's view: a classifier builds its backbone by from_config, partitioned as it is built,
+        # then initialises its weights on the empty shards (IndexError); prepare() partitions the whole model.
+        with not_partitioned():
+            model = (LlamaForSequenceClassification if scorer else LlamaForCausalLM)(config).to(dtype)
     else:
         folder = resolve_model(cfg.path, cfg.revision)
+        check_head(folder, scorer)  # from its config.json, before transformers loads it as what it is not
         quantized = four_bit(compute_dtype) if cfg.load_in_4bit else {}
         attn = family_attention(cfg, folder, attn)
         try:
@@ -226,7 +231,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
             model = kind.from_pretrained(
                 folder, local_files_only=True, dtype=dtype, attn_implementation=attn,
                 trust_remote_code=cfg.trust_remote_code, **quantized, **({"num_labels": 1} if scorer else {}))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not heads.misfit(e):
+                raise
             raise _load_error(cfg, folder, "a sequence-classification model" if scorer else "a causal LM", e) from None
         if cfg.load_in_4bit:
             one_4bit_path(model)
@@ -240,16 +247,43 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32,
     return model
 
 
+@contextlib.contextmanager
+def not_partitioned():
+    """transformers' view of a ZeRO-3 run switched off while a model is built whole (never prepared, or
+    partitioned by prepare() from whole weights)."""
+    from transformers.integrations import deepspeed
+
+    held = deepspeed._hf_deepspeed_config_weak_ref() if deepspeed._hf_deepspeed_config_weak_ref else None
+    if held is not None:
+        deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if held is not None:
+            deepspeed.set_hf_deepspeed_config(held)
+
+
+def check_head(folder: str, scorer: bool) -> None:
+    """model.path's folder fits the objective, from its config.json and weights' headers, before it loads
+    (`heads`): a reward model's (`scorer`) one label at most (`has_score_head`); a causal objective's no
+    sequence-classification model (transformers would load it with a random output layer, and only warn)."""
+    if not scorer and heads.is_scorer(heads.folder_config(folder)):
+        raise ToolkitError(f"model.path: {folder} is a sequence-classification model (a reward model: a score, no "
+                           "output layer); this recipe trains a causal LM: start from the causal LM it was made from "
+                           "(preference.method=reward trains it further)")
+    if scorer:
+        has_score_head(folder)
+
+
 def has_score_head(folder: str) -> bool:
     """Whether a model folder is a sequence-classification model with one output already (a reward
     model to train further), not a causal LM whose new head `seed_score_head` draws. One with
-    another number of labels (transformers' default is 2, unwritten) is refused in one line."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+    another number of labels (transformers' default is 2, unwritten) is refused in one line, before
+    the folder loads (as a one-label model its head would not fit)."""
+    if not heads.is_scorer(heads.folder_config(folder)):
         return False
-    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
-    if labels != 1:
-        raise ToolkitError(f"model.path: {folder} is a sequence-classification model with {labels} labels; a reward "
+    if problem := heads.one_label_problem(folder):
+        raise ToolkitError(f"model.path: {folder} is a sequence-classification model with {problem}; a reward "
                            "model has one score (num_labels 1): start from its causal LM or a one-label model")
     return True
 
@@ -345,7 +379,7 @@ def _load_error(cfg: ModelConfig, folder: str, what: str, e: Exception) -> Toolk
     if "trust_remote_code" in str(e) and not cfg.trust_remote_code:  # transformers' ValueError for custom code
         return ToolkitError(f"model.trust_remote_code: {where} needs its own Python code to load {what}; "
                             "set model.trust_remote_code=true if you trust its source")
-    first_line = (str(e).splitlines() or [type(e).__name__])[0]
+    first_line = heads.MISFIT if heads.misfit(e) else (str(e).splitlines() or [type(e).__name__])[0]
     return ToolkitError(f"model.path: cannot load {what} from {where}: {first_line}")
 
 

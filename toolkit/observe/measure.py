@@ -81,9 +81,9 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class StepClock:
-    """Wall time per phase of each step (data, generate, forward, backward, optimizer, sync, ...). On CUDA the
-    work is asynchronous, so the device is synchronised at each lap only on the steps sampled
-    (the first ten after the first, then one in 25); on CPU every step is timed as it runs."""
+    """Wall time per phase of each step (data, the objective's preparation, forward, backward, optimizer, sync,
+    ...). On CUDA the work is asynchronous, so the device is synchronised at each lap only on the steps
+    sampled (the first ten after the first, then one in 25); on CPU every step is timed as it runs."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -123,11 +123,6 @@ class StepClock:
 HINTS = {
     "data": "batches are read and collated in the training process: data.packing=true gives fewer, fuller "
             "rows; a slow file system or huge rows also show here",
-    "generate": "online RL's completions are sampled token by token (rl.num_generations per prompt, up to "
-                "rl.max_new_tokens), scored, and the old and reference log-probabilities taken "
-                "(rl.num_iterations > 1, rl.beta > 0): fewer or shorter completions shorten it, "
-                "rl.num_iterations > 1 trains more steps on each generated batch, and a slow reward function "
-                "shows here too",
     "forward": "the model's own compute: a bigger train.micro_batch_size uses the device better if memory allows",
     "backward": "the model's own compute (and, on several processes, the gradient all-reduce overlapped with "
                 "it): a bigger train.micro_batch_size uses the device better if memory allows",
@@ -139,24 +134,24 @@ HINTS = {
 }
 
 
-# Phases only some objectives spend time in (online RL's sampling): left out of the line where they took
-# under half a percent (a supervised run's `generate` is a call that returns its batches); kept in profile.json.
-OPTIONAL_PHASES = ("generate",)
-
-
-def profile_report(clock: StepClock, extra: dict[str, float], gradient_checkpointing: bool) -> tuple[str, dict]:
+def profile_report(clock: StepClock, extra: dict[str, float], gradient_checkpointing: bool,
+                   preparation=None) -> tuple[str, dict]:
     """The end-of-run step profile: each phase's share of step time, the largest named with a hint.
-    `extra`: seconds spent outside steps (eval, checkpoints, samples)."""
+    `extra`: seconds spent outside steps (eval, checkpoints, samples). `preparation`: the objective's
+    (`objectives.Preparation`: what its step_batches does, under its own name and with its own hint; None where it
+    does nothing). That phase is left out of the line where it took under half a percent (kept in profile.json)."""
     if clock.steps == 0:
         return "step profile: no step was timed (a launch needs two steps)", {}
+    hints = {**HINTS, **({preparation.phase: preparation.hint} if preparation is not None else {})}
+    optional = {preparation.phase} if preparation is not None else set()
     shares = {p: s / clock.step_seconds for p, s in sorted(clock.totals.items(), key=lambda kv: -kv[1])}
     largest = next(iter(shares))
-    hint = HINTS.get(largest, "")
+    hint = hints.get(largest, "")
     if largest in ("forward", "backward") and gradient_checkpointing:
         hint = ("gradient checkpointing recomputes each layer's forward in backward (about a third more compute): "
                 "turn it off if memory allows, or raise train.micro_batch_size")
     per_step = clock.step_seconds / clock.steps
-    parts = ", ".join(f"{p} {100 * s:.0f}%" for p, s in shares.items() if p not in OPTIONAL_PHASES or s >= 0.005)
+    parts = ", ".join(f"{p} {100 * s:.0f}%" for p, s in shares.items() if p not in optional or s >= 0.005)
     outside = "; ".join(f"{k} {v:.1f} s in all" for k, v in extra.items() if v > 0)
     line = (f"step profile over {clock.steps} timed step(s), {per_step:.3f} s each: {parts}"
             + (f"; {outside}" if outside else "") + f". Largest: {largest}: {hint}")

@@ -50,10 +50,10 @@ class Monitor:
         self.trace.before(step)
 
     @contextlib.contextmanager
-    def phase(self, name: str, step: int, micro: int = 0, lap: str | None = None):
-        """A phase of a step: the watchdog knows this rank is in it; its time goes to the step
-        profile under `lap` (default `name`) when it ends."""
-        self.watchdog.at(name, step, micro)
+    def phase(self, name: str, step: int, micro: int = 0, lap: str | None = None, detail: str = ""):
+        """A phase of a step: the watchdog knows this rank is in it (`detail`: what it does there, in
+        words); its time goes to the step profile under `lap` (default `name`) when it ends."""
+        self.watchdog.at(name, step, micro, detail)
         yield
         self.clock.lap(lap or name)
 
@@ -74,5 +74,5 @@ class Monitor:
             self.watchdog.done()
             self.outside[counted_as] += time.perf_counter() - began
 
-    def profile_report(self, gradient_checkpointing: bool) -> tuple[str, dict]:
-        return measure.profile_report(self.clock, self.outside, gradient_checkpointing)
+    def profile_report(self, gradient_checkpointing: bool, preparation=None) -> tuple[str, dict]:
+        return measure.profile_report(self.clock, self.outside, gradient_checkpointing, preparation)

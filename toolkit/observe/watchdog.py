@@ -26,7 +26,7 @@ from pathlib import Path
 FLOOR_SECONDS = 120.0  # never sooner than this without a set limit: slow first steps are not hangs
 FACTOR = 20.0  # ... and not before this many times the recent median of the same kind of work
 FIRST_SECONDS = 600.0  # the first of a kind (compile, allocator warm-up, first save) has no history
-PHASE_ORDER = {"data": 0, "generate": 1, "counts": 2, "forward": 3, "backward": 4, "optimizer": 5, "sync": 6}
+PHASE_ORDER = {"data": 0, "prepare": 1, "counts": 2, "forward": 3, "backward": 4, "optimizer": 5, "sync": 6}
 GATHER_SECONDS = 10.0  # the main process waits this long for the other ranks' reports
 BUSY_SHARE = 0.1  # CPU seconds per second (a tenth of a core) that count as computing: a stuck
 #                   process uses next to none, a computing one on a crowded host still gets more
@@ -208,10 +208,14 @@ def position(where: tuple) -> tuple:
 
 
 def describe(where: tuple) -> str:
+    """A rank's place in words. `prepare` is the objective's work on the batch before the loss: its `detail` says
+    what that is (objectives.Preparation.doing), as the objective puts it."""
     phase, step, detail, micro = where
+    if phase == "prepare":
+        return f"{detail or 'the objective preparing the batch'} of step {step}"
     what = {"forward": f"the forward of micro-batch {micro + 1}",
             "backward": f"the backward of micro-batch {micro + 1}",
-            "data": "waiting for data", "generate": "sampling and scoring completions (online RL)",
+            "data": "waiting for data",
             "counts": "the reduction of token counts", "optimizer": "the optimizer step",
             "sync": "the reduction of the loss"}.get(phase, phase)
     return f"{what} of step {step}" + (f" ({detail})" if detail else "")

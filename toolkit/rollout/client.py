@@ -64,8 +64,11 @@ def healthy(url: str, timeout: float = 5.0) -> bool:
 
 
 def served_models(url: str, timeout: float) -> list[str]:
+    """The names the server serves, as /v1/models lists them (none where its answer lists none)."""
     answer = call(url, "/v1/models", timeout=timeout)
-    return [m.get("id") for m in answer.get("data", [])] if isinstance(answer, dict) else []
+    listed = answer.get("data") if isinstance(answer, dict) else None
+    return [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+        if isinstance(listed, list) else []
 
 
 def check_tokenizer(url: str, model: str, tokenizer, timeout: float) -> None:
@@ -73,6 +76,9 @@ def check_tokenizer(url: str, model: str, tokenizer, timeout: float) -> None:
     token ids that mean something else here)."""
     answer = call(url, "/tokenize", {"model": model, "prompt": PROBE, "add_special_tokens": False}, timeout=timeout)
     theirs = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(theirs, list):
+        raise ToolkitError(f"rl.sampler: the server at {url} answered /tokenize without a list of token ids (is it a "
+                           f"vLLM server?): {' '.join(str(answer).split())[:200]}")
     ours = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
     if theirs != ours:
         raise ToolkitError(f"rl.sampler: the vLLM server at {url} serves another tokenizer than model.path's (it "
@@ -86,17 +92,21 @@ def load_adapter(url: str, name: str, path: str, timeout: float) -> None:
 
 
 def complete(url: str, model: str, prompt: list[int], seed: int, params: dict, stops: list[int],
-             timeout: float) -> tuple[list[int], list[float]]:
+             timeout: float, vocab: int | None = None) -> tuple[list[int], list[float]]:
     """One completion of a token-id prompt: its token ids (the stop token included where it stopped) and each
-    one's log-probability as the server sampled it (NaN where it gave none)."""
+    one's log-probability as the server sampled it (NaN where it gave none). The answer is checked here, before
+    anything reads it (`check_completion`; `vocab`: the policy's vocabulary, the ids it has rows for)."""
     body = {"model": model, "prompt": prompt, "n": 1, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True,
             "stop_token_ids": stops, **params}
     answer = call(url, "/v1/completions", body, timeout=timeout)
     try:
         choice = answer["choices"][0]
-        tokens = [int(t.rpartition(":")[2]) for t in choice["logprobs"]["tokens"]]
-        logps = [math.nan if v is None else float(v) for v in choice["logprobs"]["token_logprobs"]]
-    except (TypeError, KeyError, IndexError, ValueError):
+        given, values = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+        if not isinstance(given, list) or not isinstance(values, list):
+            raise TypeError
+        tokens = [int(t.rpartition(":")[2]) for t in given]
+        logps = [math.nan if v is None else float(v) for v in values]
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError):
         raise ToolkitError(f"rl.sampler: the vLLM server at {url} answered a completion without token ids and "
                            f"log-probabilities: {str(answer)[:200]}") from None
     stopped_by = choice.get("stop_reason")
@@ -104,7 +114,25 @@ def complete(url: str, model: str, prompt: list[int], seed: int, params: dict, s
     if choice.get("finish_reason") == "stop" and left_out:
         tokens.append(stopped_by)  # a stop token the server left out of the text's tokens
         logps.append(math.nan)
+    check_completion(url, tokens, logps, vocab, params.get("max_tokens"))
     return tokens, logps
+
+
+def check_completion(url: str, tokens: list[int], logps: list[float], vocab: int | None, most: int | None) -> None:
+    """A completion as the server answered it, before it is read: every id one the policy has a row for (a server
+    of another model, or of the same tokenizer over more rows, samples others: an IndexError in a later forward),
+    one log-probability per token (the correction pairs them), at most the tokens asked for."""
+    bad = next((t for t in tokens if vocab is not None and not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ToolkitError(f"rl.sampler: the vLLM server at {url} answered a completion with token id {bad}, outside "
+                           f"the policy's vocabulary of {vocab} tokens (ids 0 to {vocab - 1}): it serves another "
+                           "model than model.path")
+    if len(logps) != len(tokens):
+        raise ToolkitError(f"rl.sampler: the vLLM server at {url} answered a completion of {len(tokens)} token ids "
+                           f"with {len(logps)} log-probabilities (one per token expected)")
+    if most is not None and len(tokens) > most:
+        raise ToolkitError(f"rl.sampler: the vLLM server at {url} answered a completion of {len(tokens)} tokens where "
+                           f"at most {most} were asked for (rl.max_new_tokens)")
 
 
 SERVE_FULL = ("start it with VLLM_SERVER_DEV_MODE=1, PYTHONPATH=toolkit/rollout/worker and --worker-extension-cls "
@@ -148,10 +176,10 @@ def reload_weights(url: str, path: str, timeout: float) -> None:
 
 
 def complete_all(url: str, model: str, prompts: list[list[int]], seeds: list[int], params: dict, stops: list[int],
-                 timeout: float) -> tuple[list[list[int]], list[list[float]]]:
+                 timeout: float, vocab: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Every prompt's completion, the requests in flight together."""
     pool = ThreadPoolExecutor(max_workers=max(1, min(PARALLEL, len(prompts))))
-    futures = [pool.submit(complete, url, model, p, s, params, stops, timeout) for p, s in zip(prompts, seeds)]
+    futures = [pool.submit(complete, url, model, p, s, params, stops, timeout, vocab) for p, s in zip(prompts, seeds)]
     try:
         done = [f.result() for f in futures]
     finally:  # a failure: the requests not yet sent are dropped, not waited for

@@ -30,6 +30,14 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM 0.32's --max-lo
 
 
 EXCEPTION_LINE = re.compile(r"(?:[\w.]+\.)?\w*(Error|Exception|Interrupt)\b(:|$)")
+# vLLM's prefix of each line it logs (every line of a logged traceback too), e.g.
+# "(EngineCore_DP0 pid=93) ERROR 12-05 14:00:00 [v1/engine/core.py:710] ": left off before a line is read.
+LOG_PREFIX = re.compile(r"^.*?\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] ")
+# vLLM's words that send a reader to the stack trace "above" it printed: "See stack trace (above) for the root
+# cause." (a dead engine), "See root cause above." (a failed start), "please check the stack trace above for the
+# root cause" (a failed worker call). Above, in the server's own output: where the run started it, vllm.log.
+DEFERS = re.compile(r",?\s*(?:please\s+)?(?:see|check)\s+(?:the\s+)?(?:root cause|stack trace)\s*(?:\(above\)|above)"
+                    r"(?:\s+for\s+the\s+root\s+cause)?\.?", re.IGNORECASE)
 
 
 def max_lora_rank(r: int) -> int:
@@ -64,6 +72,27 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the r
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def explain(line: str, server: "Server | None", from_log: bool = False) -> str:
+    """A failed request's line (rollout/client.py's) with the server's own words on why. Where the server the run
+    started has died: its exit and the cause in its log. Where it answered with vLLM's "see stack trace (above)"
+    (its engine failed while the server stays up) or failed to reload the weights: vLLM's pointer replaced by the
+    cause found in vllm.log, and the log named (`from_log`: the cause in any case). A server at rl.vllm_url keeps
+    its output to itself: the line says the cause is there."""
+    if server is not None and not server.alive():
+        return (f"rl.sampler: the vLLM server the run started exited (code {server.process.returncode}): "
+                f"{server.last_line()} (log: {server.log_path})")
+    defers = DEFERS.search(line) is not None
+    if defers:
+        line = DEFERS.sub("", line).rstrip().removesuffix(".")
+    if server is not None and (defers or from_log):
+        cause = server.cause()
+        return line + (f"; its log {server.log_path} says: {cause}" if cause else
+                       f"; its log: {server.log_path}")
+    if defers:
+        return line + "; the cause is in that server's own output (where vLLM printed its stack trace)"
+    return line
 
 
 class Server:
@@ -102,36 +131,56 @@ class Server:
         self.log.flush()
 
     def wait_ready(self, timeout: float) -> None:
-        """Until /health answers; the server exiting first or `timeout` seconds passing end the run in one line."""
+        """Until /health answers; the server exiting first, answering with an error (its engine failed) or `timeout`
+        seconds passing end the run in one line."""
         deadline = self.started + timeout
         while True:
             code = self.process.poll()
             if code is not None:
                 raise ToolkitError(f"rl.sampler: the vLLM server exited with code {code} while starting: "
                                    f"{self.last_line()} (whole log: {self.log_path})")
-            if client.healthy(self.url, timeout=2.0):
+            try:
+                client.call(self.url, "/health", timeout=2.0)
                 return
+            except ToolkitError as err:  # vLLM listens only once its engine is up: an error status means it failed
+                if " answered /health with " in str(err):
+                    line = explain(f"{str(err).rstrip(': ')} while starting", self, from_log=True)
+                    self.stop()
+                    raise ToolkitError(line) from None
             if time.monotonic() > deadline:
                 self.stop()
+                cause = self.cause()
                 raise ToolkitError(f"rl.vllm_timeout: the vLLM server did not answer /health within {timeout:g} s "
-                                   f"of starting; its log: {self.log_path}")
+                                   f"of starting; its log: {self.log_path}" + (f" (its last error: {cause})"
+                                                                               if cause else ""))
             time.sleep(0.5)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def last_line(self) -> str:
-        """The log's last line that says something (an error's own line, not a traceback's frame, nor vLLM's
-        "see the root cause above" after it), its start."""
+    def log_lines(self) -> list[str] | None:
+        """The log's lines that say something, vLLM's prefix left off; None where it cannot be read."""
         try:
-            lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+            text = self.log_path.read_text(errors="replace")
         except OSError:
-            return "(no log)"
-        said = [line for line in lines if "root cause above" not in line and "stack trace (above)" not in line]
-        for line in reversed(said):  # an exception's line ("ValueError: ...", "torch.OutOfMemoryError: ..."),
-            if EXCEPTION_LINE.match(line):  # not a warning that names one
+            return None
+        return [LOG_PREFIX.sub("", line).strip() for line in text.splitlines() if LOG_PREFIX.sub("", line).strip()]
+
+    def cause(self) -> str | None:
+        """The log's last exception line ("ValueError: ...", "torch.OutOfMemoryError: ..."), its start: not a
+        traceback's frame, a warning that names an error, nor vLLM's "see the root cause above" after it."""
+        for line in reversed(self.log_lines() or []):
+            if EXCEPTION_LINE.match(line) and not DEFERS.search(line):
                 return line[:300]
-        return said[-1][:300] if said else lines[-1][:300] if lines else "(empty log)"
+        return None
+
+    def last_line(self) -> str:
+        """The cause (`cause`), else the log's last line that says something, its start."""
+        lines = self.log_lines()
+        if lines is None:
+            return "(no log)"
+        said = [line for line in lines if not DEFERS.search(line)]
+        return self.cause() or (said[-1][:300] if said else lines[-1][:300] if lines else "(empty log)")
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after GRACE_S; waits for the server itself."""

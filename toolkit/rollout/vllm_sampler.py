@@ -34,7 +34,7 @@ from ..config.objectives import default_vllm_python, server_flag
 from ..errors import ToolkitError
 from ..storage import disk
 from . import client
-from .server import Server
+from .server import Server, explain
 
 ADAPTER = "policy"  # the name the server knows the adapter by, with the run's own suffix (`VLLMSampler.adapter`)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -54,6 +54,7 @@ class VLLMSampler:
         # two runs at one server each sample through their own adapter (the main process's pid and the time)
         self.adapter = f"{ADAPTER}-{os.getpid()}-{time.time_ns() % 10**9}"
         self.reported = False
+        self.vocab = None  # the policy's vocabulary (the ids it has rows for), at the first sync
         self.settings = {"max_model_len": max_model_len, "dtype": DTYPES[precision], "seed": seed,
                          "lora_rank": lora_rank, "args": list(cfg.vllm_args)}
         if self.url is None and torch.cuda.is_available() and \
@@ -93,8 +94,9 @@ class VLLMSampler:
                     models = client.served_models(self.url, self.cfg.vllm_timeout)
                     self.base = models[0] if models else self.base
                 client.check_tokenizer(self.url, self.base, self.tokenizer, self.cfg.vllm_timeout)
-            except ToolkitError as err:
-                problem = str(err)
+            except ToolkitError as err:  # wait_ready's own line where the server did not start; a request's explained
+                started = self.server is None or self.server.alive()
+                problem = explain(str(err), self.server) if started else str(err)
         self.url, self.adapter, problem = self.broadcast((self.url, self.adapter, problem))
         if problem:
             raise ToolkitError(problem)
@@ -113,6 +115,8 @@ class VLLMSampler:
         """The policy's weights as they stand (the adapter, or the trained weights) into the server, started first
         if it is not yet (a collective: every rank calls it)."""
         self.start()
+        if self.vocab is None:  # every id the server answers is checked against it (client.check_completion)
+            self.vocab = self.accelerator.unwrap_model(model).config.get_text_config().vocab_size
         started = time.perf_counter()
         problem, folder = None, self.out / ("rollout-adapter" if self.lora else "rollout-weights") / f"step-{step:06d}"
         dtype = None if self.lora else getattr(torch, self.settings["dtype"])  # train.precision's: what autocast
@@ -181,7 +185,8 @@ class VLLMSampler:
         made, problem = None, None
         try:
             model = self.adapter if self.lora else self.base
-            made = client.complete_all(self.url, model, prompts, seeds, params, stops, c.vllm_timeout)
+            made = client.complete_all(self.url, model, prompts, seeds, params, stops, c.vllm_timeout,
+                                       self.vocab)
         except ToolkitError as err:
             problem = self.explained(str(err))
         if self.accelerator.num_processes > 1:  # every rank stops on one rank's failure, none waits in a collective
@@ -193,13 +198,9 @@ class VLLMSampler:
         return made
 
     def explained(self, line: str, reloading: bool = False) -> str:
-        """A request's failure, with the server's own exit where it died."""
-        if self.server is not None and not self.server.alive():
-            return (f"rl.sampler: the vLLM server the run started exited (code {self.server.process.returncode}): "
-                    f"{self.server.last_line()} (log: {self.server.log_path}); the last checkpoint is intact")
-        if self.server is not None and reloading:  # its own words on why, from its log
-            line += f"; its log says: {self.server.last_line()} ({self.server.log_path})"
-        return line + "; the last checkpoint is intact"
+        """A request's failure, with the server's own words on why (`server.explain`: its exit where it died, the
+        cause in vllm.log where vLLM says only "see stack trace (above)", or where a reload failed)."""
+        return explain(line, self.server, from_log=reloading) + "; the last checkpoint is intact"
 
     def close(self) -> None:
         if self.server is not None:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config.recipe import CHANGEABLE_INPUTS
 from ..errors import ToolkitError
 
-WHAT = {"model": "the base model (model.path: its weights and config)",
-        "rewards": "the reward functions' code (rl.rewards)",
-        "reward_models": "the reward models' weights and config (rl.rewards' model entries)",
-        "teacher": "the distillation teacher's weights and config (rl.teacher)"}
+WHAT = CHANGEABLE_INPUTS  # each input by name, in words; the names resume_accept_changed takes
 # Recipe keys that only say where an input is: not compared on resume where the input is compared by content.
 PATH_KEYS = {"model.path": "model", "rl.teacher": "teacher"}
 

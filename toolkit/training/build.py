@@ -37,6 +37,7 @@ from ..model.load import (
     apply_lora,
     build_model,
     build_tokenizer,
+    check_head,
     compile_layers,
     count_parameters,
     disable_dropout,
@@ -70,6 +71,8 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     resume_from = run_folder.open_run(accelerator, recipe, lock)
     for line in check_data(recipe):
         log(f"data: {line}")
+    if recipe.model.path is not None:  # a folder that does not fit the objective: refused from its config.json
+        check_head(resolve_model(recipe.model.path, recipe.model.revision), recipe.preference.method == "reward")
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
     if recipe.rl.method == "distill":
         distill.teacher_folder(recipe.rl)  # found, before anything reads it
@@ -305,7 +308,9 @@ def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, token
             if recipe.rl.beta > 0 and not recipe.lora.enabled:  # TRL's ref_model: the base loaded once more
                 backend.check_frozen()
                 base = dataclasses.replace(recipe.model, gradient_checkpointing=False)
-                reference = frozen_with_loss(backend, recipe, build_model(base, DTYPES[recipe.train.precision]))
+                # in the policy's dtype, as TRL's ref_model: one rounded to bf16 under an fp32 policy has another KL
+                reference = frozen_with_loss(backend, recipe, build_model(base, DTYPES[recipe.model.dtype],
+                                                                          DTYPES[recipe.train.precision]))
             sampler = None
             if recipe.rl.sampler == "vllm":  # the server starts now, while the data is prepared
                 from ..rollout.vllm_sampler import VLLMSampler
@@ -354,7 +359,11 @@ def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption
     data.train.kl_max_length = data.eval.kl_max_length = recipe.data.max_seq_len  # KTO's mismatched sequences
     for line in data.lines:
         log(f"data: {line}")
-    for line in data.warnings:
+    warnings = list(data.warnings)
+    if recipe.preference.method == "kto":  # rows of one label, or weights out of the paper's range, as TRL warns
+        labels = data.train.table.select_columns(["label"]).with_format("numpy")[:]["label"]
+        warnings += kto.label_balance(labels, recipe.preference)
+    for line in warnings:
         log(f"warning: {line}")
     if accelerator.is_main_process:
         log(f"data: {label_audit(data.train[0], tokenizer)}")

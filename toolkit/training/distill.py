@@ -29,6 +29,7 @@ from ..errors import ToolkitError, first_line
 from ..model.load import full_numel
 from ..model.sampling import completion_seed
 from .loss import target_distributions, token_divergences
+from .objectives import Preparation
 from .online import GroupRL
 
 
@@ -99,12 +100,17 @@ def load_teacher(rl, model_cfg, dtype: torch.dtype) -> torch.nn.Module:
     zero.Init), in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from ..model.heads import MISFIT, misfit
+
     attn = "sdpa" if model_cfg.attn_implementation == "varlen" else model_cfg.attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(teacher_folder(rl), local_files_only=True, dtype=dtype,
                                                      attn_implementation=attn)
-    except (OSError, ValueError) as err:
-        raise ToolkitError(f"rl.teacher: {rl.teacher} cannot be loaded as a causal LM: {first_line(err)}") from None
+    except (OSError, ValueError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not misfit(err):
+            raise
+        raise ToolkitError(f"rl.teacher: {rl.teacher} cannot be loaded as a causal LM: "
+                           f"{MISFIT if misfit(err) else first_line(err)}") from None
     return model.eval()
 
 
@@ -136,6 +142,13 @@ class Distill(GroupRL):
 
     def after_prepare(self) -> None:
         self.teacher = self.backend.prepare_frozen(self.teacher)
+
+    def preparation(self) -> Preparation:
+        return Preparation(
+            "generate", "sampling the student's completions (distillation)",
+            "distillation samples the student's own completions token by token (rl.num_generations per prompt, up "
+            "to rl.max_new_tokens; nothing is scored: the teacher's forward is in the step's forward): fewer or "
+            "shorter completions shorten it")
 
     def units(self, batch: dict) -> int:
         if "completion_mask" not in batch:  # an eval batch of prompts: its completions' tokens, counted in loss_sum

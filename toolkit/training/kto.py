@@ -7,27 +7,31 @@ desirable: desirable_weight x (1 - σ(r - βz)); undesirable: undesirable_weight
 completions.
 
 z is TRL's estimate from mismatched pairs: each completion's prompt followed by another row's
-completion (`batching.Examples`: the nearest earlier row's in the prepared data whose prompt differs,
-as TRL rotates completions by one), log π - log π_ref summed over those completion tokens, averaged,
-clamped at 0 and without gradient. TRL averages it over one micro-batch (then over ranks) of
-consecutive rows (it needs sequential sampling), so its figure changes with the micro-batch size and
-the number of processes; here `step_batches` averages it over the whole global batch (every
-micro-batch, every rank) before the step's first loss, and evaluation over the whole eval set, so
-what is learned is the same on every layout, with shuffled batches. The two are the same number
-where a batch is the data's rows in order, one micro-batch on one process (the data of
-tests/test_kto.py's comparison is one such batch).
+completion as written, cut with this prompt at data.max_seq_len (`batching.Examples`: the nearest
+earlier row's in the prepared data whose prompt differs, as TRL rotates completions by one), log π -
+log π_ref summed over those completion tokens, averaged, clamped at 0 and without gradient. TRL
+averages it over one micro-batch (then over ranks) of consecutive rows (it needs sequential
+sampling), so its figure changes with the micro-batch size and the number of processes; here
+`step_batches` averages it over the whole global batch (every micro-batch, every rank) before the
+step's first loss, and evaluation over the whole eval set, so what is learned is the same on every
+layout, with shuffled batches. The two are the same number where a batch is the data's rows in
+order, one micro-batch on one process (the data of tests/test_kto.py's comparison is one such
+batch).
 
 The reference is DPO's (`reference.py`): precomputed for full fine-tuning, the disabled adapter
-for LoRA.
+for LoRA; a batch that brings none is refused as DPO's (`objectives.no_reference`). Rows all of one
+label, or weights out of the KTO paper's range for their balance, are said at start
+(`label_balance`, as TRL warns).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .loss import token_logps
-from .objectives import Objective, sequences_with_targets
+from .objectives import KL_ESTIMATE, Objective, Preparation, no_reference, sequences_with_targets
 
 KL_PREFIX = "kl_"
 NOT_MODEL_INPUTS = ("kto_labels", "reference_logps")
@@ -56,6 +60,34 @@ def kto_losses(logratios: torch.Tensor, desirable: torch.Tensor, kl: torch.Tenso
     else:
         raise ValueError(f"unknown KTO loss_type {loss_type!r}")
     return torch.where(desirable, desirable_weight * up, undesirable_weight * down)
+
+
+def label_balance(labels, cfg) -> list[str]:
+    """The start-of-run warning for a training set whose desirable and undesirable rows (`labels`: 1
+    and 0) leave half of the loss untrained or unweighted: one kind absent (each of its terms never
+    trains), or, as TRL's KTOTrainer warns, the two in unequal numbers with neither weight in the KTO
+    paper's range for them (its Eq. 8: desirable_weight x desirable rows within 1 to 1.33 x
+    undesirable_weight x undesirable rows), its advice in its numbers. [] where neither holds."""
+    labels = np.asarray(labels)
+    n, up = len(labels), int(labels.sum())
+    if n and up in (0, n):
+        kind, other, label, raise_or_lower = (("desirable", "undesirable", "true", "raise") if up else
+                                              ("undesirable", "desirable", "false", "lower"))
+        return [f"every one of the {n} train rows is {kind} (label {label}), so the {other} half of KTO's loss never "
+                f"trains: the model only learns to {raise_or_lower} these completions' rewards against the KL "
+                f"estimate; add {other} rows (label {'false' if up else 'true'}) to teach it the difference"]
+    down, dw, uw = n - up, cfg.desirable_weight, cfg.undesirable_weight
+    if up == down:
+        return []
+    # TRL 1.16's bounds, rounded as it rounds them
+    desirable = (round(down * uw / up, 2), round(down * uw / up * 1.33, 2))
+    undesirable = (round(up * dw / down / 1.33, 2), round(up * dw / down, 2))
+    if desirable[0] <= dw <= desirable[1] or undesirable[0] <= uw <= undesirable[1]:
+        return []
+    return [f"{up} desirable and {down} undesirable train rows, and neither preference.desirable_weight ({dw:g}) nor "
+            f"preference.undesirable_weight ({uw:g}) is in the KTO paper's range for that balance (as TRL's "
+            f"KTOTrainer warns): set EITHER preference.desirable_weight in [{desirable[0]}, {desirable[1]}] or "
+            f"preference.undesirable_weight in [{undesirable[0]}, {undesirable[1]}] (not both)"]
 
 
 class Unpaired(Objective):
@@ -89,6 +121,9 @@ class Unpaired(Objective):
     def units(self, batch: dict) -> int:
         return int(sequences_with_targets(completion_part(batch)).sum())
 
+    def preparation(self) -> Preparation | None:
+        return KL_ESTIMATE if self.uses_kl else None
+
     def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
         if self.uses_kl:
             self.kl = self.kl_estimate(model, micro_batches)
@@ -104,8 +139,8 @@ class Unpaired(Objective):
         if "reference_logps" in batch:
             n = len(batch["reference_logps"]) // 2
             return batch["reference_logps"][half * n:(half + 1) * n]
-        if self.adapter is None:  # precomputed, and eval padding only: no example brought its reference
-            return torch.zeros(len(batch["kto_labels"]), device=batch["kto_labels"].device)
+        if self.adapter is None:  # precomputed: a batch without it is eval padding only, or refused (as DPO's)
+            return no_reference("kto", part, len(batch["kto_labels"]))
         with torch.no_grad(), self.adapter.disable_adapter():
             return token_logps(model, part)[0]
 

@@ -97,7 +97,7 @@ def fit(run: Run) -> dict:
                                           "run again with resume=auto to continue", EXIT_PREEMPTED)
     finally:
         progress.close()  # before any stop message, so the bar does not trail it
-    line, profile = monitor.profile_report(run.recipe.model.gradient_checkpointing)
+    line, profile = monitor.profile_report(run.recipe.model.gradient_checkpointing, run.objective.preparation())
     say(acc, line)
     if acc.is_main_process and profile:
         measure.write_profile(run.out, profile)
@@ -112,8 +112,7 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     monitor.begin_step(step)
     with monitor.phase("data", step):
         epoch, seen, micro_batches = next(batches)
-    with monitor.phase("generate", step):  # online RL samples and scores here; other objectives return at once
-        micro_batches = run.objective.step_batches(model, micro_batches, step)  # what the loss is taken on this step
+    micro_batches = prepare_batches(monitor, run.objective, model, micro_batches, step)
     with monitor.phase("data", step):
         # Exact accumulation: every unit of the global batch (all micro-batches, all ranks) weighs
         # the same, so the loss is a sum divided by the global count of units. Counted on the
@@ -184,6 +183,16 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     if run.recipe.train.compile:  # a count that still rises after the first steps means recompiling
         row["compiled_graphs"] = compiled_graphs()
     return row, stop_requested
+
+
+def prepare_batches(monitor: Monitor, objective: Objective, model, micro_batches: list, step: int) -> list:
+    """What the loss is taken on this step (`objective.step_batches`: online RL samples and scores here, KTO
+    takes its KL estimate), timed and watched under the objective's own name for that work; an objective that
+    returns the loader's batches has its (next to no) time counted with the data."""
+    prep = objective.preparation()
+    with monitor.phase("prepare" if prep else "data", step, lap=prep.phase if prep else None,
+                       detail=prep.doing if prep else ""):
+        return objective.step_batches(model, micro_batches, step)
 
 
 def evaluation(run: Run, step: int) -> dict:

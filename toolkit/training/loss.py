@@ -31,16 +31,26 @@ from ..errors import ToolkitError
 PAIR_COLUMNS = ("reference_logps", "margins", "kto_labels")  # a pair batch's columns that are no model input
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False):
+def token_loss_sum(model, batch: dict[str, torch.Tensor], router_aux: bool = False, dft: bool = False):
     """Sum of next-token cross-entropies over the batch's target tokens (labels != IGNORE), the
     way `use_token_loss` set up; `model` as prepared (DDP, FSDP, DeepSpeed) or not. `router_aux`
-    (a mixture-of-experts model): (that sum, the router's load-balancing loss of the batch)."""
+    (a mixture-of-experts model): (that sum, the router's load-balancing loss of the batch). `dft`
+    (train.loss_type=dft, Dynamic Fine-Tuning): each token's cross-entropy times its probability,
+    detached (`dft_weighted`)."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    if dft:
+        inputs["token_loss_dft"] = True
     if "shift_labels" in batch:  # a sequence-parallel part: each position's own target (sequence.shard)
         return model(**inputs, token_loss_labels=batch["shift_labels"], token_loss_shifted=True)
     if router_aux:
         return model(**inputs, token_loss_labels=batch["labels"], token_loss_router_aux=True)
     return model(**inputs, token_loss_labels=batch["labels"])
+
+
+def dft_weighted(losses: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropies -log p made Dynamic Fine-Tuning's -p log p, p detached (TRL 1.16's
+    SFTConfig loss_type dft: the NLL times exp(log p).detach())."""
+    return losses * torch.exp(-losses).detach()
 
 
 def token_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +142,7 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
     @functools.wraps(type(model).forward)  # its signature: generation asks it whether position_ids are taken
     def forward(self, *args, token_loss_labels=None, token_loss_router_aux=False, token_loss_per_row=None,
                 token_loss_shifted=False, token_loss_per_token=False, token_loss_temperature=1.0,
-                token_loss_teacher=None, token_loss_distribution=False, **kwargs):
+                token_loss_teacher=None, token_loss_distribution=False, token_loss_dft=False, **kwargs):
         if token_loss_labels is None:
             return original(*args, **kwargs)
         if token_loss_distribution:
@@ -158,12 +168,13 @@ def use_token_loss(model, kind: str = "chunked", chunk_tokens: int = 1024, backe
                                     temperature=token_loss_temperature, **kwargs)
         if kind == "full":
             outputs = original(*args, **{**kwargs, "use_cache": False})
-            loss = (full_loss_sum(outputs.logits, token_loss_labels, token_loss_shifted) if token_loss_per_row is None
-                    else full_row_logps(outputs.logits, token_loss_labels, token_loss_per_row))
+            labels = token_loss_labels
+            loss = (full_loss_sum(outputs.logits, labels, token_loss_shifted, token_loss_dft)
+                    if token_loss_per_row is None else full_row_logps(outputs.logits, labels, token_loss_per_row))
         else:
             loss, outputs = chunked_loss_sum(self, token_loss_labels, chunk_tokens, *args, same_calls=calls,
                                              return_outputs=True, per_row=token_loss_per_row,
-                                             shifted=token_loss_shifted, **kwargs)
+                                             shifted=token_loss_shifted, dft=token_loss_dft, **kwargs)
         if not token_loss_router_aux:
             return loss
         return loss, router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
@@ -186,11 +197,14 @@ def router_aux_loss(model, router_logits, attention_mask=None) -> torch.Tensor:
     return function(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
-def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
-    """`shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`)."""
+def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False, dft: bool = False) -> torch.Tensor:
+    """`shifted`: labels[i] is position i's own target (a sequence-parallel part, `sequence.shard`); `dft`:
+    each token's cross-entropy `dft_weighted`."""
     if not shifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
+                             reduction="none" if dft else "sum")  # 0 where ignored
+    return dft_weighted(losses).sum() if dft else losses
 
 
 def full_row_logps(logits: torch.Tensor, labels: torch.Tensor,
@@ -232,7 +246,7 @@ def full_token_divergences(logits: torch.Tensor, labels: torch.Tensor, teacher_l
 def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, same_calls=None,
                      return_outputs: bool = False, per_row: torch.Tensor | None = None, shifted: bool = False,
                      per_token: bool = False, temperature: float = 1.0, teacher=None, distribution: bool = False,
-                     **kwargs):
+                     dft: bool = False, **kwargs):
     """The loss sum of a Hugging Face causal LM: backbone, then the output layer on the target
     positions only, `chunk_tokens` at a time, each chunk's logits recomputed in backward.
     `same_calls(module, n, device)`: how often to call the output layer when this rank needs `n`
@@ -243,7 +257,8 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
     `per_token`: (each target's log-probability, the entropy there, detached), as `token_logps_each`, of
     the logits divided by `temperature`; with `teacher` (the teacher's log-probabilities at the targets, beta), each
     target's divergence to it (`generalized_jsd`) instead of its log-probability. `distribution`: the targets'
-    log-probabilities over the whole vocabulary, as `target_distributions` (no gradient)."""
+    log-probabilities over the whole vocabulary, as `target_distributions` (no gradient). `dft`: the sum of
+    each target's cross-entropy `dft_weighted` (Dynamic Fine-Tuning), inside each chunk's checkpoint."""
     kwargs = {k: v for k, v in kwargs.items() if v is not None}  # peft passes labels=None, inputs_embeds=None, ...
     outputs = model.get_decoder()(*args, **{**kwargs, "use_cache": False})
     hidden = outputs.last_hidden_state
@@ -265,6 +280,8 @@ def chunked_loss_sum(model, labels: torch.Tensor, chunk_tokens: int, /, *args, s
             if t is not None:
                 return generalized_jsd(logps, t.float(), teacher[1]), entropy
             return logps.gather(-1, y[:, None])[:, 0], entropy
+        if dft and per_row is None:
+            return dft_weighted(F.cross_entropy(logits.float(), y, reduction="none")).sum()
         return F.cross_entropy(logits.float(), y, reduction="sum" if per_row is None else "none")
 
     # At least one call, so that the output layer takes part in every backward (DDP expects a

@@ -13,6 +13,7 @@ them before the loss.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -20,7 +21,34 @@ import torch
 from ..data.formats import IGNORE
 from ..errors import ToolkitError
 from ..observe import measure
+from .dpo_losses import dpo_losses, loss_types
 from .loss import has_router, sequence_index, token_logps, token_loss_sum
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What an objective does to a step's batch before its loss (`step_batches`), in the objective's own words:
+    `phase`, its name in the step profile; `doing`, what a rank in it does (the hang watchdog's line); `hint`,
+    the profile's advice where it takes the largest share of the step."""
+    phase: str
+    doing: str
+    hint: str
+
+
+# Online RL (online.GroupRL): what its step_batches does, for the step profile and the watchdog.
+ONLINE_RL = Preparation(
+    "generate", "sampling and scoring completions (online RL)",
+    "online RL's completions are sampled token by token (rl.num_generations per prompt, up to rl.max_new_tokens), "
+    "scored, and the old and reference log-probabilities taken (rl.num_iterations > 1, rl.beta > 0): fewer or "
+    "shorter completions shorten it, rl.num_iterations > 1 trains more steps on each generated batch, and a slow "
+    "reward function shows here too")
+# KTO (kto.Unpaired, loss_type kto): its KL estimate over the global batch, taken before the step's first loss.
+KL_ESTIMATE = Preparation(
+    "kl_estimate", "the KL estimate over the global batch's mismatched pairs (KTO)",
+    "KTO's KL estimate: every mismatched pair of the global batch (each prompt with another row's completion) "
+    "goes through the model, and through the reference where that is the disabled LoRA adapter, without "
+    "gradient, before the step's first loss: about one more forward per row; preference.loss_type="
+    "apo_zero_unpaired takes no KL estimate")
 
 
 class Objective(ABC):
@@ -47,7 +75,8 @@ class Objective(ABC):
     and reports the metrics named in `eval_metrics` (and `eval_loss` where `has_eval_loss`), and
     says the answers of `eval_samples()`; `begin_eval(model, batches)` comes first. `describe()`
     gives the start-of-run lines; `unsplittable()` says why the loss cannot be taken on rows split
-    across ranks (sequence parallelism), if so."""
+    across ranks (sequence parallelism), if so; `preparation()` names what `step_batches` does (None:
+    nothing, the loader's batches as they are), for the step profile and the watchdog."""
 
     unit: ClassVar[str]  # what the loss is a mean over, in words ("target tokens", "pairs")
     eval_metrics: ClassVar[tuple[str, ...]] = ()  # step metrics that evaluation reports too (eval_<name>)
@@ -61,6 +90,16 @@ class Objective(ABC):
 
     def resumable_after(self, step: int) -> bool:
         return True
+
+    def preparation(self) -> Preparation | None:
+        """What `step_batches` does before the loss, in this objective's words; None where it returns the loader's
+        batches (their time is the data's). An objective that makes or measures its batch says what it does; one
+        that does not gets a name that assumes nothing of it."""
+        if type(self).step_batches is Objective.step_batches:
+            return None
+        name = type(self).__name__
+        return Preparation("prepare", f"{name}'s work on the step's batch before its loss",
+                           f"what {name}.step_batches does to each step's batch before the loss")
 
     def finish_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
         return {name: value / units for name, value in sums.items()}
@@ -109,12 +148,14 @@ class Supervised(Objective):
     the whole text of plain text, as the data settings chose (train.loss picks chunked or full).
     `router_aux_coef` (mixture-of-experts models): the router's load-balancing loss of each
     micro-batch, times the coefficient, is added in training, weighted by the micro-batch's target
-    tokens so that it too is a mean over the global batch; logged as `aux_loss`."""
+    tokens so that it too is a mean over the global batch; logged as `aux_loss`. `dft`
+    (train.loss_type=dft): each token's cross-entropy times its detached probability (Dynamic
+    Fine-Tuning, TRL's SFT loss_type dft), in training and evaluation alike, as TRL's."""
 
     unit = "target tokens"
 
-    def __init__(self, router_aux_coef: float = 0.0):
-        self.router_aux_coef = router_aux_coef
+    def __init__(self, router_aux_coef: float = 0.0, dft: bool = False):
+        self.router_aux_coef, self.dft = router_aux_coef, dft
         self.sums: dict[str, torch.Tensor] = {}
 
     def units(self, batch: dict[str, torch.Tensor]) -> int:
@@ -122,8 +163,8 @@ class Supervised(Objective):
 
     def loss_sum(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if not (self.router_aux_coef and model.training):  # the eval loss is the language-model loss
-            return token_loss_sum(model, batch)
-        loss, aux = token_loss_sum(model, batch, router_aux=True)
+            return token_loss_sum(model, batch, dft=self.dft)
+        loss, aux = token_loss_sum(model, batch, router_aux=True, dft=self.dft)
         weighted = aux * self.units(batch)
         self.sums["aux_loss"] = self.sums.get("aux_loss", 0) + weighted.detach().double()
         return loss + self.router_aux_coef * weighted
@@ -138,8 +179,10 @@ class Supervised(Objective):
 
 
     def describe(self) -> list[str]:
-        return [f"router: load-balancing loss x {self.router_aux_coef:g} added to the training loss (aux_loss)"] \
-            if self.router_aux_coef else []
+        return ([f"router: load-balancing loss x {self.router_aux_coef:g} added to the training loss (aux_loss)"]
+                if self.router_aux_coef else []) \
+            + (["loss: dft (Dynamic Fine-Tuning): each target token's cross-entropy times its probability, detached; "
+                "eval_loss is the same loss"] if self.dft else [])
 
     def unsplittable(self) -> str | None:
         return ("the router's load-balancing loss of a mixture-of-experts model is not split across a sequence "
@@ -148,34 +191,34 @@ class Supervised(Objective):
 
 def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_n: torch.Tensor,
                       rejected_n: torch.Tensor, ref_chosen: torch.Tensor | None = None,
-                      ref_rejected: torch.Tensor | None = None, *, beta: float, loss_type: str = "sigmoid",
-                      label_smoothing: float = 0.0, gamma: float = 0.5):
+                      ref_rejected: torch.Tensor | None = None, *, beta: float, loss_type: str | list[str] = "sigmoid",
+                      label_smoothing: float = 0.0, gamma: float = 0.5, loss_weights: list[float] | None = None,
+                      discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
+                      f_alpha_divergence_coef: float = 0.5, valid: torch.Tensor | None = None):
     """Per pair: (loss, reward of the chosen, reward of the rejected), from each completion's summed
     target log-probabilities (`loss.token_logps`) and target counts, as TRL 1.x defines them:
-    - "dpo": logits = (chosen - ref_chosen) - (rejected - ref_rejected); loss_type "sigmoid":
-      -log σ(β·logits) smoothed by label_smoothing (conservative DPO), "ipo": (logits - 1/(2β))² on
-      log-probabilities averaged over each completion's tokens; rewards β·(policy - reference).
+    - "dpo": TRL 1.16's DPO loss types (`dpo_losses`: `loss_type` a name or a list combined with
+      `loss_weights`; label_smoothing, discopop_tau, f_divergence_type, f_alpha_divergence_coef and
+      `valid`, the pairs aot sorts among, as there);
+      rewards β·(policy - reference).
     - "simpo" (TRL's CPO with loss_type simpo, no NLL term): average log-probabilities c, r; -log
-      σ(β·(c - r - γ/β)), smoothed likewise; rewards β·c, β·r.
+      σ(β·(c - r - γ/β)), smoothed by label_smoothing; rewards β·c, β·r.
     - "orpo": average log-probabilities c, r; the chosen completion's NLL -c minus β·log σ(log
       odds(c) - log odds(r)), with log odds(p) = p - log(1 - e^p); rewards β·c, β·r. (TRL averages
       the NLL over the batch's chosen tokens; here each pair's is averaged over its own tokens, so
       that every pair weighs the same whatever the batch.)"""
     import torch.nn.functional as F
 
-    def smoothed(logits):
-        return -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
-
     if method == "dpo":
-        if loss_type == "ipo":
-            chosen, rejected = chosen / chosen_n, rejected / rejected_n
-            ref_chosen, ref_rejected = ref_chosen / chosen_n, ref_rejected / rejected_n
-        logits = (chosen - ref_chosen) - (rejected - ref_rejected)
-        losses = (logits - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else smoothed(logits)
+        losses = dpo_losses(chosen, rejected, chosen_n, rejected_n, ref_chosen, ref_rejected, beta=beta,
+                            loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
+                            discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
+                            f_alpha_divergence_coef=f_alpha_divergence_coef, valid=valid)
         return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
     c, r = chosen / chosen_n, rejected / rejected_n
     if method == "simpo":
-        losses = smoothed(c - r - gamma / beta)
+        logits = c - r - gamma / beta
+        losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
     elif method == "orpo":
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
         losses = -c - beta * F.logsigmoid(log_odds)
@@ -206,9 +249,16 @@ class Preference(Objective):
     def describe(self) -> list[str]:
         """What the preference objective is and where DPO's reference comes from."""
         p = self.cfg
-        knobs = [f"beta {p.beta:g}"] + ([f"loss_type {p.loss_type}"] if p.method == "dpo" else []) \
+        weights = f" x {', '.join(f'{w:g}' for w in p.loss_weights)}" if p.loss_weights else ""
+        knobs = [f"beta {p.beta:g}"] + ([f"loss_type {'+'.join(loss_types(p.loss_type))}{weights}"]
+                                        if p.method == "dpo" else []) \
             + ([f"gamma {p.gamma:g}"] if p.method == "simpo" else []) \
-            + ([f"label_smoothing {p.label_smoothing:g}"] if p.label_smoothing else [])
+            + ([f"label_smoothing {p.label_smoothing:g}"] if p.label_smoothing else []) \
+            + ([f"discopop_tau {p.discopop_tau:g}"] if "discopop" in loss_types(p.loss_type) else []) \
+            + ([f"f_divergence_type {p.f_divergence_type}"] if p.method == "dpo" and p.f_divergence_type != "reverse_kl"
+               else []) \
+            + ([f"f_alpha_divergence_coef {p.f_alpha_divergence_coef:g}"]
+               if p.method == "dpo" and p.f_divergence_type == "alpha_divergence" else [])
         where = {"adapter": "reference: the model with its LoRA adapter disabled (one more forward per micro-batch, "
                             "without gradient; no second model)",
                  "precomputed": "reference: log-probabilities computed once with the starting weights, before step 1, "
@@ -237,9 +287,7 @@ class Preference(Objective):
         if "reference_logps" in batch:
             return batch["reference_logps"]
         if self.adapter is None:
-            if not sequences_with_targets(batch).any():  # eval padding only: no example brought its reference
-                return torch.zeros(len(sequences_with_targets(batch)), device=batch["labels"].device)
-            raise ToolkitError("preference: DPO has no reference log-probabilities for this batch")
+            return no_reference("dpo", batch, len(sequences_with_targets(batch)))
         with torch.no_grad(), self.adapter.disable_adapter():
             return token_logps(model, batch)[0]
 
@@ -253,7 +301,10 @@ class Preference(Objective):
         p = self.cfg
         losses, chosen, rejected = preference_losses(p.method, logps[:n], logps[n:], counts[:n], counts[n:], *ref,
                                                      beta=p.beta, loss_type=p.loss_type,
-                                                     label_smoothing=p.label_smoothing, gamma=p.gamma or 0.0)
+                                                     label_smoothing=p.label_smoothing, gamma=p.gamma or 0.0,
+                                                     loss_weights=p.loss_weights, discopop_tau=p.discopop_tau,
+                                                     f_divergence_type=p.f_divergence_type,
+                                                     f_alpha_divergence_coef=p.f_alpha_divergence_coef, valid=valid)
         zero = torch.zeros((), device=logps.device, dtype=torch.float64)
         kept = valid.to(torch.float64)
         for name, value in zip(self.eval_metrics, (chosen, rejected, chosen - rejected, (chosen > rejected))):
@@ -264,6 +315,16 @@ class Preference(Objective):
         sums, self.sums = self.sums, {}
         return {name: torch.as_tensor(sums.get(name, 0.0), dtype=torch.float64, device=device).reshape(())
                 for name in self.eval_metrics}
+
+
+def no_reference(method: str, batch: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    """The reference log-probabilities of a batch that brought none where no adapter computes them
+    (DPO's and KTO's, precomputed before training): `n` zeros for a batch of eval padding only (no
+    example to bring them, and no loss reads them); refused for a batch with targets, whose loss
+    against a reference of 0 would be another objective."""
+    if sequences_with_targets(batch).any():
+        raise ToolkitError(f"preference: {method.upper()} has no reference log-probabilities for this batch")
+    return torch.zeros(n, device=batch["labels"].device)
 
 
 def sequences_with_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -285,15 +346,15 @@ def for_recipe(recipe, model=None) -> Objective:
         adapter = model if recipe.preference.reference == "adapter" else None
         return Preference(recipe.preference, adapter,
                           config_router_coef(model) if model is not None and has_router(model) else 0.0)
-    coef = recipe.model.router_aux_loss_coef
+    coef, dft = recipe.model.router_aux_loss_coef, recipe.train.loss_type == "dft"
     if model is None:
-        return Supervised()
+        return Supervised(dft=dft)
     if not has_router(model):
         if coef is not None:
             raise ToolkitError(f"model.router_aux_loss_coef: {type(model).__name__} has no router "
                                "(not a mixture-of-experts model); remove the key")
-        return Supervised()
-    return Supervised(float(config_router_coef(model) if coef is None else coef))
+        return Supervised(dft=dft)
+    return Supervised(float(config_router_coef(model) if coef is None else coef), dft=dft)
 
 
 def config_router_coef(model) -> float:

@@ -37,7 +37,7 @@ from ..model.sampling import completion_seed, sample
 from . import rewards as reward_functions
 from . import rl_log
 from .loss import token_logps_each
-from .objectives import Objective
+from .objectives import ONLINE_RL, Objective, Preparation
 from .policy_loss import (
     TOKEN_MEAN,
     entropy_threshold,
@@ -98,6 +98,9 @@ class GroupRL(Objective):
                 + (f"; completions logged to {self.table}" if self.table else "")] \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
+
+    def preparation(self) -> Preparation:
+        return ONLINE_RL
 
     def reference_text(self) -> str:
         return ("adapter disabled" if self.reference is None else

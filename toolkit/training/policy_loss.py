@@ -151,7 +151,8 @@ def policy_loss(
     if loss_type == "cispo":
         low, high = torch.zeros_like(ratio, dtype=torch.bool), (ratio > epsilon_high) & (advantages > 0)
     else:
-        low, high = (ratio < 1 - epsilon) & (advantages < 0), (ratio > 1 + epsilon_high) & (advantages > 0)
+        counted = ratio if delta is None else torch.clamp(ratio, max=delta)  # TRL counts after the delta clamp
+        low, high = (counted < 1 - epsilon) & (advantages < 0), (counted > 1 + epsilon_high) & (advantages > 0)
     weight = mask if ratio.size(1) > 1 else torch.ones_like(ratio)
     metric_sums = {
         "clip_ratio_low": (low * weight).sum(),

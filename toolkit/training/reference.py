@@ -76,7 +76,8 @@ def precompute(accelerator, model, parts: dict[str, Examples], folder: Path, rec
             with disk.writing("data: the reference log-probabilities (HF_DATASETS_CACHE)", tmp, error=ToolkitError):
                 np.save(tmp, part.reference)
                 tmp.rename(path)
-        lines.append(f"{name}: computed for {len(part):,} pairs with the starting weights, kept in {path}")
+        what = "completions (each with its mismatched sequence)" if part.unpaired else "pairs"  # KTO's rows: one each
+        lines.append(f"{name}: computed for {len(part):,} {what} with the starting weights, kept in {path}")
     return lines
 
 

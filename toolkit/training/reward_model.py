@@ -7,7 +7,6 @@ as padding where it has none), on this process's device at the first call."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -48,7 +47,9 @@ def load_reward_model(key: str, source: str, template_kwargs: dict | None = None
     zero.Init, with empty weights that only a prepared engine fills: this model is never prepared)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+    from ..model.heads import MISFIT, misfit, one_label_problem
     from ..model.hub import resolve_model
+    from ..model.load import not_partitioned
 
     try:
         folder = Path(resolve_model(source))
@@ -58,19 +59,22 @@ def load_reward_model(key: str, source: str, template_kwargs: dict | None = None
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
         raise ToolkitError(f"{key}: {source}: its config cannot be read: {first_line(err)}") from None
-    heads = [a for a in config.architectures or [] if a.endswith("ForSequenceClassification")]
-    if not heads:
+    if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
         raise ToolkitError(f"{key}: {source} is a {', '.join(config.architectures or ['model without a head'])}, "
                            "not a sequence-classification reward model (a causal LM would score with a random head)")
-    if config.num_labels != 1:
-        raise ToolkitError(f"{key}: {source} has {config.num_labels} labels; a reward model has one (its first "
-                           "logit is the reward, as TRL's)")
+    # from config.json and the weights' headers, before loading: as one label, a head of two would not fit
+    problem = one_label_problem(folder) or (f"{config.num_labels} labels" if config.num_labels != 1 else None)
+    if problem:
+        raise ToolkitError(f"{key}: {source} has {problem}; a reward model has one (its first logit is the reward, "
+                           "as TRL's)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        with _not_partitioned():
+        with not_partitioned():
             model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype="auto").eval()
-    except (OSError, ValueError, KeyError) as err:
-        raise ToolkitError(f"{key}: {source} cannot be loaded: {first_line(err)}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not misfit(err):
+            raise
+        raise ToolkitError(f"{key}: {source} cannot be loaded: {MISFIT if misfit(err) else first_line(err)}") from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise ToolkitError(f"{key}: {source}'s tokenizer has neither a padding nor an end-of-text token: a batch "
@@ -79,17 +83,3 @@ def load_reward_model(key: str, source: str, template_kwargs: dict | None = None
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the last real token is scored
     return ModelReward(source, folder, model, tokenizer, template_kwargs)
 
-
-@contextlib.contextmanager
-def _not_partitioned():
-    """transformers' view of a ZeRO-3 run switched off while a model that stays whole loads."""
-    from transformers.integrations import deepspeed
-
-    held = deepspeed._hf_deepspeed_config_weak_ref() if deepspeed._hf_deepspeed_config_weak_ref else None
-    if held is not None:
-        deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        if held is not None:
-            deepspeed.set_hf_deepspeed_config(held)

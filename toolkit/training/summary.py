@@ -12,6 +12,12 @@ from ..backends.run_sizing import estimate_for_run
 from ..config import Recipe
 from ..optim import optimizers, schedules
 
+# TRL's default learning rate for each objective whose trainer's departs from the toolkit's (made for SFT): the
+# note of a run left at the toolkit's names its own objective's trainer.
+TRL_LEARNING_RATES = {"grpo": ("GRPO", "1e-6"), "rloo": ("RLOO", "1e-6"), "distill": ("DistillationTrainer", "1e-6"),
+                      "dpo": ("DPO", "1e-6"), "orpo": ("ORPO", "1e-6"), "simpo": ("CPO (SimPO)", "1e-6"),
+                      "kto": ("KTO", "1e-6"), "reward": ("RewardTrainer", "1e-4")}
+
 
 def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, eval_rows: int,
                 steps_per_epoch: int, total_steps: int) -> list[str]:
@@ -49,7 +55,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
     if "optimizer" in ds:
         lines.append(f"optimizer {ds['optimizer'].get('type')} from {json_name}: {_params(ds['optimizer'])}")
     else:
-        default_lr = recipe.rl.method and t.learning_rate == type(t)().learning_rate
+        trl = TRL_LEARNING_RATES.get(recipe.rl.method or recipe.preference.method)
+        default_lr = trl is not None and t.learning_rate == type(t)().learning_rate
         adam = t.optim.startswith(("adamw", "paged_adamw"))
         lines.append(f"optimizer {t.optim} ({optimizers.OPTIMIZERS[t.optim].what}) lr {t.learning_rate:g}"
                      + (f", betas ({t.adam_beta1:g}, {t.adam_beta2:g}), eps {t.adam_epsilon:g}" if adam else "")
@@ -58,7 +65,7 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
                      + (f"; LoRA+: B matrices and 1-D parameters at lr x {recipe.lora.loraplus_lr_ratio:g}"
                         if recipe.lora.enabled and recipe.lora.loraplus_lr_ratio else "")
                      + (f"; embeddings at lr {t.embedding_learning_rate:g}" if t.embedding_learning_rate else "")
-                     + ("; that lr is the default, made for SFT: TRL's GRPO and RLOO default is 1e-6 (full "
+                     + (f"; that lr is the default, made for SFT: TRL's {trl[0]} default is {trl[1]} (full "
                         "fine-tuning); set train.learning_rate" if default_lr else ""))
     if "scheduler" in ds:
         lines.append(f"schedule {ds['scheduler'].get('type')} from {json_name}: {_params(ds['scheduler'])}; "

@@ -5,8 +5,9 @@ and its own `simple_evaluate`: this module finds the tasks, loads the model as e
 (a folder, a merged model, a LoRA adapter over its base, or a Hub id; `model.inference`), and
 writes what the harness returns. A task is a name the harness knows (its own tasks, or a task in
 an `--include` folder) or a task YAML file, whose folder is then included. Every task is built,
-its data read, before the model loads: an unknown name, a file that is not a task, or data that
-cannot be read ends in one line naming it. Results go to --out, and when MODEL_DIR is a run's
+its data read, before the model loads: an unknown name, a file that is not a task, data that
+cannot be read, or a metric the harness cannot compute for it (which it finds out only after every
+answer is generated) ends in one line naming it. Results go to --out, and when MODEL_DIR is a run's
 final/ also to RUN/eval/lm-eval-TIME.json (a new file each time; none when the run folder is
 read-only). One process:
 under `accelerate launch` the verb refuses (the harness takes a loaded model on one device).
@@ -23,6 +24,17 @@ from pathlib import Path
 
 from ..errors import ToolkitError
 from ..storage.disk import check_writable, write_file
+
+# What lm-eval 0.4's own scoring (ConfigurableTask.process_results) gives for each output type but generate_until:
+# a metric a task of that type names besides these gets no value (an empty result). In a generate_until task,
+# lm-eval's metrics of log-likelihoods (FROM_LIKELIHOODS: each passes its input through) give the pair
+# [target, answer], which an average (AVERAGES) cannot take: it raises once every answer is generated.
+SCORED = {"loglikelihood": {"perplexity", "acc"},
+          "loglikelihood_rolling": {"word_perplexity", "byte_perplexity", "bits_per_byte"},
+          "multiple_choice": {"acc", "acc_norm", "acc_bytes", "acc_mutual_info", "exact_match", "f1", "mcc",
+                              "brier_score", "likelihood"}}
+FROM_LIKELIHOODS = (set().union(*SCORED.values()) | {"acc_all"}) - {"exact_match"}
+AVERAGES = ("mean", "median", "nanmean", "perplexity", "weighted_perplexity", "bits_per_byte")
 
 # --data options that mean nothing to a task, whose YAML says how its rows are read and scored
 DATA_ONLY = ("format", "max_seq_len", "train_on_prompt", "reward", "max_new_tokens")
@@ -67,10 +79,14 @@ def run(args) -> int:
             where = f" or in {', '.join(include)}" if include else ""
             raise ToolkitError(f"eval --tasks: {name!r} is not a task, group or tag of lm-eval's{where}{hint}")
     for name in names:  # each built on its own, so a failure names its task; the harness's dataset cache keeps it
+        check_metrics(name, *yaml_metrics(getattr(manager.task_index.get(name), "yaml_path", None)))
         try:
-            get_task_dict([name], manager)
+            built = get_task_dict([name], manager)
         except Exception as e:  # the harness's and datasets' errors on a user's task: many kinds
             raise ToolkitError(f"eval --tasks: task {name!r} could not be built: {first_line(e)}") from None
+        for task in leaf_tasks(built):  # with what the files they include bring
+            c = task.config
+            check_metrics(c.task, c.metric_list, c.process_results is not None, c.output_type)
     out = Path(args.out) if args.out else None
     if out:
         check_writable(out, "eval --out")
@@ -145,17 +161,23 @@ def task_names(given: list[str], include: list[str]) -> tuple[list[str], list[st
     return list(dict.fromkeys(names)), folders
 
 
-def task_file_name(path: Path) -> str:
-    """The `task:` (or `group:`) name of a task YAML file; a file that is not one is one line. The
-    harness's own tags (`!function`) are read as text, as its index reads them."""
+def read_task_file(path: Path):
+    """A task YAML file's content; the harness's own tags (`!function`) read as their tag's text."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
-    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: f"!{suffix}")
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 (a SafeLoader)
+
+
+def task_file_name(path: Path) -> str:
+    """The `task:` (or `group:`) name of a task YAML file; a file that is not one is one line."""
+    import yaml
+
     try:
-        config = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 (a SafeLoader)
+        config = read_task_file(path)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ToolkitError(f"eval --tasks: {path} is not YAML: {first_line(e)}") from None
     name = None
@@ -164,6 +186,88 @@ def task_file_name(path: Path) -> str:
     if not isinstance(name, str) or not name:
         raise ToolkitError(f"eval --tasks: {path} is not an lm-eval task file (it has no `task:` name)")
     return name
+
+
+def yaml_metrics(path) -> tuple[list | None, bool, str | None]:
+    """(metric_list, whether the task scores with its own process_results, output_type) as a task's own YAML
+    file writes them, before the harness builds the task (a metric it has no aggregation for fails the build);
+    no metric_list where there is no file or it says nothing of them (they come from a file it includes:
+    checked once built)."""
+    try:
+        config = read_task_file(Path(path)) if path else None
+    except Exception:  # noqa: BLE001 - unreadable: building the task says why, in one line
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("metric_list"), list):
+        return None, False, None
+    return config["metric_list"], config.get("process_results") is not None, config.get("output_type")
+
+
+def check_metrics(task: str, metrics, own_results: bool = False, output_type: str | None = None) -> None:
+    """Every metric of a task's metric_list one lm-eval can compute for the task's output type (its own, or
+    Hugging Face evaluate's, as lm-eval looks it up: `get_metric`), and every aggregation one it has: the harness
+    finds out only after every answer is generated, or never (a metric of no value). `own_results`: the task's
+    process_results computes its metrics (their names are its)."""
+    from lm_eval.api import metrics as _registered  # noqa: F401 - fills the registries
+    from lm_eval.api.registry import aggregation_registry, metric_agg_registry, metric_registry
+
+    for entry in metrics or []:
+        metric = entry.get("metric") if isinstance(entry, dict) else None
+        if not isinstance(metric, str) or metric.startswith("!"):  # a function of the task's own
+            continue
+        where = f"eval --tasks: task {task!r}: metric {metric!r}"
+        hf = entry.get("hf_evaluate") is True
+        if not own_results and not known_metric(metric, hf):
+            close = difflib.get_close_matches(metric, list(metric_registry), n=3, cutoff=0.5)
+            raise ToolkitError(f"{where} is not one lm-eval knows ("
+                               + (f"did you mean {', '.join(close)}?" if close else
+                                  f"its own: {', '.join(sorted(metric_registry))}; or one of Hugging Face evaluate's")
+                               + ")")
+        if not own_results and output_type in SCORED and metric not in SCORED[output_type] | {"bypass"}:
+            raise ToolkitError(f"{where}: lm-eval gives a {output_type} task no such score (it gives "
+                               f"{', '.join(sorted(SCORED[output_type]))})")
+        aggregation = entry.get("aggregation")
+        if not own_results and not hf and output_type == "generate_until" and metric in FROM_LIKELIHOODS:
+            default = metric_agg_registry.get(metric, None)  # the aggregation lm-eval uses where none is given
+            if aggregation in AVERAGES or aggregation is None and any(
+                    default is aggregation_registry.get(a, False) for a in AVERAGES):
+                raise ToolkitError(f"{where}: lm-eval computes it from log-likelihoods, which a generate_until task "
+                                   "has none of (its metrics compare the generated text with the target: "
+                                   "exact_match, bleu, chrf, ter, or one of Hugging Face evaluate's)")
+        if isinstance(aggregation, str) and not aggregation.startswith("!") and aggregation not in aggregation_registry:
+            raise ToolkitError(f"{where}: aggregation {aggregation!r} is not one lm-eval knows "
+                               f"({', '.join(sorted(aggregation_registry))})")
+        if aggregation is None and metric not in metric_agg_registry:
+            raise ToolkitError(f"{where}: lm-eval has no aggregation of its own for it: give one (aggregation: "
+                               f"{', '.join(sorted(aggregation_registry))})")
+
+
+def known_metric(name: str, hf_evaluate: bool) -> bool:
+    """Whether lm-eval finds a metric function for `name` as it will when the task runs (its registry, then
+    Hugging Face evaluate), its log of the search kept quiet (the refusal says it)."""
+    import logging
+
+    from lm_eval.api.registry import get_metric, metric_registry
+
+    if not hf_evaluate and name in metric_registry:
+        return True
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        return get_metric(name, hf_evaluate) is not None
+    finally:
+        log.setLevel(level)
+
+
+def leaf_tasks(built: dict) -> list:
+    """The tasks of get_task_dict's answer, groups opened."""
+    found = []
+    for value in built.values():
+        if isinstance(value, dict):
+            found += leaf_tasks(value)
+        elif hasattr(value, "config"):
+            found.append(value)
+    return found
 
 
 def run_eval_file(model: str) -> Path | None:

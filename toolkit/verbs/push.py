@@ -5,8 +5,9 @@ Everything that can be judged without the network is judged first, each a line o
 folder holds a model (not a training checkpoint), the repository id is one the Hub accepts, the
 Hub is not switched off (HF_HUB_OFFLINE), and a token is there (`hf auth login` or HF_TOKEN).
 `--dry-run` lists what would go instead, and says what a push would still lack. The upload is huggingface_hub's
-`upload_folder`: one commit, so an interrupted push leaves the repository as it was. A refusal or an
-unreachable Hub is one line naming the repository and the endpoint.
+`upload_folder`: one commit, so an interrupted push leaves the repository as it was. A refusal, an
+unreachable Hub or one that does not answer within `--timeout` seconds is one line naming the repository and
+the endpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--message", default=None, metavar="TEXT", help="the commit message")
     p.add_argument("--dry-run", action="store_true",
                    help="check the folder, the id and the token, list the files, and push nothing")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a request to the Hub may go without an answer before the push gives up (default 60)")
 
 
 def run(args) -> int:
@@ -54,6 +57,9 @@ def run(args) -> int:
         raise ToolkitError(f"push: no Hugging Face token: run `{command('hf auth login')}`, or set HF_TOKEN")
     from huggingface_hub import HfApi
 
+    from ..model.hub import network_timeouts
+
+    network_timeouts(args.timeout)  # every request: an endpoint that never answers ends the push, as one that refuses
     api = HfApi(token=token)
     try:
         api.create_repo(repo, repo_type="model", private=args.private, exist_ok=True)
@@ -63,7 +69,7 @@ def run(args) -> int:
                                    commit_message=args.message or f"Upload {folder.name} with toolkit push",
                                    allow_patterns=[glob.escape(str(f.relative_to(folder))) for f in files])
     except Exception as e:  # huggingface_hub's HTTP and connection errors: many kinds, each ends the push
-        raise ToolkitError(f"push: {endpoint}/{repo}: {hub_problem(e)}") from None
+        raise ToolkitError(f"push: {endpoint}/{repo}: {hub_problem(e, args.timeout)}") from None
     print(f"pushed {len(files)} files to {getattr(commit, 'repo_url', f'{endpoint}/{repo}')} "
           f"(commit {getattr(commit, 'oid', '?')[:10]})")
     return 0
@@ -98,12 +104,15 @@ def checked_repo_id(repo: str) -> str:
     return repo
 
 
-def hub_problem(e: Exception) -> str:
+def hub_problem(e: Exception, answer_s: float) -> str:
+    from ..model.hub import timed_out
+
     status = getattr(getattr(e, "response", None), "status_code", None)
     if status in (401, 403):
         return f"the Hub refused the token (HTTP {status}); log in again with `{command('hf auth login')}`"
     text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
+    waited = timed_out(e, answer_s)
+    line = f"{waited}; --timeout sets the wait" if waited else text[0] if text else type(e).__name__
     if os.environ.get("HF_ENDPOINT"):
         line += f" (HF_ENDPOINT={os.environ['HF_ENDPOINT']})"
     return line
