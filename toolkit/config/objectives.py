@@ -45,7 +45,8 @@ class PreferenceConfig:
     methods have their own loss."""
     loss_weights: Optional[list[float]] = None
     """dpo only: the weight of each of preference.loss_type's losses, one per name, in its order (TRL's
-    key of that name: MPO combines sigmoid, bco_pair and sft with [0.8, 0.2, 1.0]); None: 1.0 each."""
+    key of that name: MPO combines sigmoid, bco_pair and sft with [0.8, 0.2, 1.0]); None: 1.0 each.
+    Each 0 or more, at least one above 0."""
     label_smoothing: float = 0.0
     """dpo and simpo: the share of pairs assumed mislabelled, in [0, 0.5): dpo's sigmoid (conservative
     DPO; TRL 1.16's sigmoid has none), robust (the flip rate; the Robust DPO paper uses 0.1), exo_pair

@@ -76,6 +76,9 @@ def validate_preference(r: Recipe, need) -> None:
     need(w is None or len(w) == len(names), "preference.loss_weights",
          f"one weight per preference.loss_type name: {len(names)} name(s) ({', '.join(names)}), "
          f"got {len(w or [])} weight(s)")
+    need(w is None or (all(math.isfinite(x) and x >= 0 for x in w) and any(x > 0 for x in w)),
+         "preference.loss_weights", f"finite weights of 0 or more, at least one above 0 (a negative weight makes "
+         f"the run maximise that loss), got {w}")
     need(p.discopop_tau == PreferenceConfig.discopop_tau or "discopop" in names, "preference.discopop_tau",
          "a setting of preference.loss_type discopop only")
     need(p.discopop_tau > 0, "preference.discopop_tau", f"must be positive, got {p.discopop_tau}")
