@@ -120,6 +120,9 @@ def test_an_endpoint_that_accepts_and_never_answers_is_one_line_after_the_timeou
     line = one_line(result)
     assert f"{endpoint}/someone/tiny: no answer within 2 s" in line, line
     assert time.monotonic() - began < 120
+    for bad in ("0", "-1", "nan", "inf"):
+        assert one_line(push(folder, "someone/tiny", "--timeout", bad, token="hf_not_a_token", home=tmp_path)) == (
+            f"error: push: --timeout {float(bad):g}: give the seconds a request may wait, above 0")
 
 
 class Silent(http.server.BaseHTTPRequestHandler):

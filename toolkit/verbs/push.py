@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if not (0 < args.timeout < float("inf")):
+        raise ToolkitError(f"push: --timeout {args.timeout:g}: give the seconds a request may wait, above 0")
     folder = Path(args.model).expanduser()
     files = model_files(folder)
     repo = checked_repo_id(args.repo)
