@@ -317,10 +317,9 @@ def test_a_reward_is_a_plain_record():
     assert Reward("x", 1.0, len).column is None
 
 
-def test_a_reward_that_never_scores_is_reported_logged_as_it_is_and_stops_the_run(capsys):
-    """Every function says None for every completion (issue 52): the step's reward is NaN (no mean of nothing, not
-    0.0), every group counts as without spread, `unscored_completions` is 1; the first such batch is reported in
-    one line, and rl.max_unscored_steps of them in a row stop the run in one line naming the functions."""
+def regex_group_rl(**rl):
+    """GRPO on one CPU process (groups of 2, a stop after 2 batches that teach nothing, stop token 2), scored by
+    the built-in regex."""
     from accelerate import Accelerator
 
     from toolkit.backends import Backend
@@ -329,10 +328,17 @@ def test_a_reward_that_never_scores_is_reported_logged_as_it_is_and_stops_the_ru
 
     backend = Backend()
     backend.accelerator = Accelerator(cpu=True)
-    rewards = built_in("regex", pattern="x")
-    objective = GroupRL(RLConfig(method="grpo", num_generations=2, max_unscored_steps=2), rewards, None, backend, 5,
-                        ["train"], [])
+    objective = GroupRL(RLConfig(method="grpo", num_generations=2, max_unscored_steps=2, **rl),
+                        built_in("regex", pattern="x"), None, backend, 5, ["train"], [])
     objective.stops = [2]
+    return objective
+
+
+def test_a_reward_that_never_scores_is_reported_logged_as_it_is_and_stops_the_run(capsys):
+    """Every function says None for every completion (issue 52): the step's reward is NaN (no mean of nothing, not
+    0.0), every group counts as without spread, `unscored_completions` is 1; the first such batch is reported in
+    one line, and rl.max_unscored_steps of them in a row stop the run in one line naming the functions."""
+    objective = regex_group_rl()
     none = torch.full((4,), math.nan)
     completions = [[5, 2], [6, 2], [7, 2], [8, 2]]
     metrics = objective.generation_metrics(none, {"reward_regex": none}, completions, 0.1)
@@ -363,18 +369,7 @@ def test_every_reason_a_batch_teaches_nothing_is_reported_by_one_mechanism(capsy
     loss 0 and gradient 0: reported as the unscored batch is, and counted toward rl.max_unscored_steps. A batch in
     which every group got one reward (no advantage) is said once and never stops the run; one whose scored
     completions are partly cut teaches, and restarts the count."""
-    from accelerate import Accelerator
-
-    from toolkit.backends import Backend
-    from toolkit.config import RLConfig
-    from toolkit.training.online import GroupRL
-
-    backend = Backend()
-    backend.accelerator = Accelerator(cpu=True)
-    rewards = built_in("regex", pattern="x")
-    objective = GroupRL(RLConfig(method="grpo", num_generations=2, max_unscored_steps=2, max_new_tokens=2,
-                                 mask_truncated_completions=True), rewards, None, backend, 5, ["train"], [])
-    objective.stops = [2]
+    objective = regex_group_rl(max_new_tokens=2, mask_truncated_completions=True)
     cut = [[5, 6], [6, 7], [7, 8], [8, 9]]  # two tokens, no stop token: every one cut at max_new_tokens
     spread = torch.tensor([1.0, 0.0, 0.0, 1.0])
     objective.generated = objective.generation_metrics(spread, {"reward_regex": spread}, cut, 0.1)
