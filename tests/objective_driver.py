@@ -42,5 +42,5 @@ class Remade(objectives.Objective):
 if __name__ == "__main__":
     args = sys.argv[1:]
     made = Remade if "--remade" in args else Doubled
-    objectives.for_recipe = lambda recipe, model=None: made()
+    objectives.for_recipe = lambda recipe, model=None, **_: made()
     sys.exit(cli.main(["train", *[a for a in args if a != "--remade"]]))

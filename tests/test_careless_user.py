@@ -275,7 +275,7 @@ LONG_CONTEXT = [
 ]
 TOKENS_MOE_QLORA = [
     ("an input resume cannot accept changed", ["resume_accept_changed=[data]"],
-     "resume_accept_changed: each must be one of model, rewards, reward_models, teacher, got ['data']"),
+     "resume_accept_changed: each must be one of model, rewards, reward_models, teacher, tools, got ['data']"),
     ("an empty added token", ['model.add_special_tokens=[""]'], "model.add_special_tokens: each token must be"),
     ("a blank added token", ['model.add_special_tokens=["<tool>", " "]'], "model.add_special_tokens: each token must"),
     ("a number as added token", ["model.add_special_tokens=[3]"],

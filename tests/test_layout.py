@@ -239,3 +239,57 @@ def test_the_loop_reads_in_one_screen():
     lengths = {(m, f): next(n.end_lineno - n.lineno + 1 for n in mods[m].body
                             if isinstance(n, ast.FunctionDef) and n.name == f) for m, f in limits}
     assert {k: v for k, v in lengths.items() if v > limits[k]} == {}
+
+
+# The objectives' own modules, and the registry that names them: the only places a method's name is compared.
+OBJECTIVE_MODULES = {"config.methods", "config.objectives", "config.validate_objectives", "training.objectives",
+                     "training.dpo_losses", "training.kto", "training.reward_training", "training.online",
+                     "training.online_setup", "training.policy_loss", "training.rl_log", "training.rewards",
+                     "training.distill",
+                     "config.trl_config"}  # TRL's SFTConfig, DPOConfig and GRPOConfig read as recipes: tables by kind
+
+
+def method_comparisons(tree: ast.Module, names: set[str]) -> list[int]:
+    """The lines of `tree` that compare a method (anything named `method`: `recipe.rl.method`, `p.method`) with a
+    value or a collection (`==`, `!=`, `in`, `not in`; `is None`, whether a section is set, is not a name), or
+    that key a table by two or more methods' names."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(x, ast.Attribute) and x.attr == "method" or isinstance(x, ast.Name)
+                        and x.id == "method" for x in sides)
+            if named and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+            if len(keys & names) >= 2:
+                found.append(node.lineno)
+    return found
+
+
+def method_names() -> set[str]:
+    tree = ast.parse((PACKAGE / "config" / "methods.py").read_text())
+    return {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Method"
+            and n.args and isinstance(n.args[0], ast.Constant)}
+
+
+def test_only_the_objectives_compare_a_methods_name():
+    """Outside the objectives' modules and their registry (config/methods.py), code asks `method_of(recipe)` what a
+    method is; it never compares its name (issue 66: adding an objective touches its own files only)."""
+    names = method_names()
+    assert {"sft", "dpo", "kto", "reward", "grpo", "rloo", "distill"} <= names
+    found = {name: lines for name, tree in modules().items() if name not in OBJECTIVE_MODULES
+             and (lines := method_comparisons(tree, names))}
+    assert found == {}
+
+
+def test_the_check_finds_a_planted_comparison():
+    source = (PACKAGE / "training" / "build.py").read_text()
+    names = method_names()
+    assert method_comparisons(ast.parse(source), names) == []
+    planted = source + '\n\nif recipe.preference.method == "kto":\n    pass\n'
+    assert method_comparisons(ast.parse(planted), names) == [source.count("\n") + 3]
+    assert method_comparisons(ast.parse('x = recipe.rl.method in ("grpo", "rloo")'), names) == [1]
+    assert method_comparisons(ast.parse('RATES = {"dpo": 1, "kto": 2}'), names) == [1]
+    assert method_comparisons(ast.parse('if recipe.rl.method is None:\n    pass'), names) == []

@@ -7,7 +7,8 @@ inside the phase's work, e.g. while `datasets` workers tokenize), again REPEAT s
 (a second Ctrl-C), and makes the phase take PAUSE seconds longer (a slow save, still running when
 the second signal comes). Phases: `data` (tokenizing), `model` (loading), `prepare`, `step`
 (the forward of the first micro-batch of optimizer step 2), `generate` (online RL sampling the
-completions of optimizer step 2), `eval`, `checkpoint` (its files
+completions of optimizer step 2), `tool` (online RL's tool rounds of optimizer step 2 starting), `eval`,
+`checkpoint` (its files
 written, not yet marked complete), `final` (the final save's folder written, not yet renamed),
 `merge` and `convert` (their output written, not yet renamed). The group is what a terminal's
 Ctrl-C reaches; a test runs each launch in a session of its own.
@@ -21,7 +22,8 @@ import threading
 import time
 
 SIGNALS = {"TERM": signal.SIGTERM, "INT": signal.SIGINT, "KILL": signal.SIGKILL}
-PHASES = ("data", "model", "prepare", "step", "generate", "eval", "checkpoint", "final", "merge", "convert", "export")
+PHASES = ("data", "model", "prepare", "step", "generate", "tool", "eval", "checkpoint", "final", "merge", "convert",
+          "export")
 
 
 class Faults:

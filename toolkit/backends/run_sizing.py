@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from ..config.methods import method_of
 from ..config.objectives import server_arg
 from ..errors import ToolkitError, command
 from ..optim import optimizers
@@ -59,11 +60,12 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
         check_dense(config)
     check_positions(recipe, config)
     model = count_model(config, recipe.model.preset or recipe.model.path, recipe.lora)
-    pairs = recipe.preference.method not in (None, "kto")  # a pair is two sequences in one forward (KTO's: two apart)
-    rl = recipe.rl if recipe.rl.method is not None else None  # a prompt is num_generations sequences
+    method = method_of(recipe)
+    pairs = method.pairs  # a pair is two sequences in one forward (KTO's: two apart)
+    rl = recipe.rl if method.online else None  # a prompt is num_generations sequences
     per_row = 2 if pairs else rl.num_generations if rl else 1
     rewards, uncounted = reward_model_sizes(rl)
-    distill = rl is not None and rl.method == "distill"
+    distill = method.teacher
     teacher = count_model(read_config(rl.teacher, key="rl.teacher"), "rl.teacher") if distill else None
     if rl is not None and not distill and rl.beta > 0 and not recipe.lora.enabled:  # the reference: the base again
         teacher = count_model(config, "the reference (rl.beta > 0, full fine-tuning)")
@@ -81,7 +83,7 @@ def setup_from_recipe(recipe, **kwargs) -> Setup:
                  **({"generations": rl.num_generations, "new_tokens": rl.max_new_tokens,
                      "reference_forward": rl.beta > 0 and not distill, "iterations": rl.num_iterations,
                      "reward_model_bytes": rewards, "reward_models_uncounted": uncounted, "teacher": teacher,
-                     "gathered_sampling": rl.gather_for_sampling, "rloo": rl.method == "rloo", **server_setup(rl)}
+                     "gathered_sampling": rl.gather_for_sampling, "rloo": method.old_logps, **server_setup(rl)}
                     if rl else {}), **kwargs)
 
 
@@ -129,7 +131,7 @@ def check_positions(recipe, config) -> None:
     if recipe.model.max_position_embeddings is not None:
         positions = recipe.model.max_position_embeddings
     longest = recipe.data.max_seq_len + recipe.rl.max_new_tokens
-    if recipe.rl.method is not None and positions and longest > positions:
+    if method_of(recipe).online and positions and longest > positions:
         raise ToolkitError(f"rl.max_new_tokens: a prompt of up to data.max_seq_len={recipe.data.max_seq_len} tokens "
                            f"and a completion of up to rl.max_new_tokens={recipe.rl.max_new_tokens} make {longest:,} "
                            f"positions, more than the model's max_position_embeddings={positions}; lower them (or "

@@ -5,7 +5,8 @@ naming the file and the dotted key. Command-line overrides use the same dotted k
 (`train.max_steps=20`) and are validated the same way.
 
 The schema by section: `recipe` (the top-level keys), `model` (model, lora, chat templates), `data`,
-`train` (train, checkpoint), `objectives` (preference, rl, rewards). `loading` reads, overrides and
+`train` (train, checkpoint), `objectives` (preference, rl, rewards); `methods`, the objectives' registry (what each
+method is, for the rest of the toolkit to ask). `loading` reads, overrides and
 coerces; `validate` checks the run's keys, data and training in order and hands the model to
 `validate_model` and the objectives to `validate_objectives`; `reference` writes the key reference.
 """

@@ -220,6 +220,24 @@ class RLConfig:
     discourages repeats; 1: off). The log-probabilities the loss uses are not penalised, as in TRL."""
     rewards: list[Union[str, RewardConfig]] = field(default_factory=list)
     """The reward functions (see RewardConfig): names, or mappings with a weight."""
+    tools: list[str] = field(default_factory=list)
+    """grpo and rloo: Python functions the policy may call while it samples (TRL's `tools`):
+    `path/to/file.py:name` (relative to the current folder) or `module:name`, as rewards are named. Each
+    needs type hints and a docstring with an `Args:` line per argument: its schema goes into the chat
+    template's `tools`, so prompts must be chat messages and the tokenizer's template must render tool
+    calls (its response schema read as TRL reads it). A completion's calls are parsed, each run and its
+    result appended as a tool message, and sampling goes on until an answer without a call, the
+    iteration limit or rl.max_new_tokens (tool tokens included). Tool-result tokens are never in the
+    loss or the entropy (TRL's tool mask); reward functions get the whole conversation as messages. A
+    tool that raises, an unknown tool or arguments that do not fit give TRL's error message as the
+    tool's answer; metrics.jsonl gets tool_call_frequency and tool_failure_frequency."""
+    max_tool_calling_iterations: Optional[int] = None
+    """rl.tools: tool rounds per completion at most (a round runs every call of a turn, then samples
+    the next turn); None: until an answer without a call or rl.max_new_tokens is spent (TRL's key)."""
+    tool_timeout: Optional[float] = 30.0
+    """rl.tools: seconds one tool call may take; past it the call's answer is `{'error': 'Tool NAME timed
+    out after T seconds.'}`, counted in tool_timeouts (its thread is left running). None: no limit, as
+    TRL (which has no timeout)."""
     max_unscored_steps: int = 5
     """Stop, in one line naming the reason, after this many generated batches in a row that teach
     nothing: no completion was scored (every function said None for every one), or every scored

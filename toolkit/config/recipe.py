@@ -17,7 +17,8 @@ from .train import CheckpointConfig, TrainConfig
 CHANGEABLE_INPUTS = {"model": "the base model (model.path: its weights and config)",
                      "rewards": "the reward functions' code (rl.rewards)",
                      "reward_models": "the reward models' weights and config (rl.rewards' model entries)",
-                     "teacher": "the distillation teacher's weights and config (rl.teacher)"}
+                     "teacher": "the distillation teacher's weights and config (rl.teacher)",
+                     "tools": "the tools' code (rl.tools)"}
 
 
 @dataclass
@@ -40,10 +41,10 @@ class Recipe:
     resume_accept_changed: list[str] = field(default_factory=list)
     """Inputs a resume may find changed since its checkpoint: `model` (the base model's weights and
     config, at model.path), `rewards` (the code of rl.rewards' functions), `reward_models` (the
-    weights and config of rl.rewards' reward models) and `teacher` (the distillation teacher's
-    weights and config, at rl.teacher). Each is recorded by content in every checkpoint; a resume
-    that finds one changed is refused, naming it, unless listed here. The same content at another
-    path is no change."""
+    weights and config of rl.rewards' reward models), `teacher` (the distillation teacher's weights
+    and config, at rl.teacher) and `tools` (the code of rl.tools' functions). Each is recorded by
+    content in every checkpoint; a resume that finds one changed is refused, naming it, unless
+    listed here. The same content at another path is no change."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model and its tokenizer."""
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -18,7 +18,8 @@ from ..errors import ConfigError
 
 SECTIONS = ("model", "lora", "data", "train", "checkpoint", "preference", "rl")
 GRPO_ONLY = ("num_generations", "reward_funcs", "max_completion_length", "use_vllm", "vllm_mode", "num_iterations",
-             "epsilon", "scale_rewards", "mask_truncated_completions", "temperature", "top_p", "top_k")
+             "epsilon", "scale_rewards", "mask_truncated_completions", "temperature", "top_p", "top_k",
+             "max_tool_calling_iterations")
 DPO_ONLY = ("beta", "loss_type", "rpo_alpha", "max_prompt_length", "precompute_ref_log_probs", "label_smoothing",
             "reference_free", "ref_model_init_kwargs", "loss_weights", "discopop_tau", "f_divergence_type",
             "f_alpha_divergence_coef")
@@ -126,6 +127,7 @@ FIELDS: dict[str, tuple[str, Callable | None, tuple | None, str]] = {
     "epsilon_high": ("rl.epsilon_high", None, ("grpo",), ""),
     "scale_rewards": ("rl.scale_rewards", lambda v: {True: "group", False: "none"}.get(v, v), ("grpo",), ""),
     "mask_truncated_completions": ("rl.mask_truncated_completions", None, ("grpo",), ""),
+    "max_tool_calling_iterations": ("rl.max_tool_calling_iterations", None, ("grpo",), "with rl.tools"),
     "reward_funcs": ("rl.rewards", lambda v: [v] if isinstance(v, str) else list(v), ("grpo",),
                      "FILE.py:NAME or module:NAME each"),
 }

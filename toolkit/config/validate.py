@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import ConfigError, command
 from ..optim import optimizers, schedules
 from .data import DataSource
+from .methods import method_of
 from .recipe import CHANGEABLE_INPUTS, Recipe
 from .validate_model import validate_model
 from .validate_objectives import validate_preference, validate_rl
@@ -59,7 +60,7 @@ def validate_data(r: Recipe, need) -> None:
     need(r.data.num_proc is None or r.data.num_proc > 0, "data.num_proc", f"must be positive, got {r.data.num_proc}")
     need(r.data.max_seq_len >= 2, "data.max_seq_len", f"must be at least 2, got {r.data.max_seq_len}")
     if r.data.overlong is None:  # unset: a reward model drops longer pairs, as TRL's RewardTrainer
-        r.data.overlong = "drop" if r.preference.method == "reward" else "truncate"
+        r.data.overlong = method_of(r).overlong
     need(0.0 <= r.data.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {r.data.eval_fraction}")
     need(not (r.data.eval_files and r.data.eval_fraction), "data.eval_fraction",
          "give either data.eval_files or data.eval_fraction, not both")

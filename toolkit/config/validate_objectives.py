@@ -256,7 +256,28 @@ def validate_rl(r: Recipe, need) -> None:
             need(Path(name).expanduser().is_file(), f"{key}.function", f"file not found: {name}")
     need(any(e.weight != 0 for e in rl.rewards), "rl.rewards",
          "every weight is 0: every completion would get the same reward and nothing would be learned")
+    validate_tools(r, need)
     validate_prompt_data(r, need)
+
+
+def validate_tools(r: Recipe, need) -> None:
+    """rl.tools: each named as a reward function is, its file here; the iteration limit and timeout in range.
+    Importing each and reading its schema happen when the run starts, before the model loads."""
+    rl = r.rl
+    for i, spec in enumerate(rl.tools):
+        name, sep, attr = str(spec).rpartition(":")
+        need(bool(sep and name and attr.isidentifier()), f"rl.tools[{i}]",
+             f"{spec!r}: give path/to/file.py:function or module:function")
+        if name.endswith(".py"):
+            need(Path(name).expanduser().is_file(), f"rl.tools[{i}]", f"file not found: {name}")
+    need(len(set(rl.tools)) == len(rl.tools), "rl.tools", "a tool named twice")
+    need(rl.max_tool_calling_iterations is None or rl.max_tool_calling_iterations >= 0,
+         "rl.max_tool_calling_iterations", f"must be 0 or more (None: no limit), got {rl.max_tool_calling_iterations}")
+    need(rl.tool_timeout is None or rl.tool_timeout > 0, "rl.tool_timeout",
+         f"must be positive (None: no limit), got {rl.tool_timeout}")
+    if not rl.tools:
+        for name in ("max_tool_calling_iterations", "tool_timeout"):
+            need(getattr(rl, name) == getattr(RLConfig(), name), f"rl.{name}", "a setting of rl.tools; set rl.tools")
 
 
 def validate_sampling(r: Recipe, need) -> None:
@@ -355,7 +376,8 @@ def validate_prompt_data(r: Recipe, need) -> None:
 # What only grpo and rloo read: a distillation recipe that sets one means something the run would not do.
 POLICY_GRADIENT_KEYS = ("loss_type", "importance_sampling", "epsilon", "epsilon_high", "delta", "normalize_advantages",
                         "reward_clip_range", "num_iterations", "scale_rewards", "mask_truncated_completions",
-                        "rewards", "max_unscored_steps", "top_entropy_quantile")
+                        "rewards", "max_unscored_steps", "top_entropy_quantile", "tools",
+                        "max_tool_calling_iterations", "tool_timeout")
 
 
 def validate_distill(r: Recipe, need) -> None:

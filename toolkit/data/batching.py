@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ..config.methods import method_of
 from .formats import IGNORE
 
 
@@ -289,7 +290,7 @@ def most_positions(recipe) -> int:
     """The most positions one training or eval batch can hold: its rows (the larger of the train
     and eval micro-batch; a preference pair is two sequences) of at most max_seq_len."""
     t = recipe.train
-    pairs = recipe.preference.method not in (None, "kto")  # KTO's completions and mismatched sequences run apart
+    pairs = method_of(recipe).pairs  # KTO's completions and mismatched sequences run apart
     sequences = max(t.micro_batch_size, t.eval_batch_size or 0) * (2 if pairs else 1)
     return recipe.data.max_seq_len * sequences
 

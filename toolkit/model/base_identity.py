@@ -15,6 +15,7 @@ import inspect
 import json
 from pathlib import Path
 
+from ..config.methods import method_of
 from ..errors import ToolkitError
 
 RECORD = "toolkit_base.json"
@@ -77,12 +78,12 @@ def check(adapter: str | Path, base_folder: str | Path, verb: str,
                            f"or changed since: {remedy}")
 
 
-def identities(recipe, rewards: list = ()) -> dict[str, str]:
+def identities(recipe, rewards: list = (), tools: list = ()) -> dict[str, str]:
     """{input: content fingerprint} of what a run learns from besides its data (storage/inputs.py compares
     them on resume): `model`, the base folder's `fingerprint` (and its Python code under trust_remote_code);
     `rewards`, the source files of rl.rewards' functions, by function name, not path; `reward_models`, the
     reward models' folders by content (weights, config, tokenizer files); `teacher`, rl.teacher's folder by
-    content (distillation). A preset model is its
+    content (distillation); `tools`, the source files of rl.tools' functions, by name. A preset model is its
     name and seed, already in the recipe; built-in rewards are the toolkit's."""
     from ..config import BUILT_IN_REWARDS
     from .hub import resolve_model
@@ -99,11 +100,14 @@ def identities(recipe, rewards: list = ()) -> dict[str, str]:
                    if r.name not in BUILT_IN_REWARDS and (f := _source_file(r.function)) is not None})
     if code:
         out["rewards"] = hashlib.sha256(b"".join(name.encode() + source for name, source in code)).hexdigest()[:16]
+    tool_code = sorted({(t.name, Path(f).read_bytes()) for t in tools if (f := _source_file(t.function)) is not None})
+    if tool_code:
+        out["tools"] = hashlib.sha256(b"".join(name.encode() + source for name, source in tool_code)).hexdigest()[:16]
     models = [fingerprint(folder) + _tokenizer_files(folder)  # its tokenizer and template change its scores too
               for r in rewards if (folder := getattr(r.function, "folder", None)) is not None]
     if models:  # a reward model (training/reward_model.py) by its weights
         out["reward_models"] = hashlib.sha256("".join(models).encode()).hexdigest()[:16]
-    if recipe.rl.method == "distill" and recipe.rl.teacher:
+    if method_of(recipe).teacher and recipe.rl.teacher:
         out["teacher"] = hashlib.sha256(fingerprint(Path(resolve_model(recipe.rl.teacher))).encode()).hexdigest()[:16]
     return out
 

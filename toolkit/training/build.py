@@ -21,9 +21,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import backends, faults
-from ..backends.model_counts import count_model
-from ..backends.run_sizing import check_positions, recipe_config
+from ..backends.model_counts import count_model, read_config
+from ..backends.run_sizing import recipe_config
 from ..config import ModelConfig, Recipe
+from ..config.methods import method_of, trained_by
 from ..data.batching import Collator, EpochSampler, EvalShardSampler, longest_row, most_positions, packing_is_isolated
 from ..data.prepare import Datasets, build_datasets, label_audit, remove_partial_data
 from ..data.sources import check_first_rows, resolve_sources
@@ -40,7 +41,6 @@ from ..model.load import (
     check_head,
     compile_layers,
     count_parameters,
-    disable_dropout,
     fit_vocabulary,
     has_score_head,
     isolation_probe,
@@ -52,11 +52,12 @@ from ..observe import measure
 from ..observe.monitor import Monitor
 from ..observe.watchdog import Watchdog
 from ..optim import optimizers
+from ..rollout.tools import check_tokenizer, load_tools
 from ..stops import Preemption
 from ..storage import checkpoint, disk, inputs, run_folder
-from . import distill, kto, objectives, online, reference, reward_training
+from . import distill, objectives, reference
 from .loop import Run
-from .loss import has_router, use_token_loss
+from .loss import use_token_loss
 from .samples import Samples
 from .summary import run_summary
 
@@ -67,26 +68,29 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     loaders, optimizer and scheduler made, prepared by accelerate, and the monitor started."""
     from accelerate.utils import set_seed
 
-    accelerator, log = backend.accelerator, backend.accelerator.print
+    accelerator, log, method = backend.accelerator, backend.accelerator.print, method_of(recipe)
     resume_from = run_folder.open_run(accelerator, recipe, lock)
     for line in check_data(recipe):
         log(f"data: {line}")
     if recipe.model.path is not None:  # a folder that does not fit the objective: refused from its config.json
-        check_head(resolve_model(recipe.model.path, recipe.model.revision), recipe.preference.method == "reward")
+        check_head(resolve_model(recipe.model.path, recipe.model.revision), method.scorer)
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
-    if recipe.rl.method == "distill":
+    tools = load_tools(recipe.rl.tools)  # rl.tools: each imported and its schema read, before the model loads
+    if method.teacher:
         distill.teacher_folder(recipe.rl)  # found, before anything reads it
-    identities = base_identity.identities(recipe, rewards or [])  # by content: a changed base is refused early
+    identities = base_identity.identities(recipe, rewards or [], tools)  # by content: a changed base is refused early
     if resume_from is not None:
         inputs.check_unchanged(checkpoint.read_state(resume_from).inputs, identities, resume_from,
                                recipe.resume_accept_changed)
     set_seed(recipe.seed)  # same initial weights on every rank and every backend
     tokenizer = build_tokenizer(recipe.model)
-    if recipe.rl.method == "distill":  # a teacher of another vocabulary is refused before any model loads
+    if tools:  # the template must render the tools' calls and results, and read the calls back
+        check_tokenizer(tokenizer, recipe.model.chat_template_kwargs)
+    if method.teacher:  # a teacher of another vocabulary is refused before any model loads
         distill.check_teacher(recipe.rl, tokenizer, recipe_config(recipe).get_text_config().vocab_size)
     samples = Samples(recipe, tokenizer, accelerator)  # train.sample_prompts rendered now: a bad one fails here
     built = setup_model(backend, recipe, tokenizer, log)
-    objective = setup_objective(backend, recipe, built.model, log, tokenizer, rewards)
+    objective = setup_objective(backend, recipe, built.model, log, tokenizer, rewards, tools)
     data = setup_data(recipe, tokenizer, built.packing, accelerator, preemption, lock, log)
     loaders = setup_loaders(backend, recipe, data, tokenizer, built)
     objective.max_steps = loaders.total_steps
@@ -125,12 +129,10 @@ def check_data(recipe: Recipe) -> list[str]:
             check_first_rows(source)
             found.append(source)
     if d.format is None:  # supervised, unset: as its files' first rows say (the run folder's config.yaml keeps it)
-        sft = {"preference": "a preference.method (dpo, orpo, simpo or reward)", "unpaired": "preference.method=kto",
-               "prompt": "rl.method (grpo, rloo or distill)"}
         for source in found:
-            if source.format in sft:
+            if source.format in ("preference", "unpaired", "prompt"):
                 raise ToolkitError(f"{source.key}: {source.name}: its columns are data.format={source.format}'s, "
-                                   f"which trains only with {sft[source.format]}; set it, or data.format")
+                                   f"which trains only with {trained_by(source.format)}; set it, or data.format")
         d.format = found[0].format
         return [f"format {d.format}, found from the columns of {found[0].name} (data.format unset)"]
     return []
@@ -140,7 +142,7 @@ def setup_rewards(recipe: Recipe) -> list | None:
     """rl.rewards imported, and each called on the first prompt rows of the first training file (a
     JSON one) with an empty and a short completion, before the model loads: a function that cannot
     run at all fails now, by name and row."""
-    if recipe.rl.method in (None, "distill"):  # distillation has no rewards
+    if not method_of(recipe).rewards:  # supervised, preference, distillation
         return None
     from ..data.sources import json_rows
     from .rewards import check_rewards, load_rewards
@@ -181,7 +183,7 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
         log("attention: varlen (" + ("data.padding_free; sdpa would mask the whole micro-batch)" if not split else
                                      "packed documents split across ranks; sequence-parallel attention takes no mask)"))
     faults.at("model")
-    scorer = recipe.preference.method == "reward"
+    scorer = method_of(recipe).scorer
     model = build_model(model_cfg, DTYPES[recipe.model.dtype], DTYPES[recipe.train.precision], scorer=scorer)
     if scorer:
         mark_scorer(model, tokenizer)
@@ -206,7 +208,10 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
             + (f"; with LoRA, {len(rows)} embedding rows train whole (peft trainable tokens)"
                if recipe.lora.enabled else ""))
     counts = count_model(model.config, "model", recipe.lora)
-    flops = measure.Flops.of(counts, recipe.lora.enabled, extra_forwards=extra_forwards(recipe, counts.params))
+    teacher = count_model(read_config(recipe.rl.teacher, key="rl.teacher"), "rl.teacher").params \
+        if method_of(recipe).teacher else 0
+    flops = measure.Flops.of(counts, recipe.lora.enabled,
+                             extra_forwards=method_of(recipe).extra_forwards(recipe, counts.params, teacher))
     if not scorer:  # in the forward, where every backend has whole weights (a reward model's is its score)
         use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
     packing, padding_free = recipe.data.packing, recipe.data.padding_free
@@ -242,30 +247,6 @@ def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> Bu
     return BuiltModel(model, model_cfg, flops, packing, padding_free, preset_base)
 
 
-def extra_forwards(recipe: Recipe, params: int = 0) -> float:
-    """Forwards without gradient per trained token besides training's own, for MFU: DPO's reference
-    through the disabled adapter; online RL's sampling (about one forward over the prompt and its
-    completion, with the KV cache), its reference (rl.beta) and old log-probabilities
-    (rl.num_iterations > 1, or rloo's KL), once per generated batch; rl.top_entropy_quantile's entropy
-    pass every step; KTO's pass over the mismatched sequences (and their reference's through the
-    disabled adapter); distillation's sampling and its teacher's forward, counted as forwards of this
-    model (of `params` parameters) by the ratio of the teacher's parameters to them."""
-    rl = recipe.rl
-    if rl.method == "distill":
-        from ..backends.model_counts import read_config
-
-        teacher = count_model(read_config(rl.teacher, key="rl.teacher"), "rl.teacher").params
-        return 1 + teacher / max(params, 1)
-    if rl.method is not None:  # rloo's KL in the reward needs the sampling policy's log-probabilities too
-        old = rl.num_iterations > 1 or (rl.method == "rloo" and rl.beta > 0)
-        return (1 + (rl.beta > 0) + old) / rl.num_iterations + (rl.top_entropy_quantile < 1)  # its entropy pass
-    p = recipe.preference
-    if p.method == "kto":  # the mismatched sequences' pass for the KL estimate, and the reference of both
-        kl = p.loss_type == "kto"
-        return kl + (p.reference == "adapter") * (1 + kl)
-    return float(p.reference == "adapter")
-
-
 def setup_lora(backend: backends.Backend, recipe: Recipe, model, rows: list[int], out: Path):
     """The peft model, its adapter seeded alike on every backend, pointing at the base it belongs to."""
     from accelerate.utils import set_seed
@@ -286,65 +267,16 @@ def setup_lora(backend: backends.Backend, recipe: Recipe, model, rows: list[int]
 
 
 def setup_objective(backend: backends.Backend, recipe: Recipe, model, log, tokenizer,
-                    rewards: list | None) -> objectives.Objective:
+                    rewards: list | None, tools: list | None = None) -> objectives.Objective:
     """The recipe's objective for the built model (after LoRA: DPO's and RL's reference may be the
-    model with its adapter disabled), checked by the backend and said at the start of the run."""
-    if recipe.rl.method is not None:  # samples with the tokenizer, reduces over the ranks
-        check_positions(recipe, model.config)
-        if recipe.rl.disable_dropout:
-            log(f"rl: dropout off in {disable_dropout(model)} layers (rl.disable_dropout)")
-        d = recipe.data
-        sources = [s.name for s in resolve_sources(d.train_files, d, "data.train_files")]
-        held = [s.name for s in resolve_sources(d.eval_files, d, "data.eval_files")] if d.eval_files else sources
-        if recipe.rl.method == "distill":  # the teacher loads now and is prepared after the student
-            distill.check_student_vocabulary(recipe.rl, model, backend.full_shape)
-            backend.check_frozen()
-            teacher = frozen_with_loss(backend, recipe,
-                                       distill.load_teacher(recipe.rl, recipe.model, DTYPES[recipe.train.precision]))
-            objective = distill.Distill(recipe.rl, teacher, tokenizer, backend, recipe.seed, sources, held,
-                                        out=Path(recipe.output_dir))
-        else:  # scores with the rewards
-            reference = None
-            if recipe.rl.beta > 0 and not recipe.lora.enabled:  # TRL's ref_model: the base loaded once more
-                backend.check_frozen()
-                base = dataclasses.replace(recipe.model, gradient_checkpointing=False)
-                # in the policy's dtype, as TRL's ref_model: one rounded to bf16 under an fp32 policy has another KL
-                reference = frozen_with_loss(backend, recipe, build_model(base, DTYPES[recipe.model.dtype],
-                                                                          DTYPES[recipe.train.precision]))
-            sampler = None
-            if recipe.rl.sampler == "vllm":  # the server starts now, while the data is prepared
-                from ..rollout.vllm_sampler import VLLMSampler
-
-                sampler = VLLMSampler(recipe.rl, model_path=recipe.model.path, tokenizer=tokenizer, backend=backend,
-                                      out=Path(recipe.output_dir), seed=recipe.seed,
-                                      max_model_len=recipe.data.max_seq_len + recipe.rl.max_new_tokens,
-                                      precision=recipe.train.precision,
-                                      lora_rank=recipe.lora.r if recipe.lora.enabled else None)
-            objective = online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
-                                       adapter=model if recipe.lora.enabled else None,
-                                       router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
-                                       out=Path(recipe.output_dir), reference=reference, sampler=sampler)
-    elif recipe.preference.method == "reward":
-        objective = reward_training.PairScores(recipe.preference)
-    elif recipe.preference.method == "kto":  # its KL estimate is reduced over the ranks
-        objective = kto.Unpaired(recipe.preference, backend.accelerator,
-                                 adapter=model if recipe.preference.reference == "adapter" else None)
-    else:
-        objective = objectives.for_recipe(recipe, model)
+    model with its adapter disabled), made by its method's builder (config/methods.py), checked by the
+    backend and said at the start of the run."""
+    objective = method_of(recipe).build(recipe, model, backend=backend, log=log, tokenizer=tokenizer, rewards=rewards,
+                                        tools=tools)
     backend.check_objective(objective)
     for line in objective.describe():
         log(line)
     return objective
-
-
-def frozen_with_loss(backend: backends.Backend, recipe: Recipe, model):
-    """A second model that only runs forwards (distillation's teacher, full fine-tuning's reference), frozen, in
-    eval mode, its output layer applied to the targets only as the trained model's (train.loss); the backend
-    prepares it after the trained model (`Objective.after_prepare`)."""
-    t = recipe.train
-    model.eval().requires_grad_(False)
-    use_token_loss(model, t.loss, t.loss_chunk_tokens, backend, most_positions(recipe))
-    return model
 
 
 def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption: Preemption,
@@ -355,14 +287,12 @@ def setup_data(recipe: Recipe, tokenizer, packing: bool, accelerator, preemption
     # collective that a long tokenization could time out.
     with preemption.abrupt(lock.release, remove_partial_data):  # a signal while datasets' workers tokenize
         data = build_datasets(recipe.data, tokenizer, recipe.seed, packing, prepares=accelerator.is_local_main_process,
-                              margins=recipe.preference.method == "reward")
+                              margins=method_of(recipe).scorer)
     data.train.kl_max_length = data.eval.kl_max_length = recipe.data.max_seq_len  # KTO's mismatched sequences
     for line in data.lines:
         log(f"data: {line}")
     warnings = list(data.warnings)
-    if recipe.preference.method == "kto":  # rows of one label, or weights out of the paper's range, as TRL warns
-        labels = data.train.table.select_columns(["label"]).with_format("numpy")[:]["label"]
-        warnings += kto.label_balance(labels, recipe.preference)
+    warnings += method_of(recipe).warnings(data.train.table, recipe)  # KTO: rows of one label, as TRL warns
     for line in warnings:
         log(f"warning: {line}")
     if accelerator.is_main_process:
@@ -395,7 +325,7 @@ def setup_loaders(backend: backends.Backend, recipe: Recipe, data: Datasets, tok
     collate = Collator(tokenizer.pad_token_id, packed=built.packing, padding_free=built.padding_free,
                        bounds=built.config.attn_implementation == "varlen", pairs=data.train.pairs,
                        unpaired=data.train.unpaired,
-                       multiple=backend.sequence_parallel, prompts=recipe.rl.method is not None)
+                       multiple=backend.sequence_parallel, prompts=method_of(recipe).online)
     # Own generators: a DataLoader iterator otherwise draws its seed from the global RNG, so a resumed
     # run (which starts a fresh iterator mid-epoch) would leave dropout's random stream shifted.
     train_loader = DataLoader(data.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from ..config import DataSource, Recipe, dump_recipe
+from ..config.methods import method_of
 from ..model.hub import is_hub_id
 
 
@@ -22,10 +23,10 @@ def model_card(recipe: Recipe, state, rows: list[dict], base_folder: Path | None
     `base_folder`: the base model's local folder (None for a preset)."""
     m, lora = recipe.model, recipe.lora
     base = m.path if m.path and is_hub_id(m.path) else None
-    scorer = recipe.preference.method == "reward"
+    scorer = method_of(recipe).scorer
     meta = {"library_name": "peft" if lora.enabled else "transformers",
             "pipeline_tag": "text-classification" if scorer else "text-generation",
-            "tags": ["toolkit", objective_tag(recipe)] + (["lora"] if lora.enabled else [])
+            "tags": ["toolkit", method_of(recipe).name] + (["lora"] if lora.enabled else [])
             + (["qlora"] if m.load_in_4bit else [])}
     if base:
         meta["base_model"] = base
@@ -40,8 +41,8 @@ def model_card(recipe: Recipe, state, rows: list[dict], base_folder: Path | None
         " over a 4-bit NF4 base (QLoRA)" if m.load_in_4bit else "")
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {name}", "",
              f"Fine-tuned from {f'[{base}](https://huggingface.co/{base})' if base else base_text(recipe)} with "
-             f"toolkit {version('toolkit')}: {objective_text(recipe)} {how}, {state.step:,} optimizer steps of a "
-             f"global batch of {state.global_batch} ({state.tokens_seen:,} tokens), {recipe.train.precision}, "
+             f"toolkit {version('toolkit')}: {method_of(recipe).card(recipe)} {how}, {state.step:,} optimizer steps "
+             f"of a global batch of {state.global_batch} ({state.tokens_seen:,} tokens), {recipe.train.precision}, "
              f"on {state.world_size} process(es) ({state.launch}).", "", "## Data", "",
              "| entry | format | rows used |", "|---|---|---|"]
     for e in recipe.data.train_files:
@@ -57,28 +58,6 @@ def model_card(recipe: Recipe, state, rows: list[dict], base_folder: Path | None
               "Versions: " + ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "peft", "accelerate",
                                                                      "datasets", "deepspeed")) + "."]
     return "\n".join(lines) + "\n"
-
-
-def objective_tag(recipe: Recipe) -> str:
-    if recipe.rl.method:
-        return recipe.rl.method
-    return recipe.preference.method if recipe.data.format in ("preference", "unpaired") else "sft"
-
-
-def objective_text(recipe: Recipe) -> str:
-    if recipe.rl.method == "distill":
-        from .distill import divergence_name
-
-        return (f"on-policy distillation from {recipe.rl.teacher} ({divergence_name(recipe.rl.beta)}, temperature "
-                f"{recipe.rl.temperature:g})")
-    if recipe.rl.method:
-        rewards = ", ".join(r if isinstance(r, str) else r.function for r in recipe.rl.rewards)
-        return f"online RL ({recipe.rl.method}, {recipe.rl.loss_type} loss) rewarded by {rewards}"
-    if recipe.preference.method == "reward":
-        return "reward modelling (a sequence-classification head of one score, Bradley-Terry on preference pairs)"
-    if recipe.data.format in ("preference", "unpaired"):
-        return f"preference training ({recipe.preference.method}, beta {recipe.preference.beta:g})"
-    return "supervised fine-tuning"
 
 
 def base_text(recipe: Recipe) -> str:
@@ -135,7 +114,7 @@ def merged_card(text: str) -> str | None:
 
 
 def usage(recipe: Recipe, base: str | None) -> str:
-    if recipe.preference.method == "reward":
+    if method_of(recipe).scorer:
         return ("A reward model: a Hugging Face sequence-classification folder of one score, with its tokenizer. "
                 "As a reward of online RL: `rl.rewards: [{model: FOLDER}]`; in Python:\n\n```python\n"
                 "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"

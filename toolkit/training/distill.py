@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import faults
+from ..config.methods import divergence_name
 from ..data.formats import IGNORE
 from ..errors import ToolkitError, first_line
 from ..model.load import full_numel
@@ -31,11 +32,6 @@ from ..model.sampling import completion_seed
 from .loss import target_distributions, token_divergences
 from .objectives import Preparation
 from .online import GroupRL
-
-
-def divergence_name(beta: float) -> str:
-    return {0.0: "forward KL(teacher || student)", 1.0: "reverse KL(student || teacher)"}.get(
-        float(beta), f"generalized JSD (beta {beta:g}: mixture {1 - beta:g} x student + {beta:g} x teacher)")
 
 
 def teacher_folder(rl) -> Path:

@@ -90,6 +90,18 @@ def label_balance(labels, cfg) -> list[str]:
             f"preference.undesirable_weight in [{undesirable[0]}, {undesirable[1]}] (not both)"]
 
 
+def data_warnings(table, recipe) -> list[str]:
+    """The start-of-run warnings of the prepared train rows (`table`): their labels' balance (`label_balance`)."""
+    return label_balance(table.select_columns(["label"]).with_format("numpy")[:]["label"], recipe.preference)
+
+
+def for_recipe(recipe, model=None, *, backend, **_) -> Unpaired:
+    """KTO's objective for the built model: its KL estimate reduced over the backend's ranks; its reference the
+    model with its adapter disabled where preference.reference is adapter."""
+    return Unpaired(recipe.preference, backend.accelerator,
+                    adapter=model if recipe.preference.reference == "adapter" else None)
+
+
 class Unpaired(Objective):
     """KTO over unpaired completions (see the module). Logged: kl (the estimate z), rewards_chosen and
     rewards_rejected (the mean implied reward of the desirable and of the undesirable completions;

@@ -336,12 +336,12 @@ def sequences_with_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         0, sequences[targets], torch.ones_like(sequences[targets])) > 0
 
 
-def for_recipe(recipe, model=None) -> Objective:
+def for_recipe(recipe, model=None, **_) -> Objective:
     """The recipe's objective trained on a dataset, for `model` as built (before prepare; after LoRA
     for a preference objective, whose DPO reference may be the model with its adapter disabled):
     supervised, with the router's load-balancing loss as model.router_aux_loss_coef says, or
-    preference. (KTO's, which reduces its KL estimate over the ranks, is `kto.Unpaired`; online
-    RL's, which makes its own batches, `online.GroupRL`.)"""
+    preference (config/methods.py names the other objectives' builders: KTO's, reward modelling's, online
+    RL's)."""
     if recipe.preference.method is not None:
         adapter = model if recipe.preference.reference == "adapter" else None
         return Preference(recipe.preference, adapter,

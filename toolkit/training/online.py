@@ -35,7 +35,7 @@ from ..errors import ToolkitError
 from ..model.inference import stop_token_ids
 from ..model.sampling import completion_seed, sample
 from . import rewards as reward_functions
-from . import rl_log
+from . import rl_log, rl_tools
 from .loss import token_logps_each
 from .objectives import ONLINE_RL, Objective, Preparation
 from .policy_loss import (
@@ -59,12 +59,13 @@ class GroupRL(Objective):
 
     def __init__(self, cfg, rewards: list, tokenizer, backend, seed: int, sources: list[str],
                  eval_sources: list[str], adapter=None, router_coef: float = 0.0, out: Path | None = None,
-                 reference=None, sampler=None):
+                 reference=None, sampler=None, tools=None):
         self.cfg, self.rewards, self.tokenizer, self.backend = cfg, rewards, tokenizer, backend
         self.accelerator = backend.accelerator
         self.seed, self.sources, self.eval_sources, self.adapter = seed, sources, eval_sources, adapter
         self.reference = reference  # full fine-tuning with rl.beta > 0: a frozen copy of the base (after_prepare)
         self.sampler = sampler  # rl.sampler=vllm: the server's client (rollout/vllm_sampler.py); None: our own
+        self.tools = tools  # rl.tools: rl_tools.ToolRollouts, the completions go on through their tool calls
         self.corrected = sampler is not None and cfg.vllm_importance_sampling_correction
         self.router_coef = router_coef  # what a mixture-of-experts model's config asks for; not trained here
         self.rloo = cfg.method == "rloo"
@@ -96,6 +97,7 @@ class GroupRL(Objective):
                 + (f"; sampling by {self.sampler.describe()}" if self.sampler is not None else
                    f"; sampling from {self.backend.sampling_line(c.gather_for_sampling)}")
                 + (f"; completions logged to {self.table}" if self.table else "")] \
+            + ([self.tools.describe()] if self.tools is not None else []) \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
 
@@ -176,29 +178,28 @@ class GroupRL(Objective):
         keys = torch.cat([b["keys"] for b in micro_batches]).tolist()
         fields = [f for b in micro_batches for f in b["fields"]]
         g = self.cfg.num_generations
-        seeds = [completion_seed(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
-        sampled_logps = None
+        rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
         if self.sampler is not None:  # the adapter as it stands into the server, then every rank asks for its own
             if self.stops is None:
                 self.stops = stop_token_ids(self.accelerator.unwrap_model(model), self.tokenizer)
             self.sampler.sync(model, step)
-            completions, sampled_logps = self.sampler.sample([p for p in prompts for _ in range(g)], seeds, self.stops)
-        else:
-            completions = self.generate(model, [p for p in prompts for _ in range(g)], seeds)
-        rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
+        expanded, completions, sampled_logps, rolled = self.rollout(model, step, keys, fields, prompts, rows,
+                                                                    server=self.sampler is not None)
         logged = reward_functions.Logged(reserved=frozenset(self.table_columns()))
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
-                                           global_step=step - 1, logged=logged)
+                                           global_step=step - 1, logged=logged,
+                                           answers=rolled.answers if rolled is not None else None)
         advantages = torch.zeros_like(rewards) if self.rloo else \
             group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
         made, start = [], 0
         for b in micro_batches:
             n = len(b["prompt_ids"]) * g
-            made.append(self.sequences([p for p in b["prompt_ids"] for _ in range(g)], completions[start:start + n],
+            made.append(self.sequences(expanded[start:start + n], completions[start:start + n],
                                        advantages[start:start + n],
                                        left_out=[self.truncated(c) for c in completions[start:start + n]]
                                        if self.cfg.mask_truncated_completions else None,
-                                       sampled_logps=sampled_logps[start:start + n] if sampled_logps else None))
+                                       sampled_logps=sampled_logps[start:start + n] if sampled_logps else None,
+                                       tool_masks=rolled.tool_masks[start:start + n] if rolled is not None else None))
             start += n
         if self.iterations > 1 or self.cfg.beta > 0 or self.corrected:
             self.add_fixed_logps(model, made)
@@ -208,7 +209,7 @@ class GroupRL(Objective):
         self.mark_high_entropy(model, made)
         self.made = made
         generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started), **kl,
-                     **self.sampler_metrics(made)}
+                     **self.sampler_metrics(made), **rl_tools.tool_metrics(self.accelerator, rolled)}
         self.generated = {**generated, **self.logged_metrics(logged, taken=set(generated))}
         self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
                          logged)
@@ -297,13 +298,39 @@ class GroupRL(Objective):
 
     # ------------------------------------------------------------------ making the batch
 
+    def rollout(self, model, step: int, keys: list, fields: list[dict], prompts: list[list[int]], rows: list[str],
+                server: bool, g: int | None = None) -> tuple[list, list, list | None, rl_tools.Rolled | None]:
+        """(the prompts sampled from, the completions, the server's log-probabilities, the tool rounds) of
+        rl.num_generations rollouts per prompt, each seeded by the run's seed, `step`, its prompt's source and row and
+        its index (`g` per prompt: rl.num_generations); with rl.tools the prompts carry the tools' schemas and each
+        completion goes on through its calls."""
+        g = g or self.cfg.num_generations
+        parts = [(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
+        seeds = [completion_seed(*p) for p in parts]
+        expanded = [p for p in prompts for _ in range(g)] if self.tools is None else \
+            self.tools.prompts([f for f in fields for _ in range(g)], rows)
+
+        def sample(ids: list[list[int]], seeds: list[int]):
+            return self.sampler.sample(ids, seeds, self.stops) if server else self.generate(model, ids, seeds)
+
+        out = sample(expanded, seeds)
+        completions, logps = out if server else (out, None)
+        if self.tools is None:
+            return expanded, completions, logps, None
+        rolled = self.tools.run([f for f in fields for _ in range(g)], expanded, completions, sample, seeds=parts,
+                                logprobs=logps, synced=self.all_done)
+        return expanded, rolled.completions, rolled.logprobs, rolled
+
     def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
         """Each prompt's completion, sampled from the model as the backend holds it for sampling
-        (`Backend.sampling`), in eval mode (no dropout), in the run's precision."""
+        (`Backend.sampling`), in eval mode (no dropout), in the run's precision. No prompts (a rank whose tool rounds
+        are over while another's go on): one row that is done at once keeps the other ranks' collectives company."""
         with self.backend.sampling(model, self.cfg.gather_for_sampling) as module:
             if self.stops is None:
                 self.stops = stop_token_ids(module, self.tokenizer)
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
+            idle = not prompts
+            prompts, seeds = ([[pad]], None) if idle else (prompts, seeds)
             was_training = module.training
             module.eval()
             try:
@@ -311,7 +338,8 @@ class GroupRL(Objective):
                     completions = sample(module, prompts, seeds, max_new_tokens=self.cfg.max_new_tokens,
                                          stop_ids=self.stops, pad_id=pad, temperature=self.cfg.temperature,
                                          top_p=self.cfg.top_p, top_k=self.cfg.top_k, min_p=self.cfg.min_p,
-                                         repetition_penalty=self.cfg.repetition_penalty, synced=self.all_done)
+                                         repetition_penalty=self.cfg.repetition_penalty,
+                                         synced=(lambda _: self.all_done(True)) if idle else self.all_done)
             finally:
                 module.train(was_training)
             if not self.sampling_said:  # after the last forward of sampling: what stays between its forwards
@@ -320,7 +348,7 @@ class GroupRL(Objective):
                 whole = sum(self.backend.full_shape(p).numel() * p.element_size() for p in module.parameters())
                 self.say(f"rl: between sampling's forwards the policy's weights took {held / 2**20:,.2f} MiB on this "
                          f"rank (the whole model: {whole / 2**20:,.2f} MiB)")
-            return completions
+            return [] if idle else completions
 
     def all_done(self, done: bool) -> bool:
         """Whether every rank's completions have all stopped (each rank steps until then)."""
@@ -334,13 +362,14 @@ class GroupRL(Objective):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, fields: list[dict], completions: list[list[int]], step: int, rows: list[str], *,
-              global_step: int, logged: reward_functions.Logged | None = None):
+              global_step: int, logged: reward_functions.Logged | None = None, answers: list | None = None):
         """The rewards of the completions, the functions called as TRL calls them: trainer_state is a TrainerState
         at `global_step` (the optimizer steps done, as TRL's at that point), of this run's steps."""
         from transformers import TrainerState
 
         prompts = [f.get("prompt") for f in fields]
-        texts = [self.text(c) for c in completions]  # a chat prompt's completion is passed as a message (score)
+        # a chat prompt's completion is passed as a message (score); with rl.tools, as its whole conversation
+        texts = answers if answers is not None else [self.text(c) for c in completions]
         columns = [{k: v for k, v in f.items() if k != "prompt"} for f in fields]
         main = self.accelerator.is_main_process
         state = TrainerState(global_step=global_step, max_steps=self.max_steps, is_world_process_zero=main,
@@ -362,7 +391,8 @@ class GroupRL(Objective):
         return len(completion) == self.cfg.max_new_tokens and (not completion or completion[-1] not in self.stops)
 
     def sequences(self, prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
-                  left_out: list[bool] | None = None, sampled_logps: list[list[float]] | None = None) -> dict:
+                  left_out: list[bool] | None = None, sampled_logps: list[list[float]] | None = None,
+                  tool_masks: list[list[int]] | None = None) -> dict:
         """The micro-batch the loss is taken on: prompt + completion rows, right-padded; labels on the
         completion tokens (its stop token included); `completion_mask` over labels[:, 1:], zero on the
         rows `left_out` (rl.mask_truncated_completions: TRL multiplies its mask so); `sampler_logps` over
@@ -376,7 +406,7 @@ class GroupRL(Objective):
             ids[i, :len(p) + len(c)] = torch.as_tensor(p + c)
             labels[i, len(p):len(p) + len(c)] = torch.as_tensor(c, dtype=torch.long)
             mask[i, :len(p) + len(c)] = 1
-        completion_mask = (labels[:, 1:] != IGNORE).float()
+        completion_mask = rl_tools.masked((labels[:, 1:] != IGNORE).float(), prompts, tool_masks)
         if left_out is not None:
             completion_mask[torch.tensor(left_out, dtype=torch.bool)] = 0.0
         made = {"input_ids": ids, "attention_mask": mask, "labels": labels,
@@ -525,41 +555,11 @@ class GroupRL(Objective):
         rl_log.append_table(self.accelerator, self.table, rows, self.cfg.num_completions_to_print)
 
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
-        """Reward mean and std (total and per function), completion lengths, the share cut at
-        max_new_tokens and of groups without reward spread, over the global batch."""
-        g = self.cfg.num_generations
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-        cut = torch.tensor([self.truncated(c) for c in completions], dtype=torch.float64)
-        r = rewards.double()
-        flat_groups = r.view(-1, g)  # a group's spread over its scored completions; none scored: no spread
-        unscored = flat_groups.isnan()
-        no_spread = (flat_groups.masked_fill(unscored, -math.inf).max(1).values
-                     - flat_groups.masked_fill(unscored, math.inf).min(1).values) < 1e-12
-        columns = {"reward": r, **{name: v.double() for name, v in per_function.items()}}
-        sums = []
-        for v in columns.values():
-            ok = ~torch.isnan(v)
-            sums += [torch.where(ok, v, 0).sum(), torch.where(ok, v * v, 0).sum(), ok.sum()]
-        left_out = cut.bool() if self.cfg.mask_truncated_completions else torch.zeros_like(cut, dtype=torch.bool)
-        sums += [lengths.sum(), cut.sum(), no_spread.sum(), float(len(completions)), float(len(flat_groups)), seconds,
-                 unscored.sum(), (~r.isnan() & ~left_out).sum()]
-        extremes = torch.tensor([lengths.max(), -lengths.min()], dtype=torch.float64)
-        device = self.accelerator.device
-        total = self.accelerator.reduce(torch.tensor(sums, dtype=torch.float64).to(device), "sum").cpu().tolist()
-        most = self.accelerator.reduce(extremes.to(device), "max").cpu().tolist() \
-            if self.accelerator.num_processes > 1 else extremes.tolist()
-        out = {}
-        for i, name in enumerate(columns):
-            s, s2, n = total[3 * i:3 * i + 3]
-            out[name] = s / n if n else math.nan  # the mean of what was scored: none, no mean
-            if name == "reward":
-                out["reward_std"] = (max(s2 - s * s / n, 0.0) / max(n - 1, 1)) ** 0.5 if n else math.nan
-        length_sum, cut_n, flat_n, n, groups, secs, unscored_n, counted_n = total[3 * len(columns):]
-        self.counted = counted_n  # completions scored and not left out, over every rank: check_signal reads it
-        world = self.accelerator.num_processes
-        return {**out, "completion_length": length_sum / n, "completion_length_max": most[0],
-                "completion_length_min": -most[1], "clipped_completions": cut_n / n, "zero_std_groups": flat_n / groups,
-                "generation_seconds": secs / world, "unscored_completions": unscored_n / n}
+        """Reward mean and std (total and per function), completion lengths, the share cut at max_new_tokens and
+        of groups without reward spread, over the global batch (rl_log.generation_metrics)."""
+        out, self.counted = rl_log.generation_metrics(self.accelerator, self.cfg, rewards, per_function, completions,
+                                                      [self.truncated(c) for c in completions], seconds)
+        return out
 
     # ------------------------------------------------------------------ evaluation
 
@@ -570,11 +570,11 @@ class GroupRL(Objective):
         of its most likely answers, which sharpening does not change."""
         g = self.cfg.num_generations_eval or 1
         keys = batch["keys"].cpu().tolist()
-        seeds = [completion_seed(self.seed, -1, source, row, k) for source, row in keys for k in range(g)]
-        completions = self.generate(model, [p for p in batch["prompt_ids"] for _ in range(g)], seeds)
         valid = [v for v in batch["valid"].cpu().tolist() for _ in range(g)]
         rows = [f"{self.eval_sources[s]} row {r + 1}" if v else "eval padding"
                 for (s, r), v in zip([k for k in keys for _ in range(g)], valid)]
+        _, completions, _, rolled = self.rollout(model, -1, keys, batch["fields"], batch["prompt_ids"], rows,
+                                                 server=False, g=g)
         kept = torch.tensor(valid, dtype=torch.bool)
         rewards = torch.full((len(completions),), math.nan)  # padding rows (filler of the last batches) unscored
         per_function = {r.metric: rewards.clone() for r in self.rewards}
@@ -582,7 +582,8 @@ class GroupRL(Objective):
             real = kept.nonzero().flatten().tolist()
             fields = [f for f in batch["fields"] for _ in range(g)]
             scored, scored_each = self.score([fields[i] for i in real], [completions[i] for i in real], 0,
-                                             [rows[i] for i in real], global_step=self.last_step)
+                                             [rows[i] for i in real], global_step=self.last_step,
+                                             answers=[rolled.answers[i] for i in real] if rolled else None)
             rewards[kept] = scored
             for name, values in scored_each.items():
                 per_function[name][kept] = values

@@ -26,6 +26,11 @@ def pair_score_losses(chosen: torch.Tensor, rejected: torch.Tensor, margins: tor
     return losses
 
 
+def for_recipe(recipe, model=None, **_) -> PairScores:
+    """The reward model's objective: the pairs' Bradley-Terry loss as preference.* sets it."""
+    return PairScores(recipe.preference)
+
+
 class PairScores(Objective):
     """A reward model trained on pairs (see the module). A micro-batch holds the chosen sequences first
     and the rejected ones after them (`Collator(pairs=True)`), scored in one forward. Logged per pair:

@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +30,7 @@ import torch
 
 from ..config import BUILT_IN_REWARDS, RewardConfig
 from ..errors import ToolkitError
+from ..rollout.tools import import_named
 from .reward_model import load_reward_model
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -173,47 +170,15 @@ def _load(i: int, entry: RewardConfig, modules: dict[Path, ModuleType], template
     def fail(why: str) -> ToolkitError:
         return ToolkitError(f"rl.rewards[{i}].function: {text!r}: {why}")
 
-    source, _, attr = text.rpartition(":")
-    if not source or not attr:
-        raise fail(f"give path/to/file.py:function, module:function or a built-in ({', '.join(BUILT_IN_REWARDS)})")
-    if source.endswith(".py") and not Path(source).expanduser().is_file():
-        raise fail(f"file not found: {Path(source).expanduser()} (relative to the current folder, {Path.cwd()})")
-    try:
-        if source.endswith(".py"):
-            module = _import_file(Path(source).expanduser().resolve(), modules)
-        else:
-            module = importlib.import_module(source)
-    except Exception as err:
-        raise fail(f"importing {source}: {_describe(err)}") from None
-    if not hasattr(module, attr):
-        raise fail(f"{source} has no {attr!r}")
-    function = getattr(module, attr)
+    function = import_named(text, modules, fail, usage="path/to/file.py:function, module:function or a built-in "
+                            f"({', '.join(BUILT_IN_REWARDS)})")
+    attr = text.rpartition(":")[2]
     if not callable(function):
         raise fail(f"{attr} is a {type(function).__name__}, not a function")
     if not _takes_trl_keywords(function):
         raise fail(f"{attr}{inspect.signature(function)} cannot take the keywords TRL passes "
                    f"({', '.join(k + '=' for k in TRL_KEYWORDS)} and one per column); give it **kwargs")
     return Reward(text, entry.weight, function)
-
-
-def _import_file(path: Path, modules: dict[Path, ModuleType]) -> ModuleType:
-    """Import a file once per run, under a name no other module has; its folder is on sys.path only while it runs."""
-    if path not in modules:
-        name = f"toolkit_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}_{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickle look a class's module up there
-        sys.path.insert(0, str(path.parent))  # so it can import the modules beside it
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        finally:
-            if str(path.parent) in sys.path:
-                sys.path.remove(str(path.parent))
-        modules[path] = module
-    return modules[path]
 
 
 def _takes_trl_keywords(function: Callable) -> bool:

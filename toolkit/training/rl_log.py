@@ -59,3 +59,42 @@ def append_table(accelerator, table: Path, rows: list[dict], num_to_print: int |
         scores = "".join(f", {k} {row[k]:.4g}" if isinstance(row[k], float) else f", {k} {row[k]}"
                          for k in ("reward", "advantage") if k in row)
         tqdm.write(f"step {row['step']}: {str(prompt)[-80:]!r} -> {row['completion'][:200]!r}{scores}")
+
+
+def generation_metrics(accelerator, cfg, rewards: torch.Tensor, per_function: dict[str, torch.Tensor],
+                       completions: list[list[int]], truncated: list[bool], seconds: float) -> tuple[dict, float]:
+    """(the generated batch's metrics, the completions scored and not left out): reward mean and std (total and per
+    function), completion lengths, the share cut at max_new_tokens (`truncated`) and of groups without reward spread,
+    over the global batch (every rank's sums reduced)."""
+    g = cfg.num_generations
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    cut = torch.tensor(truncated, dtype=torch.float64)
+    r = rewards.double()
+    flat_groups = r.view(-1, g)  # a group's spread over its scored completions; none scored: no spread
+    unscored = flat_groups.isnan()
+    no_spread = (flat_groups.masked_fill(unscored, -math.inf).max(1).values
+                 - flat_groups.masked_fill(unscored, math.inf).min(1).values) < 1e-12
+    columns = {"reward": r, **{name: v.double() for name, v in per_function.items()}}
+    sums = []
+    for v in columns.values():
+        ok = ~torch.isnan(v)
+        sums += [torch.where(ok, v, 0).sum(), torch.where(ok, v * v, 0).sum(), ok.sum()]
+    left_out = cut.bool() if cfg.mask_truncated_completions else torch.zeros_like(cut, dtype=torch.bool)
+    sums += [lengths.sum(), cut.sum(), no_spread.sum(), float(len(completions)), float(len(flat_groups)), seconds,
+             unscored.sum(), (~r.isnan() & ~left_out).sum()]
+    extremes = torch.tensor([lengths.max(), -lengths.min()], dtype=torch.float64)
+    device = accelerator.device
+    total = accelerator.reduce(torch.tensor(sums, dtype=torch.float64).to(device), "sum").cpu().tolist()
+    most = accelerator.reduce(extremes.to(device), "max").cpu().tolist() \
+        if accelerator.num_processes > 1 else extremes.tolist()
+    out = {}
+    for i, name in enumerate(columns):
+        s, s2, n = total[3 * i:3 * i + 3]
+        out[name] = s / n if n else math.nan  # the mean of what was scored: none, no mean
+        if name == "reward":
+            out["reward_std"] = (max(s2 - s * s / n, 0.0) / max(n - 1, 1)) ** 0.5 if n else math.nan
+    length_sum, cut_n, flat_n, n, groups, secs, unscored_n, counted_n = total[3 * len(columns):]
+    world = accelerator.num_processes
+    return {**out, "completion_length": length_sum / n, "completion_length_max": most[0],
+            "completion_length_min": -most[1], "clipped_completions": cut_n / n, "zero_std_groups": flat_n / groups,
+            "generation_seconds": secs / world, "unscored_completions": unscored_n / n}, counted_n

@@ -10,13 +10,8 @@ from pathlib import Path
 from ..backends import deepspeed_config
 from ..backends.run_sizing import estimate_for_run
 from ..config import Recipe
+from ..config.methods import method_of
 from ..optim import optimizers, schedules
-
-# TRL's default learning rate for each objective whose trainer's departs from the toolkit's (made for SFT): the
-# note of a run left at the toolkit's names its own objective's trainer.
-TRL_LEARNING_RATES = {"grpo": ("GRPO", "1e-6"), "rloo": ("RLOO", "1e-6"), "distill": ("DistillationTrainer", "1e-6"),
-                      "dpo": ("DPO", "1e-6"), "orpo": ("ORPO", "1e-6"), "simpo": ("CPO (SimPO)", "1e-6"),
-                      "kto": ("KTO", "1e-6"), "reward": ("RewardTrainer", "1e-4")}
 
 
 def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, eval_rows: int,
@@ -39,9 +34,9 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
     ranks = backend.data_parallel()[1]
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * ranks
     length = "train.max_steps" if t.max_steps else f"train.epochs {t.epochs}"
-    unit = ("completions (desirable or not)" if recipe.preference.method == "kto" else "preference pairs"
-            if recipe.preference.method else "sequences")
-    if recipe.rl.method:  # micro_batch_size counts prompts; each is trained on with its num_generations completions
+    method = method_of(recipe)
+    unit = method.unit
+    if method.online:  # micro_batch_size counts prompts; each is trained on with its num_generations completions
         g = recipe.rl.num_generations
         unit = f"prompts x {g} completions ({global_batch * g} sequences of prompt + completion)"
     split = backend.sequence_parallel
@@ -55,7 +50,8 @@ def run_summary(recipe: Recipe, backend, ds_config: dict | None, *, rows: int, e
     if "optimizer" in ds:
         lines.append(f"optimizer {ds['optimizer'].get('type')} from {json_name}: {_params(ds['optimizer'])}")
     else:
-        trl = TRL_LEARNING_RATES.get(recipe.rl.method or recipe.preference.method)
+        # the toolkit's default learning rate is made for SFT: a run left at it hears its own trainer's in TRL
+        trl = (method.trl, method.trl_learning_rate) if method.trl_learning_rate else None
         default_lr = trl is not None and t.learning_rate == type(t)().learning_rate
         adam = t.optim.startswith(("adamw", "paged_adamw"))
         lines.append(f"optimizer {t.optim} ({optimizers.OPTIMIZERS[t.optim].what}) lr {t.learning_rate:g}"

@@ -95,6 +95,7 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
     """The recipe's model with the checkpoint's trainable weights, saved to `folder` and read back."""
     import torch
 
+    from ..config.methods import method_of
     from ..model import base_identity
     from ..model.hub import resolve_model
     from ..model.load import DTYPES as TORCH_DTYPES
@@ -112,7 +113,7 @@ def write(recipe, run_dir: Path, portable: Path, folder: Path, dtype: str) -> No
 
     weights = read_tensors(portable, "checkpoint convert")
     tokenizer = build_tokenizer(recipe.model)
-    scorer = recipe.preference.method == "reward"  # a reward model: its score head, as training built it
+    scorer = method_of(recipe).scorer  # a reward model: its score head, as training built it
     model = build_model(recipe.model, TORCH_DTYPES[recipe.model.dtype], TORCH_DTYPES[recipe.train.precision],
                         scorer=scorer)
     if scorer:

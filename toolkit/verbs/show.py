@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from ..config import DataSource, Recipe, dump_recipe
+from ..config.methods import method_of
 from ..optim import schedules
 
 
@@ -38,7 +39,7 @@ def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str], found: 
     from the files' columns)."""
     t, d = recipe.train, recipe.data
     lines = [f"# plan for {path}:", f"#   model:       {model_line(recipe)}",
-             f"#   objective:   {objective_line(recipe)}",
+             f"#   objective:   {method_of(recipe).plan(recipe)}",
              f"#   data:        {data_line(recipe)}" + (" (data.format found from the columns)" if found else "")]
     if launch:
         lines += [f"#   launch:      {launch[0].removeprefix('# ')}"] + [f"#                {x.removeprefix('# ')}"
@@ -46,12 +47,13 @@ def plan_lines(recipe: Recipe, path: str, ranks: int, launch: list[str], found: 
     else:
         lines.append("#   launch:      one process (plain `toolkit train`); --accelerate-config X.yaml shows yours")
     per_step = t.micro_batch_size * t.gradient_accumulation_steps * ranks
-    unit = "prompts" if recipe.rl.method else "pairs" if d.format == "preference" else \
+    online = method_of(recipe).online
+    unit = "prompts" if online else "pairs" if d.format == "preference" else \
         "completions" if d.format == "unpaired" else (
         f"packed rows of {d.max_seq_len} tokens" if d.packing else "examples")
     lines.append(f"#   batch:       {t.micro_batch_size} x {t.gradient_accumulation_steps} accumulation x {ranks} "
                  f"data-parallel rank(s) = {per_step} {unit} per optimizer step"
-                 + (f" ({per_step * recipe.rl.num_generations} completions)" if recipe.rl.method else ""))
+                 + (f" ({per_step * recipe.rl.num_generations} completions)" if online else ""))
     lines.append(f"#   steps:       {steps_line(recipe, per_step)}")
     c = recipe.checkpoint
     lines.append("#   checkpoints: " + (f"every {c.every_steps} steps, the last {c.keep_last} kept" if c.every_steps
@@ -75,29 +77,6 @@ def model_line(recipe: Recipe) -> str:
         how = "QLoRA: the base in 4-bit NF4, " + how
     checkpointing = ", gradient checkpointing" if m.gradient_checkpointing else ""
     return f"{where}; {how}; {recipe.train.precision}{checkpointing}"
-
-
-def objective_line(recipe: Recipe) -> str:
-    rl, pref = recipe.rl, recipe.preference
-    if rl.method == "distill":
-        from ..training.distill import divergence_name
-
-        return (f"on-policy distillation: {rl.num_generations} completion{'s' if rl.num_generations > 1 else ''} per "
-                f"prompt of at most {rl.max_new_tokens} tokens at temperature {rl.temperature:g}, sampled by the "
-                f"model; the loss is the {divergence_name(rl.beta)} to the teacher {rl.teacher} on their tokens")
-    if rl.method:
-        rewards = ", ".join(r if isinstance(r, str) else r.function for r in rl.rewards)
-        return (f"online RL, {rl.method} ({rl.loss_type} loss): {rl.num_generations} completions per prompt of at most "
-                f"{rl.max_new_tokens} tokens at temperature {rl.temperature:g}, scored by {rewards}")
-    if pref.method == "reward":
-        return "a reward model: a score head trained on chosen and rejected answers (Bradley-Terry)"
-    if recipe.data.format == "preference":
-        return f"preference, {pref.method} (beta {pref.beta:g}) on chosen and rejected answers"
-    if recipe.data.format == "unpaired":
-        return (f"preference, kto ({pref.loss_type}, beta {pref.beta:g}) on answers labelled desirable or "
-                "undesirable")
-    on = "every token" if recipe.data.format == "text" or recipe.data.train_on_prompt else "the responses only"
-    return f"supervised fine-tuning, the loss on {on}"
 
 
 def all_here(entries: list) -> bool:
