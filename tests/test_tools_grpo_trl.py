@@ -171,3 +171,110 @@ def test_grpo_with_tools_equals_trls_trainer_from_turns_to_gradients(tmp_path, f
     assert mine["advantages"].abs().sum() > 0
     # the loss, its entropy metric and every gradient
     iterations_agree(trainer, theirs, model, objective, mine, 1, False, lambda sums, metrics: None)
+
+
+ENVS = Path(__file__).parent / "tools_fixtures" / "envs.py"
+ENV_TURNS = [[call("step", '{"by": 2}'), f"Now 5.{END}"], [f"Still 3.{END}"],
+             [call("step", '{"by": 5}'), f"Now 12.{END}"], [call("peek", "{}"), f"Seen.{END}"]]
+ENV_ROWS = [{"prompt": [{"role": "user", "content": "Count up."}], "start": 3},
+            {"prompt": [{"role": "user", "content": "Count on."}], "start": 7}]
+
+
+def test_grpo_with_an_environment_equals_trls_trainer_from_turns_to_gradients(tmp_path, folder, monkeypatch):
+    """TRL's GRPOTrainer(environment_factory=Counter): each rollout its own instance, reset with its row (the text
+    reset returns appended to the prompt), its methods the tools, its get_reward a reward beside ours; the same
+    rollouts, rewards (each column), advantages, loss and gradients."""
+    import importlib.util
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from toolkit.rollout.environments import load_environment
+    from toolkit.training.rewards import Reward, metric_names
+
+    monkeypatch.setattr(sys.modules[__name__], "TURNS", ENV_TURNS)
+    spec = importlib.util.spec_from_file_location("tools_trl_envs", ENVS)
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, seed=0,
+                      per_device_train_batch_size=G * len(ENV_ROWS), num_generations=G, max_completion_length=MAX_NEW,
+                      gradient_accumulation_steps=1, learning_rate=1e-6, save_strategy="no", logging_steps=1,
+                      temperature=0.7, loss_type="grpo")
+    state = {}
+
+    def rollout(prompts, trainer):
+        ids = trainer._tokenize_prompts(prompts)[0]
+        state["script"] = Script(trainer.processing_class, ids)
+        first = state["script"](ids)
+        return {"prompt_ids": ids, "completion_ids": first, "logprobs": [[0.0] * len(c) for c in first]}
+
+    def single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = state["script"](prompt_ids)
+        return out, [[0.0] * len(c) for c in out]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                              reward_funcs=[conversation_reward], args=args, train_dataset=Dataset.from_list(ENV_ROWS),
+                              processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout,
+                              environment_factory=envs.Counter)
+    trainer._generate_single_turn = single_turn
+
+    from accelerate import Accelerator
+
+    from toolkit.backends import Backend
+    from toolkit.config import RewardConfig, RLConfig
+    from toolkit.training.loss import use_token_loss
+    from toolkit.training.online import GroupRL
+    from toolkit.training.rewards import load_rewards
+    from toolkit.training.rl_tools import ToolRollouts
+
+    model = copy.deepcopy(trainer.model)
+    use_token_loss(model, "full", chunk_tokens=5)
+    backend = Backend()
+    backend.accelerator = Accelerator(cpu=True)
+    module = type(sys)("tools_trl_rewards")
+    module.conversation_reward = conversation_reward
+    sys.modules["tools_trl_rewards"] = module
+    environment = load_environment(f"{ENVS}:Counter")
+    rewards = load_rewards([RewardConfig(function="tools_trl_rewards:conversation_reward")])
+    rewards += [Reward(name, 1.0, function) for name, function in environment.rewards()]
+    for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
+        reward.metric = metric
+    cfg = RLConfig(method="grpo", num_generations=G, max_new_tokens=MAX_NEW, rewards=[], temperature=0.7,
+                   loss_type="grpo", beta=0.0, environment=f"{ENVS}:Counter")
+    cfg.epsilon_high = cfg.epsilon
+    tokenizer = trainer.processing_class
+    rolls = ToolRollouts(cfg, [], tokenizer, {}, model.config.max_position_embeddings, environment)
+    objective = GroupRL(cfg, rewards, tokenizer, backend, 0, ["train"], ["train"], tools=rolls)
+    objective.stops = list(trainer.eos_token_ids)
+    script = {}
+
+    def generate(model, prompts, seeds):
+        if "s" not in script:
+            script["s"] = Script(tokenizer, prompts)
+        return script["s"](prompts)
+    objective.generate = generate
+    micro = {"prompt_ids": [[0]] * len(ENV_ROWS), "keys": torch.tensor([[0, i] for i in range(len(ENV_ROWS))]),
+             "fields": [dict(r) for r in ENV_ROWS]}
+
+    trainer.model.train()
+    model.train()
+    theirs = trainer._generate_and_score_completions([dict(r) for r in ENV_ROWS for _ in range(G)])
+    mine = objective.step_batches(model, [micro], step=1)[0]
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert trl_metrics["tools/call_frequency"] == pytest.approx(3 / 4)
+    assert objective.generated["tool_call_frequency"] == pytest.approx(trl_metrics["tools/call_frequency"])
+    # each rollout's own counter: 3 + 2, 3, 7 + 5, 7 (peek changes nothing); TRL's reward column for it
+    assert [e.total for e in rolls.environment.kinds[None].pool[:4]] == [5, 3, 12, 7]
+    assert objective.generated["reward_Counter"] == pytest.approx(trl_metrics["rewards/Counter/mean"]) == 27 / 4
+    assert objective.generated["reward"] == pytest.approx(trl_metrics["reward"], rel=1e-6)
+    loss_mask = theirs["completion_mask"] * theirs["tool_mask"]
+    for i in range(len(ENV_TURNS)):
+        p, n = int(theirs["prompt_mask"][i].sum()), int(theirs["completion_mask"][i].sum())
+        assert mine["input_ids"][i, :p + n].tolist() == theirs["prompt_ids"][i, -p:].tolist() \
+            + theirs["completion_ids"][i, :n].tolist()
+        assert mine["completion_mask"][i, p - 1:p - 1 + n].tolist() == loss_mask[i, :n].tolist()
+    torch.testing.assert_close(mine["advantages"].double(), theirs["advantages"].double(), rtol=1e-5, atol=1e-5)
+    iterations_agree(trainer, theirs, model, objective, mine, 1, False, lambda sums, metrics: None)

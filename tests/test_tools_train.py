@@ -1,9 +1,10 @@
-"""rl.tools launched for real (issue 67): GRPO on a tiny Qwen2.5-family model whose chat template renders tool
-calls, through tests/tool_driver.py (a random model never writes a call: each rollout's first turn is scripted
-by its row and index, a call to `add`, a call to `divide` by zero, or the model's own sample; everything after it
-is the run's own). One process logs the tool metrics and keeps the tool results out of the loss; DDP, FSDP and
-ZeRO-3 on 2 processes sample the same conversations and end with the same metrics and weights (slow); a run stopped by
-SIGTERM in the middle of a tool call resumes to the uninterrupted run, bit for bit (slow)."""
+"""rl.tools and rl.environment launched for real (issue 67): GRPO on a tiny Qwen2.5-family model whose chat
+template renders tool calls, with two tools and a counter per rollout, through tests/tool_driver.py (a random
+model never writes a call: each rollout's first turn is scripted by its row and index, a call to `add`, a call to
+`divide` by zero, or the model's own sample; everything after it is the run's own). One process logs the tool
+metrics and keeps the tool results out of the loss; DDP, FSDP and ZeRO-3 on 2 processes sample the same
+conversations and end with the same metrics and weights (slow); a run stopped by SIGTERM while a step's tool
+rounds run resumes to the uninterrupted run, bit for bit (slow)."""
 
 import json
 import math
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.launch
 STEPS = 3
 DRIVER = ROOT / "tests" / "tool_driver.py"
 CALC = ROOT / "tests" / "tools_fixtures" / "calc.py"
+ENVS = ROOT / "tests" / "tools_fixtures" / "envs.py"  # Counter: reset to the row's `start`, its total the reward
 QUESTIONS = ["What is 2 + 3?", "What is 1 / 0?", "Name a colour.", "What is 7 - 4?", "Add 2 and 3.", "Hi!"]
 GRADER = '''
 def uses_tools(completions, **kwargs):
@@ -35,8 +37,9 @@ def workdir(tmp_path_factory):
     folder = build_family("qwen2.5", root / "qwen", seed=3)
     config = json.loads((folder / "config.json").read_text())  # room for the tools' schemas in byte-level tokens
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
-    write_jsonl(root / "train.jsonl", [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS[:4]])
-    write_jsonl(root / "eval.jsonl", [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS[4:]])
+    rows = [{"prompt": [{"role": "user", "content": q}], "start": i} for i, q in enumerate(QUESTIONS)]
+    write_jsonl(root / "train.jsonl", rows[:4])
+    write_jsonl(root / "eval.jsonl", rows[4:])
     (root / "grader.py").write_text(GRADER)
     return root
 
@@ -48,7 +51,8 @@ def recipe(workdir, name, layout="single", **extra):
         "data": {"train_files": [str(workdir / "train.jsonl")], "eval_files": [str(workdir / "eval.jsonl")],
                  "format": "prompt", "max_seq_len": 256},
         "rl": {"method": "grpo", "num_generations": 3, "max_new_tokens": 160, "loss_type": "grpo",
-               "tools": [f"{CALC}:add", f"{CALC}:divide"], "max_tool_calling_iterations": 2,
+               "tools": [f"{CALC}:add", f"{CALC}:divide"], "environment": f"{ENVS}:Counter",
+               "max_tool_calling_iterations": 2,
                "rewards": [f"{workdir / 'grader.py'}:uses_tools"]},
         "train": {"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 1,
                   "max_steps": STEPS, "learning_rate": 1e-3, "eval_every_steps": STEPS, "log_every_steps": 1},
@@ -76,7 +80,8 @@ def single(workdir):
 
 def test_the_tools_run_their_results_stay_out_of_the_loss_and_are_logged(single):
     run, log = single
-    assert "rl: tools add, divide (at most 2 rounds, 30 s per call); tool-result tokens are not in the loss" in log
+    assert (f"rl: tools add, divide, the environment's methods ({ENVS}:Counter) (at most 2 rounds, 30 s per call); "
+            "tool-result tokens are not in the loss") in log
     rows = read_metrics(run)
     steps = [r for r in rows if r["step"] >= 1]
     assert len(steps) == STEPS and all(math.isfinite(r["loss"]) for r in steps)
@@ -85,6 +90,9 @@ def test_the_tools_run_their_results_stay_out_of_the_loss_and_are_logged(single)
         assert r["tool_call_frequency"] >= 2 / 3 - 1e-9 and 0 < r["tool_failure_frequency"] < 1, r
         assert r["tool_timeouts"] == 0
     assert "eval_reward" in rows[-1]
+    # the environment's own reward beside the grader's: each rollout's counter, reset to its row's start (0 to 3;
+    # the model's own turns may step it), never another rollout's
+    assert all("reward_Counter" in r and r["reward_Counter"] >= 0 for r in steps)
 
 
 @pytest.mark.slow

@@ -16,12 +16,12 @@ CALLS = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_ca
 run = rl_tools.ToolRollouts.run
 
 
-def scripted(self, fields, prompts, completions, sample, *, seeds, logprobs, synced):
+def scripted(self, prepared, completions, sample, *, seeds, logprobs, synced):
     made = []
     for (_, _, _, row, k), own in zip(seeds, completions):
         pick = (row + k) % 3
         made.append(self.tokenizer.encode(CALLS[pick], add_special_tokens=False) if pick < 2 else own)
-    return run(self, fields, prompts, made, sample, seeds=seeds, logprobs=logprobs, synced=synced)
+    return run(self, prepared, made, sample, seeds=seeds, logprobs=logprobs, synced=synced)
 
 
 if __name__ == "__main__":

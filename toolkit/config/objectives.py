@@ -231,6 +231,15 @@ class RLConfig:
     loss or the entropy (TRL's tool mask); reward functions get the whole conversation as messages. A
     tool that raises, an unknown tool or arguments that do not fit give TRL's error message as the
     tool's answer; metrics.jsonl gets tool_call_frequency and tool_failure_frequency."""
+    environment: Optional[Union[str, dict[str, str]]] = None
+    """grpo and rloo: an environment the policy acts on through tool calls (TRL's `environment_factory`):
+    `FILE.py:Class` (or `module:Class`), or a mapping of names to them, each row's `environment` column
+    picking one. Each rollout gets its own instance (pooled per process, reset every batch with
+    `reset(**row)`; a text it returns is appended to the prompt's last message); its public methods
+    (type hints and a docstring with an `Args:` line per argument) are that rollout's tools beside
+    rl.tools; a `get_reward()` method adds a reward named after the class, weight 1. Reward
+    functions get `environments=` (one instance per completion). Prompts must be chat messages.
+    None: no environment."""
     max_tool_calling_iterations: Optional[int] = None
     """rl.tools: tool rounds per completion at most (a round runs every call of a turn, then samples
     the next turn); None: until an answer without a call or rl.max_new_tokens is spent (TRL's key)."""

@@ -271,13 +271,23 @@ def validate_tools(r: Recipe, need) -> None:
         if name.endswith(".py"):
             need(Path(name).expanduser().is_file(), f"rl.tools[{i}]", f"file not found: {name}")
     need(len(set(rl.tools)) == len(rl.tools), "rl.tools", "a tool named twice")
+    env = rl.environment
+    entries = {"rl.environment": env} if isinstance(env, str) else {f"rl.environment.{k}": v
+                                                                      for k, v in (env or {}).items()}
+    need(env is None or bool(entries), "rl.environment", "an empty mapping: give FILE.py:Class, or names to them")
+    for key, spec in entries.items():
+        name, sep, attr = str(spec).rpartition(":")
+        need(bool(sep and name and attr.isidentifier()), key, f"{spec!r}: give path/to/file.py:Class or module:Class")
+        if name.endswith(".py"):
+            need(Path(name).expanduser().is_file(), key, f"file not found: {name}")
     need(rl.max_tool_calling_iterations is None or rl.max_tool_calling_iterations >= 0,
          "rl.max_tool_calling_iterations", f"must be 0 or more (None: no limit), got {rl.max_tool_calling_iterations}")
     need(rl.tool_timeout is None or rl.tool_timeout > 0, "rl.tool_timeout",
          f"must be positive (None: no limit), got {rl.tool_timeout}")
-    if not rl.tools:
+    if not rl.tools and env is None:
         for name in ("max_tool_calling_iterations", "tool_timeout"):
-            need(getattr(rl, name) == getattr(RLConfig(), name), f"rl.{name}", "a setting of rl.tools; set rl.tools")
+            need(getattr(rl, name) == getattr(RLConfig(), name), f"rl.{name}",
+                 "a setting of rl.tools and rl.environment; set one")
 
 
 def validate_sampling(r: Recipe, need) -> None:
@@ -377,7 +387,7 @@ def validate_prompt_data(r: Recipe, need) -> None:
 POLICY_GRADIENT_KEYS = ("loss_type", "importance_sampling", "epsilon", "epsilon_high", "delta", "normalize_advantages",
                         "reward_clip_range", "num_iterations", "scale_rewards", "mask_truncated_completions",
                         "rewards", "max_unscored_steps", "top_entropy_quantile", "tools",
-                        "max_tool_calling_iterations", "tool_timeout")
+                        "max_tool_calling_iterations", "tool_timeout", "environment")
 
 
 def validate_distill(r: Recipe, need) -> None:

@@ -119,6 +119,11 @@ class Environments:
             observation = [{"type": "text", "text": observation}]
         return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
 
+    def methods(self) -> list[Tool]:
+        """Each class's tool methods, bound to its first instance: what a resume compares by their source files."""
+        return [Tool(f"{kind.spec}.{m}", getattr(kind.pool[0], m), kind.schemas[m])
+                for kind in self.kinds.values() for m in kind.methods]
+
     def rewards(self) -> list[tuple[str, Callable[..., Any]]]:
         """(name, function) of the environments' own rewards, as GRPOTrainer adds them: one per class that defines
         `get_reward` (a class under two names counted once), named after the class, weight 1, called with

@@ -75,10 +75,11 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     if recipe.model.path is not None:  # a folder that does not fit the objective: refused from its config.json
         check_head(resolve_model(recipe.model.path, recipe.model.revision), method.scorer)
     rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
-    tools = load_tools(recipe.rl.tools)  # rl.tools: each imported and its schema read, before the model loads
+    tools = setup_tools(recipe, rewards)  # rl.tools and rl.environment: imported, their schemas read
     if method.teacher:
         distill.teacher_folder(recipe.rl)  # found, before anything reads it
-    identities = base_identity.identities(recipe, rewards or [], tools)  # by content: a changed base is refused early
+    # by content: a changed base, reward or tool is refused early
+    identities = base_identity.identities(recipe, rewards or [], tools.code if tools else [])
     if resume_from is not None:
         inputs.check_unchanged(checkpoint.read_state(resume_from).inputs, identities, resume_from,
                                recipe.resume_accept_changed)
@@ -170,6 +171,34 @@ class BuiltModel:
     packing: bool  # false where the model lets packed documents attend to each other
     padding_free: bool
     preset_base: tuple[Any, dict] | None  # (config, weights) of a preset's base, saved beside a LoRA run
+
+
+@dataclass
+class Tools:
+    """rl.tools and rl.environment as loaded: what the rollout calls, and whose code a resume compares."""
+    tools: list
+    environment: Any
+    code: list
+
+
+def setup_tools(recipe: Recipe, rewards: list | None) -> Tools | None:
+    """rl.tools imported and their schemas read; rl.environment's classes imported, one instance of each made and
+    its methods read, and each class's get_reward added to `rewards` (weight 1, named after the class, as TRL's);
+    None where the recipe names neither. Before the model loads: a tool or class the loop cannot use fails now."""
+    rl = recipe.rl
+    if not rl.tools and rl.environment is None:
+        return None
+    from ..rollout.environments import load_environment
+    from .rewards import Reward, metric_names
+
+    modules: dict = {}
+    tools = load_tools(rl.tools, modules)
+    environment = load_environment(rl.environment, tools, modules) if rl.environment is not None else None
+    if environment is not None:
+        rewards += [Reward(name, 1.0, function) for name, function in environment.rewards()]
+        for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
+            reward.metric = metric
+    return Tools(tools, environment, tools + (environment.methods() if environment is not None else []))
 
 
 def setup_model(backend: backends.Backend, recipe: Recipe, tokenizer, log) -> BuiltModel:

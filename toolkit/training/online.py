@@ -187,8 +187,7 @@ class GroupRL(Objective):
                                                                     server=self.sampler is not None)
         logged = reward_functions.Logged(reserved=frozenset(self.table_columns()))
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
-                                           global_step=step - 1, logged=logged,
-                                           answers=rolled.answers if rolled is not None else None)
+                                           global_step=step - 1, logged=logged, rolled=rolled)
         advantages = torch.zeros_like(rewards) if self.rloo else \
             group_advantages(rewards, g, self.cfg.scale_rewards, self.batch_std(rewards))
         made, start = [], 0
@@ -307,8 +306,8 @@ class GroupRL(Objective):
         g = g or self.cfg.num_generations
         parts = [(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
         seeds = [completion_seed(*p) for p in parts]
-        expanded = [p for p in prompts for _ in range(g)] if self.tools is None else \
-            self.tools.prompts([f for f in fields for _ in range(g)], rows)
+        prepared = None if self.tools is None else self.tools.prepare(fields, g, rows)
+        expanded = [p for p in prompts for _ in range(g)] if prepared is None else prepared.ids
 
         def sample(ids: list[list[int]], seeds: list[int]):
             return self.sampler.sample(ids, seeds, self.stops) if server else self.generate(model, ids, seeds)
@@ -317,8 +316,7 @@ class GroupRL(Objective):
         completions, logps = out if server else (out, None)
         if self.tools is None:
             return expanded, completions, logps, None
-        rolled = self.tools.run([f for f in fields for _ in range(g)], expanded, completions, sample, seeds=parts,
-                                logprobs=logps, synced=self.all_done)
+        rolled = self.tools.run(prepared, completions, sample, seeds=parts, logprobs=logps, synced=self.all_done)
         return expanded, rolled.completions, rolled.logprobs, rolled
 
     def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
@@ -362,20 +360,22 @@ class GroupRL(Objective):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, fields: list[dict], completions: list[list[int]], step: int, rows: list[str], *,
-              global_step: int, logged: reward_functions.Logged | None = None, answers: list | None = None):
+              global_step: int, logged: reward_functions.Logged | None = None, rolled=None):
         """The rewards of the completions, the functions called as TRL calls them: trainer_state is a TrainerState
         at `global_step` (the optimizer steps done, as TRL's at that point), of this run's steps."""
         from transformers import TrainerState
 
-        prompts = [f.get("prompt") for f in fields]
-        # a chat prompt's completion is passed as a message (score); with rl.tools, as its whole conversation
-        texts = answers if answers is not None else [self.text(c) for c in completions]
+        # a chat prompt's completion is passed as a message (score); with tools (rl_tools.Rolled), as its whole
+        # conversation, its prompt after its environment's reset, and its environment
+        prompts = [f.get("prompt") for f in fields] if rolled is None else rolled.prompts
+        texts = [self.text(c) for c in completions] if rolled is None else rolled.answers
         columns = [{k: v for k, v in f.items() if k != "prompt"} for f in fields]
         main = self.accelerator.is_main_process
         state = TrainerState(global_step=global_step, max_steps=self.max_steps, is_world_process_zero=main,
                              is_local_process_zero=self.accelerator.is_local_main_process)
         return reward_functions.score(self.rewards, prompts, texts, columns, step=step, rows=rows,
-                                      completion_ids=completions, state=state, logged=logged)
+                                      completion_ids=completions, state=state, logged=logged,
+                                      environments=rolled.environments if rolled is not None else None)
 
     def batch_std(self, rewards: torch.Tensor) -> torch.Tensor | None:
         """The global batch's reward std (unbiased, as torch.std), reduced over ranks; only for scale_rewards=batch."""
@@ -583,7 +583,7 @@ class GroupRL(Objective):
             fields = [f for f in batch["fields"] for _ in range(g)]
             scored, scored_each = self.score([fields[i] for i in real], [completions[i] for i in real], 0,
                                              [rows[i] for i in real], global_step=self.last_step,
-                                             answers=[rolled.answers[i] for i in real] if rolled else None)
+                                             rolled=rl_tools.subset(rolled, real))
             rewards[kept] = scored
             for name, values in scored_each.items():
                 per_function[name][kept] = values

@@ -40,7 +40,7 @@ def frozen_with_loss(backend, recipe, model):
 def group_rl(recipe, model=None, *, backend, log, tokenizer, rewards, tools=None, **_) -> online.GroupRL:
     """GRPO or RLOO: scored with the rewards; the reference (rl.beta > 0, full fine-tuning) the base loaded once
     more; the vLLM server (rl.sampler vllm) started now, while the data is prepared; rl.tools called in the
-    rollout (`tools`: as rollout/tools.load_tools loaded them)."""
+    rollout with rl.environment's instances (`tools`: build.Tools, as the run loaded them)."""
     sources, held = sampling_setup(backend, recipe, model, log)
     reference = None
     if recipe.rl.beta > 0 and not recipe.lora.enabled:  # TRL's ref_model: the base loaded once more
@@ -58,13 +58,14 @@ def group_rl(recipe, model=None, *, backend, log, tokenizer, rewards, tools=None
                               max_model_len=recipe.data.max_seq_len + recipe.rl.max_new_tokens,
                               precision=recipe.train.precision,
                               lora_rank=recipe.lora.r if recipe.lora.enabled else None)
+    rollouts = rl_tools.ToolRollouts(recipe.rl, tools.tools, tokenizer, recipe.model.chat_template_kwargs,
+                                     model.config.get_text_config().max_position_embeddings,
+                                     tools.environment) if tools else None
     return online.GroupRL(recipe.rl, rewards, tokenizer, backend, recipe.seed, sources, held,
                           adapter=model if recipe.lora.enabled else None,
                           router_coef=objectives.config_router_coef(model) if has_router(model) else 0.0,
                           out=Path(recipe.output_dir), reference=reference, sampler=sampler,
-                          tools=rl_tools.ToolRollouts(recipe.rl, tools, tokenizer, recipe.model.chat_template_kwargs,
-                                                      model.config.get_text_config().max_position_embeddings)
-                          if tools else None)
+                          tools=rollouts)
 
 
 def distillation(recipe, model=None, *, backend, log, tokenizer, **_) -> distill.Distill:

@@ -37,6 +37,9 @@ TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "lo
 # One object for the batch: neither copied for each call nor split per completion (log_metric and log_extra are
 # made for each call, by _arguments).
 _PER_BATCH = ("trainer_state",)
+# Passed as they are, split per completion where one is tried alone: rl.environment's instances (TRL passes the same
+# objects, whose state the rollout built; a copy would not be them, and one holding a lock or socket cannot be made).
+_SHARED = ("environments",)
 _CHECK_ROWS = 4
 _CHECK_COMPLETIONS = ("", "The answer is 42.")
 
@@ -117,22 +120,25 @@ def metric_names(names: list[str]) -> list[str]:
 
 def score(rewards: list[Reward], prompts: list, completions: list, columns: list[dict], *, step: int,
           rows: list[str], completion_ids: Optional[list[list[int]]] = None, state: Any = None,
-          logged: Optional[Logged] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          logged: Optional[Logged] = None, environments: Optional[list] = None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Score the i-th completion of prompts[i] (a text, or chat messages: a text completion is then passed as
     [{"role": "assistant", "content": text}], as TRL does), its row's other columns in columns[i], its row described by
     rows[i] ("train.jsonl row 17"); `step` names where in an error. `state` is passed as trainer_state (default: a
-    TrainerState at global_step `step`); what the functions log goes into `logged` (default: dropped). Returns (the
-    weighted total, float32 (n,); each function's values, NaN for None)."""
+    TrainerState at global_step `step`); what the functions log goes into `logged` (default: dropped); `environments`
+    (rl.environment): each completion's instance, passed as TRL's `environments`. Returns (the weighted total,
+    float32 (n,); each function's values, NaN for None)."""
     assert rewards, "validate_rl requires at least one reward function"
     from transformers import TrainerState
 
     completions = [[{"role": "assistant", "content": c}] if isinstance(c, str) and isinstance(p, list) else c
                    for p, c in zip(prompts, completions)]
-    reserved = set(TRL_KEYWORDS)  # a column of the same name is shadowed, as in TRL
+    reserved = set(TRL_KEYWORDS) | ({"environments"} if environments is not None else set())  # shadowed, as TRL
     keys = [k for k in dict.fromkeys(k for row in columns for k in row) if k not in reserved]
     kwargs = {"prompts": list(prompts), "completions": completions, "completion_ids": completion_ids,
               "trainer_state": state if state is not None else TrainerState(global_step=step),
-              **{k: [row.get(k) for row in columns] for k in keys}}
+              **{k: [row.get(k) for row in columns] for k in keys},
+              **({"environments": list(environments)} if environments is not None else {})}
     per_function = {name: torch.tensor(v, dtype=torch.float32)
                     for name, v in _call_all(rewards, kwargs, len(completions), step, rows, logged).items()}
     values = torch.stack(list(per_function.values()), dim=1)
@@ -283,7 +289,7 @@ def _arguments(reward: Reward, kwargs: dict, logged: Optional[Logged]) -> dict:
             logged.extra.setdefault(column, []).extend(values)
             logged.by.setdefault(column, who)
 
-    return {**{k: v if k in _PER_BATCH else copy.deepcopy(v) for k, v in kwargs.items()},
+    return {**{k: v if k in _PER_BATCH else list(v) if k in _SHARED else copy.deepcopy(v) for k, v in kwargs.items()},
             "log_metric": log_metric, "log_extra": log_extra}
 
 
