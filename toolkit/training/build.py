@@ -74,8 +74,8 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
         log(f"data: {line}")
     if recipe.model.path is not None:  # a folder that does not fit the objective: refused from its config.json
         check_head(resolve_model(recipe.model.path, recipe.model.revision), method.scorer)
-    rewards = setup_rewards(recipe)  # online RL: each reward function imported and tried on the first rows
-    tools = setup_tools(recipe, rewards)  # rl.tools and rl.environment: imported, their schemas read
+    tools = setup_tools(recipe)  # rl.tools and rl.environment: imported, their schemas read
+    rewards = setup_rewards(recipe, tools)  # online RL: each reward function imported and tried on the first rows
     if method.teacher:
         distill.teacher_folder(recipe.rl)  # found, before anything reads it
     # by content: a changed base, reward or tool is refused early
@@ -139,16 +139,22 @@ def check_data(recipe: Recipe) -> list[str]:
     return []
 
 
-def setup_rewards(recipe: Recipe) -> list | None:
+def setup_rewards(recipe: Recipe, tools: Tools | None = None) -> list | None:
     """rl.rewards imported, and each called on the first prompt rows of the first training file (a
     JSON one) with an empty and a short completion, before the model loads: a function that cannot
-    run at all fails now, by name and row."""
+    run at all fails now, by name and row. With rl.environment, each class's get_reward is added (weight 1,
+    named after the class, as TRL's) and the functions get `environments=`, instances reset with those rows."""
     if not method_of(recipe).rewards:  # supervised, preference, distillation
         return None
     from ..data.sources import json_rows
-    from .rewards import check_rewards, load_rewards
+    from .rewards import Reward, check_rewards, load_rewards, metric_names
 
     rewards = load_rewards(recipe.rl.rewards, recipe.model.chat_template_kwargs)
+    environment = tools.environment if tools is not None else None
+    if environment is not None:
+        rewards += [Reward(name, 1.0, function) for name, function in environment.rewards()]
+        for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
+            reward.metric = metric
     source = resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")[0]
     if source.files and Path(source.files[0]).suffix.lower() in (".json", ".jsonl"):
         rows = []
@@ -158,7 +164,9 @@ def setup_rewards(recipe: Recipe) -> list | None:
                 break
         check_rewards(rewards, [r.get("prompt") for r, _ in rows], [{k: v for k, v in r.items() if k != "prompt"}
                                                                     for r, _ in rows],
-                      [f"{source.name} row {n}" for _, n in rows])
+                      [f"{source.name} row {n}" for _, n in rows],
+                      (lambda picked: environment.batch([rows[i][0] for i in picked], 1).environments)
+                      if environment is not None else None)
     return rewards
 
 
@@ -181,23 +189,18 @@ class Tools:
     code: list
 
 
-def setup_tools(recipe: Recipe, rewards: list | None) -> Tools | None:
+def setup_tools(recipe: Recipe) -> Tools | None:
     """rl.tools imported and their schemas read; rl.environment's classes imported, one instance of each made and
-    its methods read, and each class's get_reward added to `rewards` (weight 1, named after the class, as TRL's);
-    None where the recipe names neither. Before the model loads: a tool or class the loop cannot use fails now."""
+    its methods read; None where the recipe names neither. Before the model loads: a tool or class the loop cannot
+    use fails now."""
     rl = recipe.rl
     if not rl.tools and rl.environment is None:
         return None
     from ..rollout.environments import load_environment
-    from .rewards import Reward, metric_names
 
     modules: dict = {}
     tools = load_tools(rl.tools, modules)
     environment = load_environment(rl.environment, tools, modules) if rl.environment is not None else None
-    if environment is not None:
-        rewards += [Reward(name, 1.0, function) for name, function in environment.rewards()]
-        for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
-            reward.metric = metric
     return Tools(tools, environment, tools + (environment.methods() if environment is not None else []))
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.objectives import DPO_LOSS_TYPES as LOSS_TYPES
-from ..config.objectives import F_DIVERGENCE_LOSS_TYPES
+from ..config.objectives import DPO_OPTIONS, F_DIVERGENCE_LOSS_TYPES
 
 
 def loss_types(loss_type: str | list[str]) -> list[str]:
@@ -126,3 +126,20 @@ def dpo_losses(chosen: torch.Tensor, rejected: torch.Tensor, chosen_n: torch.Ten
                                  valid=valid)
         total = term if total is None else total + term
     return total
+
+
+def options(cfg) -> dict:
+    """The keys of the preference section that DPO's loss types take (config/objectives.DPO_OPTIONS), as dpo_losses'
+    keywords."""
+    return {name: getattr(cfg, name) for name in DPO_OPTIONS}
+
+
+def described(cfg) -> list[str]:
+    """The start-of-run words of DPO's loss: its loss types (and their weights) first, then the keys they use that
+    are not their defaults."""
+    weights = f" x {', '.join(f'{w:g}' for w in cfg.loss_weights)}" if cfg.loss_weights else ""
+    return [f"loss_type {'+'.join(loss_types(cfg.loss_type))}{weights}"] \
+        + ([f"discopop_tau {cfg.discopop_tau:g}"] if "discopop" in loss_types(cfg.loss_type) else []) \
+        + ([f"f_divergence_type {cfg.f_divergence_type}"] if cfg.f_divergence_type != "reverse_kl" else []) \
+        + ([f"f_alpha_divergence_coef {cfg.f_alpha_divergence_coef:g}"]
+           if cfg.f_divergence_type == "alpha_divergence" else [])

@@ -21,7 +21,9 @@ import torch
 from ..data.formats import IGNORE
 from ..errors import ToolkitError
 from ..observe import measure
-from .dpo_losses import dpo_losses, loss_types
+from .dpo_losses import described as dpo_losses_described
+from .dpo_losses import dpo_losses
+from .dpo_losses import options as dpo_options
 from .loss import has_router, sequence_index, token_logps, token_loss_sum
 
 
@@ -192,14 +194,13 @@ class Supervised(Objective):
 def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_n: torch.Tensor,
                       rejected_n: torch.Tensor, ref_chosen: torch.Tensor | None = None,
                       ref_rejected: torch.Tensor | None = None, *, beta: float, loss_type: str | list[str] = "sigmoid",
-                      label_smoothing: float = 0.0, gamma: float = 0.5, loss_weights: list[float] | None = None,
-                      discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
-                      f_alpha_divergence_coef: float = 0.5, valid: torch.Tensor | None = None):
+                      label_smoothing: float = 0.0, gamma: float = 0.5, valid: torch.Tensor | None = None,
+                      **dpo_options):
     """Per pair: (loss, reward of the chosen, reward of the rejected), from each completion's summed
     target log-probabilities (`loss.token_logps`) and target counts, as TRL 1.x defines them:
-    - "dpo": TRL 1.16's DPO loss types (`dpo_losses`: `loss_type` a name or a list combined with
-      `loss_weights`; label_smoothing, discopop_tau, f_divergence_type, f_alpha_divergence_coef and
-      `valid`, the pairs aot sorts among, as there);
+    - "dpo": TRL 1.16's DPO loss types (`dpo_losses`: `loss_type` a name or a list; label_smoothing,
+      `valid`, the pairs aot sorts among, and `dpo_options`, the keys of its own loss types, as there:
+      `dpo_losses.options` gathers them from the recipe);
       rewards β·(policy - reference).
     - "simpo" (TRL's CPO with loss_type simpo, no NLL term): average log-probabilities c, r; -log
       σ(β·(c - r - γ/β)), smoothed by label_smoothing; rewards β·c, β·r.
@@ -211,9 +212,7 @@ def preference_losses(method: str, chosen: torch.Tensor, rejected: torch.Tensor,
 
     if method == "dpo":
         losses = dpo_losses(chosen, rejected, chosen_n, rejected_n, ref_chosen, ref_rejected, beta=beta,
-                            loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
-                            discopop_tau=discopop_tau, f_divergence_type=f_divergence_type,
-                            f_alpha_divergence_coef=f_alpha_divergence_coef, valid=valid)
+                            loss_type=loss_type, label_smoothing=label_smoothing, valid=valid, **dpo_options)
         return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
     c, r = chosen / chosen_n, rejected / rejected_n
     if method == "simpo":
@@ -249,16 +248,10 @@ class Preference(Objective):
     def describe(self) -> list[str]:
         """What the preference objective is and where DPO's reference comes from."""
         p = self.cfg
-        weights = f" x {', '.join(f'{w:g}' for w in p.loss_weights)}" if p.loss_weights else ""
-        knobs = [f"beta {p.beta:g}"] + ([f"loss_type {'+'.join(loss_types(p.loss_type))}{weights}"]
-                                        if p.method == "dpo" else []) \
+        knobs = [f"beta {p.beta:g}"] + (dpo_losses_described(p)[:1] if p.method == "dpo" else []) \
             + ([f"gamma {p.gamma:g}"] if p.method == "simpo" else []) \
             + ([f"label_smoothing {p.label_smoothing:g}"] if p.label_smoothing else []) \
-            + ([f"discopop_tau {p.discopop_tau:g}"] if "discopop" in loss_types(p.loss_type) else []) \
-            + ([f"f_divergence_type {p.f_divergence_type}"] if p.method == "dpo" and p.f_divergence_type != "reverse_kl"
-               else []) \
-            + ([f"f_alpha_divergence_coef {p.f_alpha_divergence_coef:g}"]
-               if p.method == "dpo" and p.f_divergence_type == "alpha_divergence" else [])
+            + (dpo_losses_described(p)[1:] if p.method == "dpo" else [])
         where = {"adapter": "reference: the model with its LoRA adapter disabled (one more forward per micro-batch, "
                             "without gradient; no second model)",
                  "precomputed": "reference: log-probabilities computed once with the starting weights, before step 1, "
@@ -302,9 +295,7 @@ class Preference(Objective):
         losses, chosen, rejected = preference_losses(p.method, logps[:n], logps[n:], counts[:n], counts[n:], *ref,
                                                      beta=p.beta, loss_type=p.loss_type,
                                                      label_smoothing=p.label_smoothing, gamma=p.gamma or 0.0,
-                                                     loss_weights=p.loss_weights, discopop_tau=p.discopop_tau,
-                                                     f_divergence_type=p.f_divergence_type,
-                                                     f_alpha_divergence_coef=p.f_alpha_divergence_coef, valid=valid)
+                                                     valid=valid, **(dpo_options(p) if p.method == "dpo" else {}))
         zero = torch.zeros((), device=logps.device, dtype=torch.float64)
         kept = valid.to(torch.float64)
         for name, value in zip(self.eval_metrics, (chosen, rejected, chosen - rejected, (chosen > rejected))):

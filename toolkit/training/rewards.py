@@ -147,9 +147,11 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: list
     return total, per_function
 
 
-def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], rows: list[str]) -> None:
+def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], rows: list[str],
+                  environments: Optional[Callable[[list[int]], list]] = None) -> None:
     """Before the model loads: every built-in finds its column in every row given, and every function scores an empty
-    and a short completion of the first rows, so one that cannot run fails now (the errors of `score`, step 0)."""
+    and a short completion of the first rows, so one that cannot run fails now (the errors of `score`, step 0).
+    `environments(rows)` (rl.environment): an instance reset with each of those rows, passed as `environments`."""
     for reward in rewards:
         missing = next((i for i, row in enumerate(columns) if reward.column and row.get(reward.column) is None), None)
         if missing is not None:
@@ -158,7 +160,8 @@ def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], row
     picked = [i for i in first for _ in _CHECK_COMPLETIONS]
     tried = [c for _ in first for c in _CHECK_COMPLETIONS]
     score(rewards, [prompts[i] for i in picked], tried, [columns[i] for i in picked], step=0,
-          rows=[rows[i] for i in picked], completion_ids=[[0] * len(c.split()) for c in tried])  # stand-in ids
+          rows=[rows[i] for i in picked], completion_ids=[[0] * len(c.split()) for c in tried],  # stand-in ids
+          environments=environments(picked) if environments is not None else None)
 
 
 # --- loading
