@@ -185,3 +185,26 @@ def test_tool_turns_sample_through_a_vllm_server_alike_on_one_and_two_processes(
         assert r["tool_call_frequency"] >= 2 / 3 - 1e-9 and 0 < r["tool_failure_frequency"] < 1, r
     assert_runs_close(*runs, ("loss", "reward", "tool_call_frequency", "tool_failure_frequency",
                               "completion_length"), STEPS)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"rl__tools": [f"{CALC}:no_docstring"]}, "rl.tools[0]: "),
+    ({"rl__environment": f"{CALC}:add"}, "rl.environment: "),
+    ({"rl__max_tool_calling_iterations": -1}, "rl.max_tool_calling_iterations: must be 0 or more"),
+    ({"rl__method": "distill", "rl__teacher": "somewhere", "rl__loss_type": "dapo", "rl__rewards": [],
+      "rl__environment": None, "rl__max_tool_calling_iterations": None}, "rl.tools: a grpo/rloo setting"),
+    ({"text_prompts": True}, "text.jsonl row 1: rl.tools and rl.environment need prompts written as chat messages"),
+])
+def test_a_tool_setting_the_run_cannot_use_is_one_line_before_the_model_loads(workdir, overrides, words):
+    """Each ends in one `error:` line (exit 2, no traceback) before the model loads; nothing is written."""
+    from helpers import run_command, user_error_line
+
+    overrides = dict(overrides)
+    if overrides.pop("text_prompts", False):
+        write_jsonl(workdir / "text.jsonl", [{"prompt": q, "start": 0} for q in QUESTIONS])
+        overrides["data__train_files"] = [str(workdir / "text.jsonl")]
+        overrides["data__eval_files"] = []
+    path = recipe(workdir, "refused", **overrides)
+    line = user_error_line(run_command([sys.executable, "-m", "toolkit", "train", str(path)]))
+    assert words in line, line
+    assert not (workdir / "refused" / "checkpoints").exists()

@@ -117,8 +117,10 @@ def _kto_plan(recipe) -> str:
 
 def _rl_plan(recipe) -> str:
     rl = recipe.rl
+    tools = [str(t) for t in rl.tools] + ([f"the environment {rl.environment}"] if rl.environment else [])
     return (f"online RL, {rl.method} ({rl.loss_type} loss): {rl.num_generations} completions per prompt of at most "
-            f"{rl.max_new_tokens} tokens at temperature {rl.temperature:g}, scored by {_rewards(recipe)}")
+            f"{rl.max_new_tokens} tokens at temperature {rl.temperature:g}, scored by {_rewards(recipe)}"
+            + (f"; calling {', '.join(tools)}" if tools else ""))
 
 
 def _rl_card(recipe) -> str:

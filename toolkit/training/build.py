@@ -162,10 +162,15 @@ def setup_rewards(recipe: Recipe, tools: Tools | None = None) -> list | None:
             rows.append((row, number))
             if len(rows) == 2:
                 break
+        where = [f"{source.name} row {n}" for _, n in rows]
+        text = next((w for (r, _), w in zip(rows, where) if isinstance(r.get("prompt"), str)), None)
+        if tools is not None and text is not None:
+            raise ToolkitError(f"{text}: rl.tools and rl.environment need prompts written as chat messages (the "
+                               "tools' schemas go into the chat template); this prompt is text")
         check_rewards(rewards, [r.get("prompt") for r, _ in rows], [{k: v for k, v in r.items() if k != "prompt"}
-                                                                    for r, _ in rows],
-                      [f"{source.name} row {n}" for _, n in rows],
-                      (lambda picked: environment.batch([rows[i][0] for i in picked], 1).environments)
+                                                                    for r, _ in rows], where,
+                      (lambda picked: environment.batch([rows[i][0] for i in picked], 1,
+                                                        [where[i] for i in picked]).environments)
                       if environment is not None else None)
     return rewards
 
