@@ -72,21 +72,22 @@ def folder(tmp_path_factory):
     return folder
 
 
-def trl_trainer(tmp_path, folder, tools):
+def trl_trainer(tmp_path, folder, rows: list[dict], **given):
+    """TRL's GRPOTrainer on `rows`, its turns scripted; `given`: tools= or environment_factory=."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, seed=0,
-                      per_device_train_batch_size=G * len(PROMPTS), num_generations=G, max_completion_length=MAX_NEW,
+                      per_device_train_batch_size=G * len(rows), num_generations=G, max_completion_length=MAX_NEW,
                       gradient_accumulation_steps=1, learning_rate=1e-6, save_strategy="no", logging_steps=1,
                       temperature=0.7, loss_type="grpo")
     state = {}
 
     def rollout(prompts, trainer):
         ids = trainer._tokenize_prompts(prompts)[0]
-        state["script"] = script = Script(trainer.processing_class, [ids[i] for i in range(0, len(ids))])
-        first = script(ids)
+        state["script"] = Script(trainer.processing_class, ids)
+        first = state["script"](ids)
         return {"prompt_ids": ids, "completion_ids": first, "logprobs": [[0.0] * len(c) for c in first]}
 
     def single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -97,21 +98,22 @@ def trl_trainer(tmp_path, folder, tools):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = GRPOTrainer(model=model, reward_funcs=[conversation_reward], args=args,
-                              train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
-                              processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout,
-                              tools=[t.function for t in tools])
+                              train_dataset=Dataset.from_list(rows),
+                              processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout, **given)
     trainer._generate_single_turn = single_turn
     return trainer
 
 
-def ours(trainer, tools):
+def ours(trainer, rows: list[dict], tools, loaded=None, **rl):
+    """Our GroupRL over a copy of TRL's model, its turns scripted alike; with `loaded` (rl.environment as loaded),
+    its rewards beside ours, as the run adds them."""
     from accelerate import Accelerator
 
     from toolkit.backends import Backend
     from toolkit.config import RewardConfig, RLConfig
     from toolkit.training.loss import use_token_loss
     from toolkit.training.online import GroupRL
-    from toolkit.training.rewards import load_rewards
+    from toolkit.training.rewards import load_rewards, with_environment
     from toolkit.training.rl_tools import ToolRollouts
 
     model = copy.deepcopy(trainer.model)
@@ -122,11 +124,13 @@ def ours(trainer, tools):
     module.conversation_reward = conversation_reward
     sys.modules["tools_trl_rewards"] = module
     rewards = load_rewards([RewardConfig(function="tools_trl_rewards:conversation_reward")])
+    if loaded is not None:
+        rewards = with_environment(rewards, loaded)
     cfg = RLConfig(method="grpo", num_generations=G, max_new_tokens=MAX_NEW, rewards=[], temperature=0.7,
-                   loss_type="grpo", beta=0.0, tools=[t.spec for t in tools])
+                   loss_type="grpo", beta=0.0, tools=[t.spec for t in tools], **rl)
     cfg.epsilon_high = cfg.epsilon
     tokenizer = trainer.processing_class  # with the response schema TRL gave it (ours: the same, rollout/tools)
-    rolls = ToolRollouts(cfg, tools, tokenizer, {}, model.config.max_position_embeddings)
+    rolls = ToolRollouts(cfg, tools, tokenizer, {}, model.config.max_position_embeddings, loaded)
     objective = GroupRL(cfg, rewards, tokenizer, backend, 0, ["train"], ["train"], tools=rolls)
     objective.stops = list(trainer.eos_token_ids)
     script = {}
@@ -136,17 +140,30 @@ def ours(trainer, tools):
             script["s"] = Script(tokenizer, prompts)
         return script["s"](prompts)
     objective.generate = generate
-    micro = {"prompt_ids": [[0]] * len(PROMPTS), "keys": torch.tensor([[0, i] for i in range(len(PROMPTS))]),
-             "fields": [{"prompt": p} for p in PROMPTS]}
+    micro = {"prompt_ids": [[0]] * len(rows), "keys": torch.tensor([[0, i] for i in range(len(rows))]),
+             "fields": [dict(r) for r in rows]}
     return model, objective, micro
+
+
+def same_sequences(theirs: dict, mine: dict) -> None:
+    """Each rollout's prompt and completion token for token, and the same tokens in the loss (TRL's completion mask
+    times its tool mask: the tool-result tokens out of it)."""
+    loss_mask = theirs["completion_mask"] * theirs["tool_mask"]
+    for i in range(len(theirs["prompt_ids"])):
+        p, n = int(theirs["prompt_mask"][i].sum()), int(theirs["completion_mask"][i].sum())
+        assert mine["input_ids"][i, :p + n].tolist() == theirs["prompt_ids"][i, -p:].tolist() \
+            + theirs["completion_ids"][i, :n].tolist()
+        assert mine["completion_mask"][i, p - 1:p - 1 + n].tolist() == loss_mask[i, :n].tolist()
+        assert mine["completion_mask"][i].sum() == loss_mask[i].sum()
 
 
 def test_grpo_with_tools_equals_trls_trainer_from_turns_to_gradients(tmp_path, folder):
     from toolkit.rollout.tools import load_tools
 
     tools = load_tools([f"{CALC}:add", f"{CALC}:divide"])
-    trainer = trl_trainer(tmp_path, folder, tools)
-    model, objective, micro = ours(trainer, tools)
+    rows = [{"prompt": p} for p in PROMPTS]
+    trainer = trl_trainer(tmp_path, folder, rows, tools=[t.function for t in tools])
+    model, objective, micro = ours(trainer, rows, tools)
     trainer.model.train()
     model.train()
     theirs = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(G)])
@@ -158,14 +175,8 @@ def test_grpo_with_tools_equals_trls_trainer_from_turns_to_gradients(tmp_path, f
     assert objective.generated["tool_failure_frequency"] == pytest.approx(trl_metrics["tools/failure_frequency"])
     assert trl_metrics["tools/failure_frequency"] == pytest.approx(2 / 3)
     # the same sequences, and the same tokens in the loss: the tool-result tokens out of it
-    loss_mask = theirs["completion_mask"] * theirs["tool_mask"]
     assert (theirs["tool_mask"] == 0).sum() > 20
-    for i in range(len(TURNS)):
-        p, n = int(theirs["prompt_mask"][i].sum()), int(theirs["completion_mask"][i].sum())
-        assert mine["input_ids"][i, :p + n].tolist() == theirs["prompt_ids"][i, -p:].tolist() \
-            + theirs["completion_ids"][i, :n].tolist()
-        assert mine["completion_mask"][i, p - 1:p - 1 + n].tolist() == loss_mask[i, :n].tolist()
-        assert mine["completion_mask"][i].sum() == loss_mask[i].sum()
+    same_sequences(theirs, mine)
     assert objective.generated["reward"] == pytest.approx(trl_metrics["reward"], rel=1e-6)
     torch.testing.assert_close(mine["advantages"].double(), theirs["advantages"].double(), rtol=1e-5, atol=1e-5)
     assert mine["advantages"].abs().sum() > 0
@@ -186,78 +197,16 @@ def test_grpo_with_an_environment_equals_trls_trainer_from_turns_to_gradients(tm
     rollouts, rewards (each column), advantages, loss and gradients."""
     import importlib.util
 
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
     from toolkit.rollout.environments import load_environment
-    from toolkit.training.rewards import Reward, metric_names
 
     monkeypatch.setattr(sys.modules[__name__], "TURNS", ENV_TURNS)
     spec = importlib.util.spec_from_file_location("tools_trl_envs", ENVS)
     envs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(envs)
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, seed=0,
-                      per_device_train_batch_size=G * len(ENV_ROWS), num_generations=G, max_completion_length=MAX_NEW,
-                      gradient_accumulation_steps=1, learning_rate=1e-6, save_strategy="no", logging_steps=1,
-                      temperature=0.7, loss_type="grpo")
-    state = {}
-
-    def rollout(prompts, trainer):
-        ids = trainer._tokenize_prompts(prompts)[0]
-        state["script"] = Script(trainer.processing_class, ids)
-        first = state["script"](ids)
-        return {"prompt_ids": ids, "completion_ids": first, "logprobs": [[0.0] * len(c) for c in first]}
-
-    def single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        out = state["script"](prompt_ids)
-        return out, [[0.0] * len(c) for c in out]
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                              reward_funcs=[conversation_reward], args=args, train_dataset=Dataset.from_list(ENV_ROWS),
-                              processing_class=AutoTokenizer.from_pretrained(folder), rollout_func=rollout,
-                              environment_factory=envs.Counter)
-    trainer._generate_single_turn = single_turn
-
-    from accelerate import Accelerator
-
-    from toolkit.backends import Backend
-    from toolkit.config import RewardConfig, RLConfig
-    from toolkit.training.loss import use_token_loss
-    from toolkit.training.online import GroupRL
-    from toolkit.training.rewards import load_rewards
-    from toolkit.training.rl_tools import ToolRollouts
-
-    model = copy.deepcopy(trainer.model)
-    use_token_loss(model, "full", chunk_tokens=5)
-    backend = Backend()
-    backend.accelerator = Accelerator(cpu=True)
-    module = type(sys)("tools_trl_rewards")
-    module.conversation_reward = conversation_reward
-    sys.modules["tools_trl_rewards"] = module
-    environment = load_environment(f"{ENVS}:Counter")
-    rewards = load_rewards([RewardConfig(function="tools_trl_rewards:conversation_reward")])
-    rewards += [Reward(name, 1.0, function) for name, function in environment.rewards()]
-    for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
-        reward.metric = metric
-    cfg = RLConfig(method="grpo", num_generations=G, max_new_tokens=MAX_NEW, rewards=[], temperature=0.7,
-                   loss_type="grpo", beta=0.0, environment=f"{ENVS}:Counter")
-    cfg.epsilon_high = cfg.epsilon
-    tokenizer = trainer.processing_class
-    rolls = ToolRollouts(cfg, [], tokenizer, {}, model.config.max_position_embeddings, environment)
-    objective = GroupRL(cfg, rewards, tokenizer, backend, 0, ["train"], ["train"], tools=rolls)
-    objective.stops = list(trainer.eos_token_ids)
-    script = {}
-
-    def generate(model, prompts, seeds):
-        if "s" not in script:
-            script["s"] = Script(tokenizer, prompts)
-        return script["s"](prompts)
-    objective.generate = generate
-    micro = {"prompt_ids": [[0]] * len(ENV_ROWS), "keys": torch.tensor([[0, i] for i in range(len(ENV_ROWS))]),
-             "fields": [dict(r) for r in ENV_ROWS]}
+    trainer = trl_trainer(tmp_path, folder, ENV_ROWS, environment_factory=envs.Counter)
+    model, objective, micro = ours(trainer, ENV_ROWS, [], load_environment(f"{ENVS}:Counter"),
+                                   environment=f"{ENVS}:Counter")
+    rolls = objective.tools
 
     trainer.model.train()
     model.train()
@@ -270,11 +219,6 @@ def test_grpo_with_an_environment_equals_trls_trainer_from_turns_to_gradients(tm
     assert [e.total for e in rolls.environment.kinds[None].pool[:4]] == [5, 3, 12, 7]
     assert objective.generated["reward_Counter"] == pytest.approx(trl_metrics["rewards/Counter/mean"]) == 27 / 4
     assert objective.generated["reward"] == pytest.approx(trl_metrics["reward"], rel=1e-6)
-    loss_mask = theirs["completion_mask"] * theirs["tool_mask"]
-    for i in range(len(ENV_TURNS)):
-        p, n = int(theirs["prompt_mask"][i].sum()), int(theirs["completion_mask"][i].sum())
-        assert mine["input_ids"][i, :p + n].tolist() == theirs["prompt_ids"][i, -p:].tolist() \
-            + theirs["completion_ids"][i, :n].tolist()
-        assert mine["completion_mask"][i, p - 1:p - 1 + n].tolist() == loss_mask[i, :n].tolist()
+    same_sequences(theirs, mine)
     torch.testing.assert_close(mine["advantages"].double(), theirs["advantages"].double(), rtol=1e-5, atol=1e-5)
     iterations_agree(trainer, theirs, model, objective, mine, 1, False, lambda sums, metrics: None)

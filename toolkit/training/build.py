@@ -55,7 +55,7 @@ from ..optim import optimizers
 from ..rollout.tools import check_tokenizer, load_tools
 from ..stops import Preemption
 from ..storage import checkpoint, disk, inputs, run_folder
-from . import distill, objectives, reference
+from . import distill, objectives, reference, rl_tools
 from .loop import Run
 from .loss import use_token_loss
 from .samples import Samples
@@ -147,14 +147,12 @@ def setup_rewards(recipe: Recipe, tools: Tools | None = None) -> list | None:
     if not method_of(recipe).rewards:  # supervised, preference, distillation
         return None
     from ..data.sources import json_rows
-    from .rewards import Reward, check_rewards, load_rewards, metric_names
+    from .rewards import check_rewards, load_rewards, with_environment
 
     rewards = load_rewards(recipe.rl.rewards, recipe.model.chat_template_kwargs)
     environment = tools.environment if tools is not None else None
     if environment is not None:
-        rewards += [Reward(name, 1.0, function) for name, function in environment.rewards()]
-        for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
-            reward.metric = metric
+        rewards = with_environment(rewards, environment)
     source = resolve_sources(recipe.data.train_files, recipe.data, "data.train_files")[0]
     if source.files and Path(source.files[0]).suffix.lower() in (".json", ".jsonl"):
         rows = []
@@ -165,8 +163,7 @@ def setup_rewards(recipe: Recipe, tools: Tools | None = None) -> list | None:
         where = [f"{source.name} row {n}" for _, n in rows]
         text = next((w for (r, _), w in zip(rows, where) if isinstance(r.get("prompt"), str)), None)
         if tools is not None and text is not None:
-            raise ToolkitError(f"{text}: rl.tools and rl.environment need prompts written as chat messages (the "
-                               "tools' schemas go into the chat template); this prompt is text")
+            raise rl_tools.text_prompt(text)
         check_rewards(rewards, [r.get("prompt") for r, _ in rows], [{k: v for k, v in r.items() if k != "prompt"}
                                                                     for r, _ in rows], where,
                       (lambda picked: environment.batch([rows[i][0] for i in picked], 1,

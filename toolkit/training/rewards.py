@@ -147,6 +147,15 @@ def score(rewards: list[Reward], prompts: list, completions: list, columns: list
     return total, per_function
 
 
+def with_environment(rewards: list[Reward], environment) -> list[Reward]:
+    """`rewards` and rl.environment's own (rollout/environments.Environments.rewards: one per class that defines
+    get_reward, weight 1, named after the class, as TRL adds them), every metric name made again over them all."""
+    rewards = rewards + [Reward(name, 1.0, function) for name, function in environment.rewards()]
+    for reward, metric in zip(rewards, metric_names([r.name for r in rewards])):
+        reward.metric = metric
+    return rewards
+
+
 def check_rewards(rewards: list[Reward], prompts: list, columns: list[dict], rows: list[str],
                   environments: Optional[Callable[[list[int]], list]] = None) -> None:
     """Before the model loads: every built-in finds its column in every row given, and every function scores an empty

@@ -64,8 +64,7 @@ class ToolRollouts:
         eval padding, without a prompt, gets rl.tools only and no instance)."""
         for f, row in zip(fields, rows[::g]):
             if isinstance(f.get("prompt"), str):
-                raise ToolkitError(f"{row}: rl.tools and rl.environment need prompts written as chat messages (the "
-                                   "tools' schemas go into the chat template); this prompt is text")
+                raise text_prompt(row)
         prompts = [self.messages(f) for f in fields for _ in range(g)]
         tools = environments = None
         if self.environment is not None:
@@ -105,6 +104,12 @@ class ToolRollouts:
                       [r.logprobs for r in rollouts] if logprobs is not None else None,
                       sum(r.tool_calls for r in rollouts), sum(r.tool_failures for r in rollouts),
                       sum(r.tool_timeouts for r in rollouts))
+
+
+def text_prompt(where: str) -> ToolkitError:
+    """The refusal of a text prompt where the rollout calls tools (`where`: its row)."""
+    return ToolkitError(f"{where}: rl.tools and rl.environment need prompts written as chat messages (the tools' "
+                        "schemas go into the chat template); this prompt is text")
 
 
 def subset(rolled: Rolled | None, rows: list[int]) -> Rolled | None:
