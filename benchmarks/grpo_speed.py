@@ -75,7 +75,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "tasks_prompts_train.jsonl"
 SEED = 0
-SIDES = ("toolkit", "vllm", "trl")  # vllm: `toolkit train` with rl.sampler vllm (needs `make vllm`)
+SIDES = ("toolkit", "vllm", "ahead", "trl")  # vllm: `toolkit train` with rl.sampler vllm (needs `make vllm`); ahead:
+# the same with rl.max_staleness (--staleness): the server samples later batches while a step trains
 
 
 def letters(completions, **kwargs) -> list[float]:
@@ -128,6 +129,9 @@ def prepare(work: Path, a) -> Path:
     recipe["output_dir"] = str(work / "vllm_run")  # the same with a vLLM server the run starts (.venv-vllm)
     recipe["rl"]["sampler"] = "vllm"
     (work / "recipe_vllm.yaml").write_text(yaml.safe_dump(recipe))
+    recipe["output_dir"] = str(work / "ahead_run")  # and sampling ahead, at a lag of --staleness steps
+    recipe["rl"]["max_staleness"] = a.staleness
+    (work / "recipe_ahead.yaml").write_text(yaml.safe_dump(recipe))
     return model
 
 
@@ -164,7 +168,8 @@ def launch(cmd: list[str], log: Path, metrics: Path | None = None) -> tuple[int,
 def run_toolkit(work: Path, a, sampler: str = "toolkit") -> dict:
     """Ours, sampling itself or (sampler "vllm") through the vLLM server the run starts; the server is a process
     of its own: its memory is not in the peak, and its start (about a minute here) is before step 1."""
-    run, recipe = ("toolkit_run", "recipe.yaml") if sampler == "toolkit" else ("vllm_run", "recipe_vllm.yaml")
+    run, recipe = ("toolkit_run", "recipe.yaml") if sampler == "toolkit" else \
+        (f"{sampler}_run", f"recipe_{sampler}.yaml")
     shutil.rmtree(work / run, ignore_errors=True)  # a repeat's metrics.jsonl starts empty
     code, wall, peak, cpu = launch([sys.executable, "-m", "toolkit", "train", str(work / recipe)],
                                    work / f"{sampler}.log", work / run / "metrics.jsonl")
@@ -290,7 +295,8 @@ def side_figures(a, who: str, r: dict) -> dict:
            "ms_per_completion_token": 1000 * step_s / (length * n),
            "generation_seconds_per_step": gen_s,  # generate + rewards (+ building the batch, ours)
            "generation_ms_per_completion_token": 1000 * gen_s / (length * n),
-           "mean_reward": statistics.mean(r["reward"]), "process_seconds": r["process_seconds"]}
+           "mean_reward": statistics.mean(r["reward"]), "reward_curve": [round(x, 4) for x in r["reward"]],
+           "process_seconds": r["process_seconds"]}
     if who != "trl":
         out["step_profile"], out["step_profile_shares"] = r["profile"], r["profile_shares"]
     else:
@@ -315,7 +321,7 @@ def summarize(a, model: Path, runs: dict) -> dict:
         for key, value in best.items():
             if isinstance(value, float):
                 side[key] = round(statistics.median(f[key] for f in figures), 3)
-            elif key == "steps_seconds":
+            elif key in ("steps_seconds", "reward_curve"):
                 side[key] = [f[key] for f in figures]  # per process, steps 2..N
             else:
                 side[key] = value
@@ -334,11 +340,11 @@ def summarize(a, model: Path, runs: dict) -> dict:
         "model": str(model) if a.model else f"preset {a.preset} (initial weights)",
         "prompts": a.prompts, "generations": a.generations, "completions_per_step": a.prompts * a.generations,
         "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p, "lr": a.lr,
-        "loss_type": "dapo", "lora": a.lora,
+        "loss_type": "dapo", "lora": a.lora, "staleness": a.staleness if "ahead" in runs else None,
         "beta": 0.0, "precision": "fp32", "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats, **sides,
     }
     for mine, other, prefix in (("toolkit", "trl", "ratio"), ("vllm", "trl", "ratio_vllm_trl"),
-                                ("vllm", "toolkit", "ratio_vllm_toolkit")):
+                                ("vllm", "toolkit", "ratio_vllm_toolkit"), ("ahead", "vllm", "ratio_ahead_vllm")):
         if mine not in sides or other not in sides:
             continue
         ours, theirs = sides[mine], sides[other]
@@ -362,7 +368,7 @@ def cpu_name() -> str:
 def forwarded(a) -> list[str]:
     return ["--steps", str(a.steps), "--warmup", str(a.warmup), "--prompts", str(a.prompts), "--generations",
             str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--temperature", str(a.temperature),
-            "--top-p", str(a.top_p), "--lr", str(a.lr), "--lora", str(a.lora)]
+            "--top-p", str(a.top_p), "--lr", str(a.lr), "--lora", str(a.lora), "--staleness", str(a.staleness)]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -384,6 +390,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LoRA of rank R on every linear layer, on every side (0: full fine-tuning)")
     p.add_argument("--only", choices=SIDES, nargs="*", default=["toolkit", "trl"],
                    help="the sides (default toolkit and trl; vllm samples through a vLLM server: `make vllm`)")
+    p.add_argument("--staleness", type=int, default=1, help="the ahead side's rl.max_staleness (default 1)")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--tiny", action="store_true", help="a fast run for the test: tiny-llama-mini, 3 steps, 2 x 4, 8 "
                                                        "tokens (overrides those options)")
@@ -437,11 +444,13 @@ def report(result: dict, a) -> None:
                   f"{s['peak_rss_mib']:,.0f} MiB, mean completion {s['mean_completion_length']} tokens (max "
                   f"{s['max_completion_length_seen']}), {s['ms_per_completion_token']} ms per completion token; "
                   f"generation {s['generation_seconds_per_step']:.3f} s/step", file=sys.stderr)
-    for who in ("toolkit", "vllm"):
+    for who in ("toolkit", "vllm", "ahead"):
         if who in result:
             print(f"{who}: {result[who]['step_profile']}", file=sys.stderr)
+            print(f"{who}: reward per step {result[who]['reward_curve']}", file=sys.stderr)
     for key in ("ratio_vllm_trl_seconds_per_step", "ratio_vllm_toolkit_seconds_per_step",
-                "ratio_vllm_toolkit_generation_seconds_per_step"):
+                "ratio_vllm_toolkit_generation_seconds_per_step", "ratio_ahead_vllm_seconds_per_step",
+                "ratio_ahead_vllm_cpu_seconds_per_step", "ratio_ahead_vllm_generation_seconds_per_step"):
         if key in result:
             print(f"{key}: {result[key]}", file=sys.stderr)
     print(json.dumps(result))

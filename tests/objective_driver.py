@@ -25,7 +25,7 @@ class Doubled(objectives.Supervised):
 class Remade(objectives.Objective):
     unit = "target tokens"
 
-    def step_batches(self, model, micro_batches, step):
+    def step_batches(self, model, micro_batches, step, later=()):
         return [{k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                 for b in micro_batches]
 

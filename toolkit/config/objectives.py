@@ -286,6 +286,18 @@ class RLConfig:
     that the run starts from `make vllm`'s environment (rl.vllm_python) and stops at its end, or the one at
     rl.vllm_url; the LoRA adapter (or, in full fine-tuning, the weights) is loaded into it before each generated
     batch, and the loss is corrected for its log-probabilities (rl.vllm_importance_sampling_*). grpo and rloo."""
+    max_staleness: int = 0
+    """rl.sampler: vllm: how many optimizer steps the weights a batch is sampled with may lag behind the
+    trained ones, so that the server samples later steps' batches while this one trains (TRL's
+    AsyncGRPOTrainer). 0: each batch is sampled with the weights as its step starts (on-policy). s >= 1:
+    the batch of step k is sampled with the weights after step max(k - 1 - s, 0), in a thread of its
+    own that starts once those weights are in the server and runs while the steps between train; the
+    loss's correction (rl.vllm_importance_sampling_correction, needed here) covers the lag, and
+    metrics.jsonl's `staleness` says each batch's. Unlike TRL's, whose lag is whatever the timing
+    gives up to the bound, the lag is always s (less in the first steps), so a run is reproducible and
+    resumes exactly: a checkpoint holds the batches sampled ahead. On one server, 1 overlaps all
+    there is to overlap (the weights are loaded between batches); more only adds lag. grpo and rloo,
+    one iteration per batch, no rl.environment."""
     vllm_url: Optional[str] = None
     """A running vLLM server (http://HOST:PORT, TRL's vllm_server_base_url) serving this run's model.path with
     --logprobs-mode processed_logprobs, and with LoRA --enable-lora and runtime LoRA updating on, in full

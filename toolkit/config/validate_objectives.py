@@ -308,14 +308,31 @@ def validate_sampling(r: Recipe, need) -> None:
          "shows completions of the table rl.log_completions writes; set rl.log_completions: true")
 
 
-VLLM_KEYS = ("vllm_url", "vllm_python", "vllm_args", "vllm_timeout", "vllm_importance_sampling_correction",
-             "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+VLLM_KEYS = ("max_staleness", "vllm_url", "vllm_python", "vllm_args", "vllm_timeout",
+             "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+             "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 
 
 # Server arguments the run sets itself for the server it starts (rollout/server.py): given again, they would
 # move it away from where the run looks for it or change what its answers mean.
 RUN_SET_ARGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode", "--worker-extension-cls",
                 "--uds", "--ssl-keyfile", "--ssl-certfile", "--api-key")
+
+
+def validate_staleness(r: Recipe, need) -> None:
+    """rl.max_staleness: batches sampled ahead on the server, whose lag the correction covers."""
+    rl = r.rl
+    need(rl.max_staleness >= 0, "rl.max_staleness", f"optimizer steps, 0 or more, got {rl.max_staleness}")
+    if not rl.max_staleness:
+        return
+    need(rl.vllm_importance_sampling_correction, "rl.vllm_importance_sampling_correction",
+         f"false: with rl.max_staleness {rl.max_staleness} the batches are sampled with older weights, and the "
+         "correction is what covers the lag; set it true or rl.max_staleness: 0")
+    need(rl.num_iterations == 1, "rl.num_iterations",
+         f"{rl.num_iterations}: with rl.max_staleness each batch trains one step (as TRL's AsyncGRPOTrainer)")
+    need(rl.environment is None, "rl.environment",
+         "with rl.max_staleness: an environment's state is shared by the batches sampled ahead and cannot be "
+         "saved in a checkpoint; set rl.max_staleness: 0")
 
 
 def validate_sampler(r: Recipe, need) -> None:
@@ -341,6 +358,7 @@ def validate_sampler(r: Recipe, need) -> None:
                      "vllm_importance_sampling_clip_max"):
             need(getattr(rl, name) == getattr(default, name), f"rl.{name}",
                  "a setting of the correction, which rl.vllm_importance_sampling_correction: false turns off")
+    validate_staleness(r, need)
     need(r.model.preset is None, "rl.sampler", "vllm: the server loads model.path; a preset has no folder: save it "
          "as one first")
     need(not r.model.add_special_tokens, "model.add_special_tokens",

@@ -176,8 +176,11 @@ class VLLMSampler:
             shutil.rmtree(folder.parent, ignore_errors=True)
         return None
 
-    def sample(self, prompts: list[list[int]], seeds: list[int], stops: list[int]) -> tuple[list, list]:
-        """Each prompt's completion and its tokens' log-probabilities under the server's sampling."""
+    def sample(self, prompts: list[list[int]], seeds: list[int], stops: list[int],
+               together: bool = True) -> tuple[list, list]:
+        """Each prompt's completion and its tokens' log-probabilities under the server's sampling. `together`:
+        every rank stops on one rank's failure (a collective); False (sampling ahead, in a thread of its own,
+        rl.max_staleness): this rank's failure is raised here only and its caller has the ranks agree."""
         c = self.cfg
         params = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_p": c.top_p,
                   "top_k": c.top_k if c.top_k > 0 else -1, "min_p": c.min_p or 0.0,
@@ -189,7 +192,7 @@ class VLLMSampler:
                                        self.vocab)
         except ToolkitError as err:
             problem = self.explained(str(err))
-        if self.accelerator.num_processes > 1:  # every rank stops on one rank's failure, none waits in a collective
+        if together and self.accelerator.num_processes > 1:  # every rank stops on one's failure, none waits
             from accelerate.utils import gather_object
 
             problem = next((p for p in gather_object([problem]) if p), None)

@@ -139,9 +139,11 @@ def read_state(path: Path, rows: int | None = None) -> TrainerState:
     return TrainerState(**fields)
 
 
-def save(backend, path_final: Path, state: TrainerState, config, model, optimizer, scheduler) -> dict:
+def save(backend, path_final: Path, state: TrainerState, config, model, optimizer, scheduler,
+         objective_state=None) -> dict:
     """Write a checkpoint from every rank; visible under its final name only once complete: the
-    backend's own state, the portable state (`config.portable`) and every rank's RNG. Each rank's
+    backend's own state, the portable state (`config.portable`), every rank's RNG and what
+    `objective_state(folder)` writes (the objective's own, on every rank). Each rank's
     share is read back (the backend's `checkpoint_problem`, and the portable files on the main process):
     a checkpoint any rank cannot read back as it was saved is never marked complete, and the run
     stops. Returns the seconds each part took (main process's clock)."""
@@ -163,6 +165,8 @@ def save(backend, path_final: Path, state: TrainerState, config, model, optimize
             seconds["portable"] = time.perf_counter() - started - seconds["backend state"]
         with open(tmp / f"rng_rank{accelerator.process_index}.pkl", "wb") as f:
             pickle.dump(rng_states(), f)
+        if objective_state is not None:
+            objective_state(tmp)
         pause = float(os.environ.get("TOOLKIT_FAULT_CHECKPOINT_PAUSE", "0"))  # test seam: a slow write
         if pause:
             time.sleep(pause)

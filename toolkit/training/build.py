@@ -109,6 +109,7 @@ def build(backend: backends.Backend, recipe: Recipe, preemption: Preemption,
     if resume_from is not None:
         state = run_folder.resume(backend, resume_from, state, model, optimizer, scheduler, recipe, len(data.train))
         loaders.sampler.resume_at(*state.data_position)
+        objective.load_state(resume_from)  # online RL's batches sampled ahead (rl.max_staleness)
     open_run_folder(backend, recipe, ds_config, state, resume_from, loaders, built, tokenizer, len(data.eval))
     monitor, speed = setup_monitor(accelerator, recipe, state, built.flops, loaders.total_steps)
     return Run(backend=backend, accelerator=accelerator, recipe=recipe, model=model, optimizer=optimizer,

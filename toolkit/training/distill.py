@@ -29,6 +29,7 @@ from ..data.formats import IGNORE
 from ..errors import ToolkitError, first_line
 from ..model.load import full_numel
 from ..model.sampling import completion_seed
+from . import rl_log
 from .loss import target_distributions, token_divergences
 from .objectives import Preparation
 from .online import GroupRL
@@ -151,7 +152,7 @@ class Distill(GroupRL):
             return self.eval_units
         return int(batch["completion_mask"].sum())
 
-    def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
+    def step_batches(self, model, micro_batches: list[dict], step: int, later: list = ()) -> list[dict]:
         self.evaluating = False
         started = time.perf_counter()
         if step == 2:
@@ -250,4 +251,4 @@ class Distill(GroupRL):
             return
         rows = [{"step": step, "prompt": f.get("prompt"), "completion": self.text(c)}
                 for f, c in zip(fields, completions)]
-        self.append_table(rows)
+        rl_log.append_table(self.accelerator, self.table, rows, self.cfg.num_completions_to_print)

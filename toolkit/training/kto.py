@@ -136,7 +136,7 @@ class Unpaired(Objective):
     def preparation(self) -> Preparation | None:
         return KL_ESTIMATE if self.uses_kl else None
 
-    def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
+    def step_batches(self, model, micro_batches: list[dict], step: int, later: list = ()) -> list[dict]:
         if self.uses_kl:
             self.kl = self.kl_estimate(model, micro_batches)
         return micro_batches

@@ -8,6 +8,7 @@ without changing what it learns sits behind the monitor (`observe/monitor.py`).
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 import time
@@ -112,7 +113,8 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     monitor.begin_step(step)
     with monitor.phase("data", step):
         epoch, seen, micro_batches = next(batches)
-    micro_batches = prepare_batches(monitor, run.objective, model, micro_batches, step)
+        later = batches.peek(min(run.objective.lookahead, run.total_steps - step))  # rl.max_staleness samples ahead
+    micro_batches = prepare_batches(monitor, run.objective, model, micro_batches, step, later)
     with monitor.phase("data", step):
         # Exact accumulation: every unit of the global batch (all micro-batches, all ranks) weighs
         # the same, so the loss is a sum divided by the global count of units. Counted on the
@@ -185,14 +187,16 @@ def train_step(run: Run, step: int, batches) -> tuple[dict, bool]:
     return row, stop_requested
 
 
-def prepare_batches(monitor: Monitor, objective: Objective, model, micro_batches: list, step: int) -> list:
+def prepare_batches(monitor: Monitor, objective: Objective, model, micro_batches: list, step: int,
+                    later: list | None = None) -> list:
     """What the loss is taken on this step (`objective.step_batches`: online RL samples and scores here, KTO
     takes its KL estimate), timed and watched under the objective's own name for that work; an objective that
-    returns the loader's batches has its (next to no) time counted with the data."""
+    returns the loader's batches has its (next to no) time counted with the data. `later`: the next steps'
+    micro-batches, as many as the objective looks ahead (`Objective.lookahead`)."""
     prep = objective.preparation()
     with monitor.phase("prepare" if prep else "data", step, lap=prep.phase if prep else None,
                        detail=prep.doing if prep else ""):
-        return objective.step_batches(model, micro_batches, step)
+        return objective.step_batches(model, micro_batches, step, later or [])
 
 
 def evaluation(run: Run, step: int) -> dict:
@@ -218,7 +222,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     path = checkpoint.checkpoint_dir(run.out) / f"step-{step:06d}"
     run.monitor.watchdog.begin("checkpoint", step)
     took = checkpoint.save(run.backend, path, run.state, run.recipe.checkpoint, run.model, run.optimizer,
-                           run.scheduler)
+                           run.scheduler, run.objective.save_state)
     run.monitor.watchdog.done()
     run.monitor.outside["checkpoints"] += took["total"]
     say(run.accelerator, f"checkpoint {path.name} in {took.pop('total'):.2f} s ("
@@ -260,10 +264,31 @@ def evaluate(accelerator, model, eval_loader, objective: Objective, monitor: Mon
                if k in objective.eval_metrics}}  # the per-pair rewards; not the router's training-only loss
 
 
-def global_batches(loader, sampler, accumulation: int, repeat: int = 1):
-    """Yield (epoch, samples of that epoch seen after this step, the micro-batches of one optimizer
-    step), epoch after epoch, from the sampler's resume position; each global batch `repeat` times
-    (an objective's `iterations`)."""
+class Batches:
+    """The global batches (`global_batches`), with a look at the next ones' micro-batches: `peek(n)`."""
+
+    def __init__(self, items):
+        self.items, self.seen = items, collections.deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.seen.popleft() if self.seen else next(self.items)
+
+    def peek(self, n: int) -> list:
+        while len(self.seen) < n:
+            self.seen.append(next(self.items))
+        return [micro_batches for _, _, micro_batches in list(self.seen)[:max(n, 0)]]
+
+
+def global_batches(loader, sampler, accumulation: int, repeat: int = 1) -> Batches:
+    """(epoch, samples of that epoch seen after this step, the micro-batches of one optimizer step), epoch after
+    epoch, from the sampler's resume position; each global batch `repeat` times (an objective's `iterations`)."""
+    return Batches(_global_batches(loader, sampler, accumulation, repeat))
+
+
+def _global_batches(loader, sampler, accumulation: int, repeat: int):
     epoch = sampler.resume_epoch
     while True:
         loader.set_epoch(epoch)

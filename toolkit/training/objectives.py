@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -85,9 +86,10 @@ class Objective(ABC):
     has_eval_loss: ClassVar[bool] = True
     iterations: int = 1
     max_steps: int = 0
+    lookahead: int = 0  # later steps' micro-batches step_batches is given (online RL's rl.max_staleness)
 
     def step_batches(self, model, micro_batches: list[dict[str, torch.Tensor]],
-                     step: int) -> list[dict[str, torch.Tensor]]:
+                     step: int, later: list = ()) -> list[dict[str, torch.Tensor]]:
         return micro_batches
 
     def resumable_after(self, step: int) -> bool:
@@ -115,6 +117,13 @@ class Objective(ABC):
 
     def close(self) -> None:
         """At the run's end, however it ends: what the objective started stops (online RL's vLLM server)."""
+
+    def save_state(self, folder: Path) -> None:
+        """Into a checkpoint being written, on every rank: what the objective holds that the weights do not
+        (online RL's batches sampled ahead, rl.max_staleness)."""
+
+    def load_state(self, folder: Path) -> None:
+        """From the checkpoint a run resumes from, on every rank: what `save_state` wrote."""
 
     def begin_eval(self, model, batches) -> None:
         """Before evaluation's batches: what the objective takes over the whole eval set first

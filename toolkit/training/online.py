@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from ..errors import ToolkitError
 from ..model.inference import stop_token_ids
 from ..model.sampling import completion_seed, sample
 from . import rewards as reward_functions
-from . import rl_log, rl_tools
+from . import rl_ahead, rl_log, rl_tools
 from .loss import token_logps_each
 from .objectives import ONLINE_RL, Objective, Preparation
 from .policy_loss import (
@@ -83,6 +84,10 @@ class GroupRL(Objective):
         self.table = out / "completions.jsonl" if out is not None and cfg.log_completions else None
         self.last_step = 0  # the optimizer steps done when evaluation runs (trainer_state.global_step)
         self.sampling_said = False  # the weights a rank held while sampling: said once, after the first sampling
+        # rl.max_staleness: later steps' batches sampled on the server in a thread, with a tokenizer of their own
+        self.ahead = rl_ahead.Ahead(cfg.max_staleness, self.accelerator) if sampler and cfg.max_staleness else None
+        self.lookahead = cfg.max_staleness if self.ahead else 0
+        self.tools_ahead = rl_tools.own_tokenizer(tools) if self.ahead and tools else None
 
     # ------------------------------------------------------------------ the contract
 
@@ -98,6 +103,7 @@ class GroupRL(Objective):
                    f"; sampling from {self.backend.sampling_line(c.gather_for_sampling)}")
                 + (f"; completions logged to {self.table}" if self.table else "")] \
             + ([self.tools.describe()] if self.tools is not None else []) \
+            + ([self.ahead.describe()] if self.ahead is not None else []) \
             + ([f"router: no load-balancing loss: the model's config asks for one (router_aux_loss_coef "
                 f"{self.router_coef:g}) but the policy loss has no router term"] if self.router_coef else [])
 
@@ -147,8 +153,18 @@ class GroupRL(Objective):
             self.reference = self.backend.prepare_frozen(self.reference)
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         if self.sampler is not None:
             self.sampler.close()
+
+    def save_state(self, folder: Path) -> None:
+        if self.ahead is not None:  # the batches sampled ahead: the weights they were sampled with are gone
+            self.ahead.save(folder)
+
+    def load_state(self, folder: Path) -> None:
+        if self.ahead is not None:
+            self.ahead.load(folder)
 
     def resumable_after(self, step: int) -> bool:
         return step % self.iterations == 0  # a checkpoint between a generated batch's steps would lose it
@@ -166,7 +182,7 @@ class GroupRL(Objective):
         squared = sum(int(b["attention_mask"].sum(-1).pow(2).sum()) for b in micro_batches)
         return [units, tokens, squared]
 
-    def step_batches(self, model, micro_batches: list[dict], step: int) -> list[dict]:
+    def step_batches(self, model, micro_batches: list[dict], step: int, later: list = ()) -> list[dict]:
         self.last_step = step
         if (step - 1) % self.iterations and self.made is not None:
             self.mark_high_entropy(model, self.made)
@@ -174,17 +190,22 @@ class GroupRL(Objective):
         started = time.perf_counter()
         if step == 2:
             faults.at("generate")
-        prompts = [p for b in micro_batches for p in b["prompt_ids"]]
-        keys = torch.cat([b["keys"] for b in micro_batches]).tolist()
-        fields = [f for b in micro_batches for f in b["fields"]]
+        keys, fields, prompts, rows = self.parts(micro_batches)
         g = self.cfg.num_generations
-        rows = [f"{self.sources[source]} row {row + 1}" for source, row in keys for _ in range(g)]
-        if self.sampler is not None:  # the adapter as it stands into the server, then every rank asks for its own
-            if self.stops is None:
-                self.stops = stop_token_ids(self.accelerator.unwrap_model(model), self.tokenizer)
-            self.sampler.sync(model, step)
-        expanded, completions, sampled_logps, rolled = self.rollout(model, step, keys, fields, prompts, rows,
-                                                                    server=self.sampler is not None)
+        if self.sampler is not None and self.stops is None:
+            self.stops = stop_token_ids(self.accelerator.unwrap_model(model), self.tokenizer)
+        staleness = {}
+        if self.ahead is not None:  # sampled in a thread with the weights after step max(step - 1 - s, 0)
+            (expanded, completions, sampled_logps, rolled), lag = self.ahead.step(
+                step, keys, later, lambda: self.sampler.sync(model, step),
+                lambda at, batches: partial(self.rollout, model, at, *self.parts(batches or micro_batches),
+                                            server=True, ahead=True))
+            staleness = {"staleness": lag}
+        else:
+            if self.sampler is not None:  # the adapter as it stands into the server, then every rank asks for its own
+                self.sampler.sync(model, step)
+            expanded, completions, sampled_logps, rolled = self.rollout(model, step, keys, fields, prompts, rows,
+                                                                        server=self.sampler is not None)
         logged = reward_functions.Logged(reserved=frozenset(self.table_columns()))
         rewards, per_function = self.score([f for f in fields for _ in range(g)], completions, step, rows,
                                            global_step=step - 1, logged=logged, rolled=rolled)
@@ -207,13 +228,21 @@ class GroupRL(Objective):
             advantages, kl = self.rloo_advantages(rewards, made)
         self.mark_high_entropy(model, made)
         self.made = made
-        generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started), **kl,
+        generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started),
+                     **staleness, **kl,
                      **self.sampler_metrics(made), **rl_tools.tool_metrics(self.accelerator, rolled)}
-        self.generated = {**generated, **self.logged_metrics(logged, taken=set(generated))}
+        self.generated = {**generated, **rl_log.logged_metrics(self.accelerator, logged, set(generated))}
         self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
                          logged)
         self.check_signal(step)
         return made
+
+    def parts(self, micro_batches: list[dict]) -> tuple[list, list, list, list]:
+        """(the (source, row) of each prompt, its columns, its token ids, each completion's row in words)."""
+        keys = rl_ahead.keys_of(micro_batches)
+        rows = [f"{self.sources[s]} row {row + 1}" for s, row in keys for _ in range(self.cfg.num_generations)]
+        fields = [f for b in micro_batches for f in b["fields"]]
+        return keys, fields, [p for b in micro_batches for p in b["prompt_ids"]], rows
 
     def say(self, line: str) -> None:
         if self.accelerator.is_main_process:
@@ -298,25 +327,30 @@ class GroupRL(Objective):
     # ------------------------------------------------------------------ making the batch
 
     def rollout(self, model, step: int, keys: list, fields: list[dict], prompts: list[list[int]], rows: list[str],
-                server: bool, g: int | None = None) -> tuple[list, list, list | None, rl_tools.Rolled | None]:
+                server: bool, g: int | None = None,
+                ahead: bool = False) -> tuple[list, list, list | None, rl_tools.Rolled | None]:
         """(the prompts sampled from, the completions, the server's log-probabilities, the tool rounds) of
         rl.num_generations rollouts per prompt, each seeded by the run's seed, `step`, its prompt's source and row and
         its index (`g` per prompt: rl.num_generations); with rl.tools the prompts carry the tools' schemas and each
-        completion goes on through its calls."""
+        completion goes on through its calls. `ahead`: in the thread that samples ahead on the server (no
+        collective; rl_ahead)."""
         g = g or self.cfg.num_generations
         parts = [(self.seed, step, source, row, k) for source, row in keys for k in range(g)]
         seeds = [completion_seed(*p) for p in parts]
-        prepared = None if self.tools is None else self.tools.prepare(fields, g, rows)
+        tools = self.tools_ahead if ahead else self.tools
+        prepared = None if tools is None else tools.prepare(fields, g, rows)
         expanded = [p for p in prompts for _ in range(g)] if prepared is None else prepared.ids
 
         def sample(ids: list[list[int]], seeds: list[int]):
-            return self.sampler.sample(ids, seeds, self.stops) if server else self.generate(model, ids, seeds)
+            return self.sampler.sample(ids, seeds, self.stops, together=not ahead) if server else \
+                self.generate(model, ids, seeds)
 
         out = sample(expanded, seeds)
         completions, logps = out if server else (out, None)
-        if self.tools is None:
+        if tools is None:
             return expanded, completions, logps, None
-        rolled = self.tools.run(prepared, completions, sample, seeds=parts, logprobs=logps, synced=self.all_done)
+        rolled = tools.run(prepared, completions, sample, seeds=parts, logprobs=logps,
+                           synced=None if ahead else self.all_done)
         return expanded, rolled.completions, rolled.logprobs, rolled
 
     def generate(self, model, prompts: list[list[int]], seeds: list[int] | None) -> list[list[int]]:
@@ -450,25 +484,7 @@ class GroupRL(Objective):
                     batch["ref_logps"] = self.per_token(model, inputs)[0]
 
     def sampler_metrics(self, made: list[dict]) -> dict[str, float]:
-        """rl.sampler=vllm: how far the server's log-probabilities of the sampled tokens are from the trained
-        model's (the mean |difference| over the global batch's completion tokens, TRL's
-        sampling/sampling_logp_difference/mean) and the mean correction weight (TRL's
-        sampling/importance_sampling_ratio/mean, over tokens or completions as the mode takes it)."""
-        if not self.corrected:
-            return {}
-        device = self.accelerator.device
-        sums = torch.zeros(4, dtype=torch.float64, device=device)
-        per_token = self.cfg.vllm_importance_sampling_mode.startswith("token")
-        for b in made:
-            mask = b["completion_mask"].to(device)
-            sampled = b["sampler_logps"].to(device)
-            known = mask * ~sampled.isnan()  # tokens the server gave a log-probability for, as TRL's
-            diff = (b["old_logps"] - sampled).abs().nan_to_num(0.0) * known
-            weights = b["sampler_weights"]
-            where = mask if per_token else torch.ones_like(weights)
-            sums += torch.stack([diff.sum(), known.sum(), (weights * where).sum(), where.sum()]).double()
-        s = self.accelerator.reduce(sums, "sum").tolist() if self.accelerator.num_processes > 1 else sums.tolist()
-        return {"sampler_logp_difference": s[0] / max(s[1], 1.0), "sampler_weight": s[2] / max(s[3], 1.0)}
+        return rl_log.sampler_metrics(self.accelerator, self.cfg, made) if self.corrected else {}
 
     def rloo_advantages(self, rewards: torch.Tensor, made: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
         """rl.method=rloo, TRL's RLOO: the rewards clipped (rl.reward_clip_range), minus rl.beta x each completion's
@@ -525,9 +541,6 @@ class GroupRL(Objective):
         for batch in made:
             batch["entropy_threshold"] = threshold
 
-    def logged_metrics(self, logged: reward_functions.Logged, taken: set[str]) -> dict[str, float]:
-        return rl_log.logged_metrics(self.accelerator, logged, taken)
-
     def table_columns(self) -> list[str]:
         """The completions table's own columns: a reward function's log_extra cannot take one (refused in the call,
         on the rank that makes it, before any collective)."""
@@ -536,23 +549,11 @@ class GroupRL(Objective):
     def write_table(self, step: int, fields: list[dict], completions: list[list[int]], rewards: torch.Tensor,
                     per_function: dict[str, torch.Tensor], advantages: torch.Tensor,
                     logged: reward_functions.Logged) -> None:
-        """rl.log_completions: a row per completion of the global batch (every rank's, gathered) appended to
-        completions.jsonl: step, prompt, completion, reward and each function's (null: no opinion), advantage and
-        the columns the functions gave log_extra."""
-        if self.table is None:
-            return
-
-        def value(x: float):
-            return None if math.isnan(x) else x
-        values = {name: v.tolist() for name, v in per_function.items()}
-        rows = [{"step": step, "prompt": f.get("prompt"), "completion": self.text(c), "reward": value(r),
-                 **{name: value(v[i]) for name, v in values.items()}, "advantage": a,
-                 **{column: extra[i] for column, extra in logged.extra.items()}}
-                for i, (f, c, r, a) in enumerate(zip(fields, completions, rewards.tolist(), advantages.tolist()))]
-        self.append_table(rows)
-
-    def append_table(self, rows: list[dict]) -> None:
-        rl_log.append_table(self.accelerator, self.table, rows, self.cfg.num_completions_to_print)
+        """rl.log_completions: a row per completion of the global batch (rl_log.completion_rows)."""
+        if self.table is not None:
+            rows = rl_log.completion_rows(step, fields, [self.text(c) for c in completions], rewards, per_function,
+                                          advantages, logged)
+            rl_log.append_table(self.accelerator, self.table, rows, self.cfg.num_completions_to_print)
 
     def generation_metrics(self, rewards, per_function, completions, seconds: float) -> dict[str, float]:
         """Reward mean and std (total and per function), completion lengths, the share cut at max_new_tokens and

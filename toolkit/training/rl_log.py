@@ -20,7 +20,7 @@ ROW_METRICS = frozenset({
     "step", "epoch", "loss", "lr", "grad_norm", "tokens", "time", "skipped_steps", "loss_scale", "compiled_graphs",
     "peak_memory_gib", "mfu", "tflops_per_device", "eta_seconds", "samples_per_second", "tokens_per_second",
     "target_tokens_per_second", "clip_ratio_low", "clip_ratio_high", "clip_ratio", "entropy", "kl",
-    "sampler_logp_difference", "sampler_weight"})
+    "sampler_logp_difference", "sampler_weight", "staleness"})
 
 
 def logged_metrics(accelerator, logged: Logged, taken: set[str]) -> dict[str, float]:
@@ -98,3 +98,37 @@ def generation_metrics(accelerator, cfg, rewards: torch.Tensor, per_function: di
     return {**out, "completion_length": length_sum / n, "completion_length_max": most[0],
             "completion_length_min": -most[1], "clipped_completions": cut_n / n, "zero_std_groups": flat_n / groups,
             "generation_seconds": secs / world, "unscored_completions": unscored_n / n}, counted_n
+
+
+def sampler_metrics(accelerator, cfg, made: list[dict]) -> dict[str, float]:
+    """rl.sampler=vllm with its correction: how far the server's log-probabilities of the sampled tokens are from
+    the trained model's (the mean |difference| over the global batch's completion tokens, TRL's
+    sampling/sampling_logp_difference/mean) and the mean correction weight (TRL's
+    sampling/importance_sampling_ratio/mean, over tokens or completions as the mode takes it)."""
+    device = accelerator.device
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    per_token = cfg.vllm_importance_sampling_mode.startswith("token")
+    for b in made:
+        mask = b["completion_mask"].to(device)
+        sampled = b["sampler_logps"].to(device)
+        known = mask * ~sampled.isnan()  # tokens the server gave a log-probability for, as TRL's
+        diff = (b["old_logps"] - sampled).abs().nan_to_num(0.0) * known
+        weights = b["sampler_weights"]
+        where = mask if per_token else torch.ones_like(weights)
+        sums += torch.stack([diff.sum(), known.sum(), (weights * where).sum(), where.sum()]).double()
+    s = accelerator.reduce(sums, "sum").tolist() if accelerator.num_processes > 1 else sums.tolist()
+    return {"sampler_logp_difference": s[0] / max(s[1], 1.0), "sampler_weight": s[2] / max(s[3], 1.0)}
+
+
+def completion_rows(step: int, fields: list[dict], texts: list[str], rewards: torch.Tensor,
+                    per_function: dict[str, torch.Tensor], advantages: torch.Tensor, logged: Logged) -> list[dict]:
+    """The completions table's rows of a batch (rl.log_completions; `append_table` gathers every rank's into
+    completions.jsonl): step, prompt, completion, reward and each function's (null: no opinion), advantage and the
+    columns the functions gave log_extra."""
+    def value(x: float):
+        return None if math.isnan(x) else x
+    values = {name: v.tolist() for name, v in per_function.items()}
+    return [{"step": step, "prompt": f.get("prompt"), "completion": text, "reward": value(r),
+             **{name: value(v[i]) for name, v in values.items()}, "advantage": a,
+             **{column: extra[i] for column, extra in logged.extra.items()}}
+            for i, (f, text, r, a) in enumerate(zip(fields, texts, rewards.tolist(), advantages.tolist()))]

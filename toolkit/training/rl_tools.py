@@ -5,6 +5,7 @@ recipe names tools."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -141,3 +142,11 @@ def masked(completion_mask: torch.Tensor, prompts: list[list[int]], tool_masks: 
     for i, (p, m) in enumerate(zip(prompts, tool_masks)):
         completion_mask[i, len(p) - 1:len(p) - 1 + len(m)] *= torch.tensor(m, dtype=completion_mask.dtype)
     return completion_mask
+
+
+def own_tokenizer(tools: ToolRollouts) -> ToolRollouts:
+    """The same tool rollouts with a copy of the tokenizer, for a thread of their own (rl.max_staleness): a fast
+    tokenizer used from two threads at once can fail ("Already borrowed")."""
+    copied = copy.copy(tools)
+    copied.tokenizer = copy.deepcopy(tools.tokenizer)
+    return copied
