@@ -24,7 +24,6 @@ from toolkit.config import ConfigError, load_recipe
 from helpers import finish, layout_command, read_metrics, start, write_recipe
 
 
-
 def stepped(run) -> list[dict]:
     return [r for r in read_metrics(run) if "loss" in r]
 
