@@ -31,6 +31,11 @@ linear layer) on every side, TRL's through its peft_config. The server's start i
 memory is its own process's, so neither is in that side's figures; the ratios vllm / trl and vllm / toolkit
 are printed.
 
+A fourth side, `--only vllm ahead` (issue 67): the vllm side with rl.max_staleness (--staleness, default 1), the
+server sampling the next steps' batches in a thread while a step trains, each batch sampled with the weights of
+--staleness steps before. The ratios ahead / vllm of the step time, CPU time and generation (for the ahead side:
+the wait for the batch and its scoring) are printed, with each side's reward per step (its curve).
+
 Same lengths. Per-step times are only comparable at similar completion lengths, so the mean
 completion length of each side is printed (ours from metrics.jsonl, TRL's from its generations), the
 longest is checked against --max-new-tokens, and time per generated completion token is reported too.

@@ -20,7 +20,7 @@ from .objectives import DPO_OPTIONS
 SECTIONS = ("model", "lora", "data", "train", "checkpoint", "preference", "rl")
 GRPO_ONLY = ("num_generations", "reward_funcs", "max_completion_length", "use_vllm", "vllm_mode", "num_iterations",
              "epsilon", "scale_rewards", "mask_truncated_completions", "temperature", "top_p", "top_k",
-             "max_tool_calling_iterations")
+             "max_tool_calling_iterations", "max_staleness")
 DPO_ONLY = ("beta", "loss_type", "rpo_alpha", "max_prompt_length", "precompute_ref_log_probs", "label_smoothing",
             "reference_free", "ref_model_init_kwargs", *DPO_OPTIONS)
 SFT_LOSS_TYPES = ("nll", "dft", "chunked_nll")  # SFTConfig.loss_type (chunked_nll: deprecated, nll)
@@ -126,6 +126,8 @@ FIELDS: dict[str, tuple[str, Callable | None, tuple | None, str]] = {
     "scale_rewards": ("rl.scale_rewards", lambda v: {True: "group", False: "none"}.get(v, v), ("grpo",), ""),
     "mask_truncated_completions": ("rl.mask_truncated_completions", None, ("grpo",), ""),
     "max_tool_calling_iterations": ("rl.max_tool_calling_iterations", None, ("grpo",), "with rl.tools"),
+    "max_staleness": ("rl.max_staleness", None, ("grpo",),
+                      "AsyncGRPOConfig's, with rl.sampler: vllm; a fixed lag here, a bound in TRL (default 4 there)"),
     "reward_funcs": ("rl.rewards", lambda v: [v] if isinstance(v, str) else list(v), ("grpo",),
                      "FILE.py:NAME or module:NAME each"),
 }

@@ -92,7 +92,7 @@ class Ahead:
         if not path.is_file() and not others:
             return
         saved = pickle.loads(path.read_bytes()) if path.is_file() else {"processes": len(others)}
-        if saved["processes"] != self.accelerator.num_processes:
+        if not path.is_file() or saved["processes"] != self.accelerator.num_processes:
             raise ToolkitError(f"resume: {folder} holds the batches sampled ahead (rl.max_staleness) on "
                                f"{saved['processes']} processes, each its own; resume on {saved['processes']} "
                                f"processes (this launch has {self.accelerator.num_processes})")
