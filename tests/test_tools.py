@@ -363,3 +363,26 @@ def test_every_chat_template_trl_ships_gets_trls_response_template():
         known += 1
         assert with_response_schema(ours).response_template == expected, path.name
     assert known == 26
+
+
+def test_a_tool_turn_follows_the_end_of_turn_whatever_the_eos(tokenizer):
+    """A tokenizer whose eos is not the template's end of turn (a base model's: Qwen2.5's base ends with
+    <|endoftext|>): sampling stops at <|im_end|>, so the tool turn must start with what the template writes after it
+    ("\\n"). The conversation, the assistant turn through its end + the tool turn, is the template's own rendering,
+    and the same as with an eos that is the end of turn (TRL's cut at the eos alone would lose the "\\n")."""
+    import copy
+
+    from toolkit.rollout.tools import _dummy_turn, tool_suffix_ids
+
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<|endoftext|>"
+    messages = [{"role": "tool", "name": "add", "content": "5"}]
+    dummy = _dummy_turn("add")
+    end = base.convert_tokens_to_ids(END)
+    for tok in (tokenizer, base):
+        full = tok.apply_chat_template(dummy + messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        turn = tok.apply_chat_template(dummy, tokenize=True, return_dict=False)
+        turn = turn[:len(turn) - turn[::-1].index(end)]  # through the end of turn, where the sampler stops
+        assert turn + tool_suffix_ids(tok, messages) == full
+    assert tool_suffix_ids(base, messages) == tool_suffix_ids(tokenizer, messages)
+    assert base.decode(tool_suffix_ids(base, messages)).startswith("\n")

@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Any, Callable, Optional
 
 from ..errors import ToolkitError
+from ..model.inference import end_of_turn_id
 from .response_schemas import known_template
 
 
@@ -256,16 +257,19 @@ def _check_calls(calls: Any) -> None:
 def tool_suffix_ids(tokenizer, tool_messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
     """The tokens the template writes for the tool messages after an assistant turn, up to the next assistant turn's
     header (TRL's _get_tool_suffix_ids: a dummy conversation rendered without and with them, the first cut after its
-    last EOS)."""
+    last EOS, or its last end-of-turn token: where the tokenizer's eos is not the template's end of turn (a base
+    model's tokenizer), TRL's cut keeps what the template writes after the turn's end ("\n") out of the tool turn,
+    while sampling stops at the end of turn, so the conversation would lack it)."""
     kwargs = template_kwargs or {}
     dummy = _dummy_turn(tool_messages[0]["name"])  # the real name: some templates derive the tool header from it
     prefix = tokenizer.apply_chat_template(dummy, add_generation_prompt=False, tokenize=True, return_dict=False,
                                            **kwargs)
     full = tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=False, **kwargs)
-    eos = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
-    if eos:  # templates that write "<eos>\n" after a turn: the cut is at the EOS
-        prefix = prefix[:eos[-1] + 1]
+    ends = {tokenizer.eos_token_id, end_of_turn_id(tokenizer)} - {None}
+    cuts = [i for i, token in enumerate(prefix) if token in ends]
+    if cuts:  # templates that write "<end of turn>\n" after a turn: the cut is after the end, where sampling stops
+        prefix = prefix[:cuts[-1] + 1]
     if full[:len(prefix)] != prefix:
         raise ToolkitError("rl.tools: the chat template renders the assistant turn differently once a tool message "
                            "follows it; the tool turn's tokens cannot be cut out")
