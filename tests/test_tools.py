@@ -216,8 +216,9 @@ def test_the_max_length_rollback_and_cut(tokenizer, tools):
         same_as_trl(tokenizer, tools, turns, max_length=length)
     rolled = same_as_trl(tokenizer, tools, turns, max_new_tokens=first + suffix - 1)[0]
     assert rolled.tool_calls == 1 and len(rolled.messages) == 1 and rolled.tool_mask == [1] * first
+    assert rolled.cut and not whole.cut  # counted in tool_rounds_cut, and said once
     cut = same_as_trl(tokenizer, tools, turns, max_new_tokens=first + suffix + 5)[0]
-    assert cut.tool_mask == [1] * first + [0] * suffix + [1] * 5 and answer > 5
+    assert cut.tool_mask == [1] * first + [0] * suffix + [1] * 5 and answer > 5 and not cut.cut
     assert [m["role"] for m in cut.messages] == ["assistant", "tool", "assistant"]
 
 
@@ -386,3 +387,25 @@ def test_a_tool_turn_follows_the_end_of_turn_whatever_the_eos(tokenizer):
         assert turn + tool_suffix_ids(tok, messages) == full
     assert tool_suffix_ids(base, messages) == tool_suffix_ids(tokenizer, messages)
     assert base.decode(tool_suffix_ids(base, messages)).startswith("\n")
+
+
+def test_rounds_cut_short_are_counted_and_said_once(capsys):
+    """A batch with completions that end on a call whose results would not fit: `tool_rounds_cut` counts them and the
+    first such batch says so in one line with what to raise (a run whose every round was rolled back learned nothing
+    of its tool, with no failure and no clipped completion to show it)."""
+    from accelerate import Accelerator
+
+    from toolkit.config.objectives import RLConfig
+    from toolkit.training.rl_tools import Rolled, ToolRollouts, tool_metrics
+
+    tools = ToolRollouts(RLConfig(max_new_tokens=56), [], tokenizer=None)
+    rolled = Rolled([[1], [2], [3], [4]], [[1]] * 4, [[]] * 4, [[]] * 4, None, None, calls=4, failures=0, timeouts=0,
+                    cut=3)
+    for _ in range(2):
+        metrics = tool_metrics(Accelerator(cpu=True), rolled, tools)
+        assert metrics["tool_rounds_cut"] == 0.75 and metrics["tool_call_frequency"] == 1.0
+    said = [line for line in capsys.readouterr().out.splitlines() if "left unanswered" in line]
+    assert said == ["rl: 3 of 4 completions end on a tool call left unanswered: its results would pass "
+                    "rl.max_new_tokens (56, the call, its results and the answer together) or the model's context, "
+                    "so the round was rolled back, as TRL does; raise rl.max_new_tokens (tool_rounds_cut in the "
+                    "metrics counts them)"]

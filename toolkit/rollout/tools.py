@@ -70,6 +70,8 @@ class Rollout:
     tool_failures: int = 0
     """Calls answered with an error: the tool raised, is unknown, took arguments that do not fit, or timed out."""
     tool_timeouts: int = 0
+    cut: bool = False
+    """Its last round's results would have passed max_new_tokens or the context: it ends on its call unanswered."""
 
     @property
     def conversation(self) -> list[dict]:
@@ -324,6 +326,7 @@ def run_tools(prompts: list[list[dict]], prompt_ids: list[list[int]], completion
                                                                            template_kwargs)
             if len(ids) - len(prompt_ids[i]) > max_new_tokens or max_length is not None and len(ids) >= max_length:
                 del rollout.messages[before:]  # the results would not fit: the rollout ends with its call unanswered
+                rollout.cut = True
             else:
                 extended[i] = ids
         active = [i for i in active if i in extended]

@@ -230,7 +230,7 @@ class GroupRL(Objective):
         self.made = made
         generated = {**self.generation_metrics(rewards, per_function, completions, time.perf_counter() - started),
                      **staleness, **kl,
-                     **self.sampler_metrics(made), **rl_tools.tool_metrics(self.accelerator, rolled)}
+                     **self.sampler_metrics(made), **rl_tools.tool_metrics(self.accelerator, rolled, self.tools)}
         self.generated = {**generated, **rl_log.logged_metrics(self.accelerator, logged, set(generated))}
         self.write_table(step, [f for f in fields for _ in range(g)], completions, rewards, per_function, advantages,
                          logged)

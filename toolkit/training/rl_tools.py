@@ -9,6 +9,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import faults
 from ..errors import ToolkitError
@@ -38,6 +39,7 @@ class Rolled:
     calls: int
     failures: int
     timeouts: int
+    cut: int = 0  # rollouts ending on a call whose results would not fit (rl.max_new_tokens or the context)
 
 
 class ToolRollouts:
@@ -49,6 +51,7 @@ class ToolRollouts:
         self.cfg, self.tools, self.tokenizer, self.max_length = cfg, tools, tokenizer, max_length
         self.environment = environment  # rollout/environments.Environments, or None
         self.kwargs = dict(template_kwargs or {})  # the tokenizer was checked when the run started (check_tokenizer)
+        self.said_cut = False  # rollouts cut before their tool results: said once
 
     def describe(self) -> str:
         limit = self.cfg.max_tool_calling_iterations
@@ -104,7 +107,7 @@ class ToolRollouts:
                       [r.messages for r in rollouts], prepared.prompts, prepared.environments,
                       [r.logprobs for r in rollouts] if logprobs is not None else None,
                       sum(r.tool_calls for r in rollouts), sum(r.tool_failures for r in rollouts),
-                      sum(r.tool_timeouts for r in rollouts))
+                      sum(r.tool_timeouts for r in rollouts), sum(r.cut for r in rollouts))
 
 
 def text_prompt(where: str) -> ToolkitError:
@@ -119,19 +122,27 @@ def subset(rolled: Rolled | None, rows: list[int]) -> Rolled | None:
         return None
     return Rolled(*([x[i] for i in rows] if isinstance(x, list) else x for x in (
         rolled.completions, rolled.tool_masks, rolled.answers, rolled.prompts, rolled.environments, rolled.logprobs)),
-        rolled.calls, rolled.failures, rolled.timeouts)
+        rolled.calls, rolled.failures, rolled.timeouts, rolled.cut)
 
 
-def tool_metrics(accelerator, rolled: Rolled | None) -> dict[str, float]:
-    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed calls per call), and
-    the calls cut off by rl.tool_timeout, over the global batch."""
+def tool_metrics(accelerator, rolled: Rolled | None, tools: ToolRollouts | None = None) -> dict[str, float]:
+    """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed calls per call), the
+    calls cut off by rl.tool_timeout, and the share of completions that end on a call whose results would not fit
+    (`tool_rounds_cut`: said once, the first time, with what to raise), over the global batch."""
     if rolled is None:
         return {}
-    local = torch.tensor([rolled.calls, rolled.failures, rolled.timeouts, len(rolled.completions)],
+    local = torch.tensor([rolled.calls, rolled.failures, rolled.timeouts, rolled.cut, len(rolled.completions)],
                          dtype=torch.float64, device=accelerator.device)
-    calls, failures, timeouts, n = accelerator.reduce(local, "sum").cpu().tolist()
+    calls, failures, timeouts, cut, n = accelerator.reduce(local, "sum").cpu().tolist()
+    if cut and tools is not None and not tools.said_cut:
+        tools.said_cut = True
+        if accelerator.is_main_process:
+            tqdm.write(f"rl: {int(cut)} of {int(n)} completions end on a tool call left unanswered: its results would "
+                       f"pass rl.max_new_tokens ({tools.cfg.max_new_tokens}, the call, its results and the answer "
+                       "together) or the model's context, so the round was rolled back, as TRL does; raise "
+                       "rl.max_new_tokens (tool_rounds_cut in the metrics counts them)")
     return {"tool_call_frequency": calls / max(n, 1), "tool_failure_frequency": failures / calls if calls else 0.0,
-            "tool_timeouts": timeouts}
+            "tool_timeouts": timeouts, "tool_rounds_cut": cut / max(n, 1)}
 
 
 def masked(completion_mask: torch.Tensor, prompts: list[list[int]], tool_masks: list[list[int]] | None):
