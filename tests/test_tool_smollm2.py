@@ -40,8 +40,7 @@ def test_grpo_teaches_smollm2_to_call_the_tool(tmp_path, real_model_dir):
     GRPO reward per step 0.625, 0.875, 0.75, 1.0, then 0.94-1.0 in steps 5-16 (first 3 steps 0.75, last 8 0.977);
     tool_call_frequency 0.625, 0.875, 0.875, 1.0, then 0.94-1.0 (first 3 0.79, last 8 0.977). The rise is real but
     short (the SFT stage already makes calling the common choice); no held-out eval_reward (an evaluation of 32
-    prompts took
-    ~3 min here).
+    prompts took ~3 min here).
     """
     template = str(ROOT / "tests" / "chat_templates" / "qwen2.5.jinja")
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
