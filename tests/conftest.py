@@ -60,12 +60,31 @@ def data_files(tmp_path):
     return train, evaluation
 
 
+_COLLECTED: set[str] = set()  # the node ids this session collected (before `-m` and `-k` deselect)
+
+
+def pytest_itemcollected(item):
+    """Mark `slow` the cases ci_share.SLOW_IN_CI leaves to the by-hand run (before `-m` selects)."""
+    from ci_share import SLOW_IN_CI
+
+    _COLLECTED.add(item.nodeid)
+    if item.nodeid in SLOW_IN_CI:
+        item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Tiers: every test that starts no process first, then the `launch` tier, each in its collected
     order (so a module's launch tests stay together with their module-scoped runs). `gpu` tests
     need CUDA; without it they are reported as skipped (never as passed)."""
     items.sort(key=lambda item: item.get_closest_marker("launch") is not None)  # stable: the order within a tier
+    from ci_share import SLOW_IN_CI
+
+    if not any("::" in arg for arg in config.args):  # whole files: an id naming no case of them was renamed
+        files = {i.split("::", 1)[0] for i in _COLLECTED}
+        stale = [i for i in SLOW_IN_CI if i.split("::", 1)[0] in files and i not in _COLLECTED]
+        if stale:
+            raise pytest.UsageError(f"tests/ci_share.py names cases that were not collected: {stale}")
     import torch
 
     if torch.cuda.is_available():

