@@ -13,6 +13,7 @@ from filelock import FileLock
 
 import helpers
 from helpers import (
+    OPS,
     ROOT,
     References,
     alpaca_rows,
@@ -104,7 +105,8 @@ def pytest_collection_finish(session):
              and any(word in sources.setdefault(item.module.__file__, Path(item.module.__file__).read_text())
                      for word in ("deepspeed", "zero"))]
     if needs and not OP_BUILDS and not session.config.option.collectonly:
-        OP_BUILDS.append(session_op_builds(shared_base(session.config._tmp_path_factory)))
+        ops = [op for op in OPS if op != "async_io" or any("nvme" in item.nodeid for item in needs)]
+        OP_BUILDS.append(session_op_builds(shared_base(session.config._tmp_path_factory), ops))
 
 
 def pytest_sessionfinish(session):

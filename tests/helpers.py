@@ -296,13 +296,14 @@ def train_ok(work: Path, name: str, sections: dict, *overrides, env=None) -> sub
     return proc
 
 
-def start_op_builds() -> subprocess.Popen:
+def start_op_builds(ops=tuple(OPS)) -> subprocess.Popen:
     """Build DeepSpeed's ops one after the other, each under a timeout of its own, in a background
     process of its own (conftest starts it when the session will need them, so the build runs
     beside the unit tier instead of before the first launch). Two ranks reaching a first-time build
     together wait on a lock file, and a build killed midway leaves that lock behind, on which every
     later launch would wait forever: locks of unfinished builds are cleared first. Each op logs to
-    EXTENSIONS/<builder>.log and ends with EXTENSIONS/<builder>.exit."""
+    EXTENSIONS/<builder>.log and ends with EXTENSIONS/<builder>.exit. `ops`: the ones the session's tests
+    need (async_io only for the NVMe cases: 25 minutes of one core beside the test workers in CI)."""
     EXTENSIONS.mkdir(parents=True, exist_ok=True)
     for lock in EXTENSIONS.glob("*/lock"):
         if not list(lock.parent.glob("*.so")):
@@ -310,7 +311,7 @@ def start_op_builds() -> subprocess.Popen:
     for builder in OPS.values():
         (EXTENSIONS / f"{builder}.exit").unlink(missing_ok=True)
     return subprocess.Popen([sys.executable, "-c", BUILD_ALL, str(EXTENSIONS), str(OP_TIMEOUT), OP_SCRIPT,
-                             *OPS.values()], cwd=ROOT, start_new_session=True,
+                             *(OPS[op] for op in ops)], cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -328,7 +329,7 @@ class BuildsElsewhere:
         return None
 
 
-def session_op_builds(shared: Path):
+def session_op_builds(shared: Path, ops=tuple(OPS)):
     """`start_op_builds` once per session: the first xdist worker that needs the ops starts them and
     writes the builder's pid to SHARED/op-builds.pid; the others wait on the same exit files. Only the
     session's main process stops them at its end (`stop_op_builds`), so a worker that finishes first
@@ -337,7 +338,7 @@ def session_op_builds(shared: Path):
     with FileLock(f"{pid_file}.lock"):
         if pid_file.exists():
             return BuildsElsewhere(int(pid_file.read_text()))
-        builds = start_op_builds()
+        builds = start_op_builds(ops)
         pid_file.write_text(str(builds.pid))
         return builds
 
