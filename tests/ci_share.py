@@ -67,7 +67,7 @@ SLOW_IN_CI = {
     "tests/test_real_model.py::test_packing_is_isolated_on_the_real_model[eager]": "[sdpa]",
     # the longest cases of the CI run of 2026-12-06 (durations of 95 to 230 s each there)
     "tests/test_backends.py::test_backend_matches_single_process[zero3_nvme-full]":
-        "[zero3_offload-full] (and DeepSpeed's async_io op is then not built in CI: 25 minutes of one core)",
+        "[zero3_offload-full] (async_io is then not built in CI)",
     "tests/test_backends.py::test_backend_matches_single_process[zero3_nvme-lora]": "[zero3_offload-lora]",
     "tests/test_config_corpus.py::test_representative_corpus_launch[axolotl__zero1_torch_compile.json]":
         "test_compile.py::test_compiled_layers_train_as_eager_without_recompiling",

@@ -303,7 +303,7 @@ def start_op_builds(ops=tuple(OPS)) -> subprocess.Popen:
     together wait on a lock file, and a build killed midway leaves that lock behind, on which every
     later launch would wait forever: locks of unfinished builds are cleared first. Each op logs to
     EXTENSIONS/<builder>.log and ends with EXTENSIONS/<builder>.exit. `ops`: the ones the session's tests
-    need (async_io only for the NVMe cases: 25 minutes of one core beside the test workers in CI)."""
+    need (async_io only for the NVMe cases: beside the test workers its build ran past 1,500 s in CI)."""
     EXTENSIONS.mkdir(parents=True, exist_ok=True)
     for lock in EXTENSIONS.glob("*/lock"):
         if not list(lock.parent.glob("*.so")):
